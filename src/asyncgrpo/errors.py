@@ -1,0 +1,34 @@
+"""Exception types a user can cause. Each message says what is wrong, the value, and the fix."""
+
+
+class AsyncGRPOError(Exception):
+    """Base class for errors caused by input or environment, not by a bug in asyncgrpo."""
+
+
+class ConfigError(AsyncGRPOError):
+    """A config key is unknown, has the wrong type, or conflicts with another key."""
+
+    def __init__(self, field: str, problem: str, fix: str):
+        self.field = field
+        super().__init__(f"config `{field}`: {problem}. Fix: {fix}")
+
+
+class InferenceServerError(AsyncGRPOError):
+    """The inference server is unreachable or answered with an error.
+
+    `status` is the HTTP status (None when no answer came) and `body` the server's text, quoted verbatim:
+    vLLM answers adapter calls in plain text, not JSON.
+    """
+
+    def __init__(self, message: str, status: int | None = None, body: str | None = None):
+        self.status = status
+        self.body = body
+        super().__init__(message)
+
+
+class RewardFunctionError(AsyncGRPOError):
+    """A reward function raised or returned something that is not one float per completion."""
+
+
+class SyncError(AsyncGRPOError):
+    """Publishing a new adapter version to the inference server failed; the previous version keeps serving."""

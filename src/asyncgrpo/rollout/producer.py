@@ -1,0 +1,174 @@
+"""RolloutProducer: on rank 0, in the background, keeps generation requests in flight and fills the queue.
+
+Scheduling (why staleness stays bounded): batch k is trained at trainer version V(k) = k // weight_sync_steps.
+A request whose group will land in batch b is only sent once the server serves a version >= V(b) - max_staleness,
+and it is tagged with the version served when it was sent. So `max_staleness: 0` waits for every sync
+(synchronous on-policy GRPO) and `max_staleness: 1` generates batch k+1 while the trainer trains on batch k.
+The queue drops whatever still arrives too old (e.g. after an aborted request), and the producer refills.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..inference.client import InferenceClient
+from ..loss import group_advantages
+from ..rewards import RewardScorer
+from .queue import Group, RolloutQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptRow:
+    """A dataset row with its prompt already tokenised once."""
+
+    prompt: str
+    prompt_ids: list[int]
+    columns: dict
+
+
+def prompt_stream(rows: list[PromptRow], seed: int):
+    """Endless deterministic stream: each epoch is the rows shuffled by (seed, epoch)."""
+    epoch = 0
+    while True:
+        order = list(range(len(rows)))
+        random.Random(seed * 100_003 + epoch).shuffle(order)
+        for i in order:
+            yield rows[i]
+        epoch += 1
+
+
+def decode_completion(tokenizer, ids: list[int]) -> str:
+    """Token ids -> text; ids outside the tokenizer (padded vocab rows) decode to U+FFFD, so they score as wrong."""
+    size = len(tokenizer)
+    pieces, run = [], []
+    for i in ids:
+        if i < size:
+            run.append(i)
+            continue
+        pieces.append(tokenizer.decode(run, skip_special_tokens=True))
+        pieces.append("\ufffd")
+        run = []
+    pieces.append(tokenizer.decode(run, skip_special_tokens=True))
+    return "".join(pieces)
+
+
+class RolloutProducer:
+    """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end."""
+
+    def __init__(self, *, client: InferenceClient, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
+                 queue: RolloutQueue, groups_per_step: int, cfg):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.queue = queue
+        self.groups_per_step = groups_per_step
+        self.cfg = cfg
+        self._stream = prompt_stream(rows, cfg.seed)
+        self._version = -1  # nothing served yet: no request is sent before the first set_policy()
+        self._adapter = ""
+        self._inflight = 0
+        self._inflight_by_adapter: Counter[str] = Counter()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._pool = ThreadPoolExecutor(max_workers=cfg.max_inflight_requests, thread_name_prefix="rollout")
+        # statistics, read by the trainer for logging
+        self.generated_tokens = 0
+        self.lost_groups = 0
+        self.started_at = time.monotonic()
+
+    # ---- control ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def set_policy(self, version: int, adapter: str) -> None:
+        """The server now serves `adapter` as policy `version`; requests sent from now on are tagged with it."""
+        with self.queue.cond:
+            self._version, self._adapter = version, adapter
+            self.queue.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.queue.cond:
+            self._stop = True
+            self.queue.cond.notify_all()
+        self._thread.join(timeout=30)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def adapters_in_use(self) -> set[str]:
+        """Adapter names that requests in flight were sent to (they must stay loaded)."""
+        with self.queue.cond:
+            return {name for name, count in self._inflight_by_adapter.items() if count > 0}
+
+    # ---- scheduling ---------------------------------------------------------------------------------
+    def _may_send(self) -> bool:
+        """Under the queue lock: is there room for one more request, and is its batch's version served?"""
+        if self._stop:
+            return True
+        if self._inflight >= self.cfg.max_inflight_requests or self._version < 0:
+            return False
+        batch = self.queue.batches_taken + (self.queue.queued_locked + self._inflight) // self.groups_per_step
+        needed_version = batch // self.cfg.weight_sync_steps - self.cfg.max_staleness
+        return self._version >= needed_version
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.queue.cond:
+                    self.queue.cond.wait_for(self._may_send)
+                    if self._stop:
+                        return
+                    self._inflight += 1
+                    version, adapter = self._version, self._adapter
+                    self._inflight_by_adapter[adapter] += 1
+                self._pool.submit(self._make_group, next(self._stream), version, adapter)
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which re-raises it
+            self.queue.fail(exc)
+
+    # ---- one request ----------------------------------------------------------------------------------
+    def _make_group(self, row: PromptRow, version: int, adapter: str) -> None:
+        try:
+            group = self._generate(row, version, adapter)
+            if group is not None:
+                self.queue.put(group)
+        except BaseException as exc:  # noqa: BLE001
+            if not self._stop:
+                log.error("rollout failed: %s", exc)
+                self.queue.fail(exc)
+        finally:
+            with self.queue.cond:
+                self._inflight -= 1
+                self._inflight_by_adapter[adapter] -= 1
+                self.queue.cond.notify_all()
+
+    def _generate(self, row: PromptRow, version: int, adapter: str) -> Group | None:
+        cfg = self.cfg
+        completions = self.client.complete(adapter, row.prompt_ids, n=cfg.num_generations,
+                                           max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                           top_p=cfg.top_p)
+        if any(c.finish_reason == "abort" for c in completions):
+            self.lost_groups += 1  # aborted by a sync with sync_pause_mode: abort
+            return None
+        self.generated_tokens += sum(len(c.token_ids) for c in completions)
+        texts = [decode_completion(self.tokenizer, c.token_ids) for c in completions]
+        n = len(texts)
+        columns = {k: [v] * n for k, v in row.columns.items()}
+        rewards, parts = self.scorer.score([row.prompt] * n, texts, columns)
+        advantages = group_advantages(torch.tensor([rewards]), scale=cfg.scale_rewards)[0].tolist()
+        return Group(prompt=row.prompt, prompt_ids=row.prompt_ids,
+                     completion_ids=[c.token_ids for c in completions],
+                     behaviour_logprobs=[c.logprobs for c in completions],
+                     rewards=rewards, reward_parts=parts, advantages=advantages, version=version, adapter=adapter,
+                     finish_reasons=[c.finish_reason for c in completions])

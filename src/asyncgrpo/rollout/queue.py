@@ -1,0 +1,97 @@
+"""Rollout groups and the bounded, versioned queue between the producer and the trainer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Group:
+    """One prompt and its `num_generations` completions, scored, with the policy version that made them."""
+
+    prompt: str
+    prompt_ids: list[int]
+    completion_ids: list[list[int]]
+    behaviour_logprobs: list[list[float]]  # the server's logprob of each sampled token
+    rewards: list[float]
+    reward_parts: dict[str, list[float]]
+    advantages: list[float]
+    version: int  # policy version that was being served when the request was sent
+    adapter: str  # adapter name that served the request
+    finish_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def n_completion_tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+
+class RolloutQueue:
+    """Thread-safe queue of groups, taken oldest policy version first. `take` never returns a group more than `max_staleness` versions older
+    than the trainer; such groups are discarded and counted in `dropped_stale`."""
+
+    def __init__(self, max_staleness: int):
+        self.max_staleness = max_staleness
+        self.dropped_stale = 0
+        self._groups: deque[Group] = deque()
+        self.cond = threading.Condition()  # guards the queue; the producer also waits on it
+        self._error: BaseException | None = None
+        self.batches_taken = 0  # batches handed to the trainer so far (the producer schedules from it)
+
+    def put(self, group: Group) -> None:
+        with self.cond:
+            self._groups.append(group)
+            self.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The producer died: wake the trainer and re-raise `error` from `take`."""
+        with self.cond:
+            self._error = error
+            self.cond.notify_all()
+
+    def __len__(self) -> int:
+        with self.cond:
+            return len(self._groups)
+
+    def drop_stale(self, trainer_version: int) -> int:
+        """Discard queued groups too old for `trainer_version`; returns how many went."""
+        with self.cond:
+            return self._drop_stale_locked(trainer_version)
+
+    def _drop_stale_locked(self, trainer_version: int) -> int:
+        keep = deque(g for g in self._groups if trainer_version - g.version <= self.max_staleness)
+        dropped = len(self._groups) - len(keep)
+        if dropped:
+            self._groups = keep
+            self.dropped_stale += dropped
+            self.cond.notify_all()  # the producer refills what was dropped
+        return dropped
+
+    def take(self, n: int, trainer_version: int, timeout_s: float) -> list[Group]:
+        """Block until `n` fresh-enough groups are queued, then pop them (oldest first)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                self._drop_stale_locked(trainer_version)
+                if len(self._groups) >= n:
+                    # Oldest version first (stable): requests finish out of order, and a group that waits
+                    # behind newer ones may become too stale for the next batch.
+                    self._groups = deque(sorted(self._groups, key=lambda g: g.version))
+                    out = [self._groups.popleft() for _ in range(n)]
+                    self.batches_taken += 1
+                    self.cond.notify_all()
+                    return out
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no rollout batch after {timeout_s:.0f} s ({len(self._groups)}/{n} groups "
+                                       f"queued); is the inference server generating?")
+                self.cond.wait(timeout=min(remaining, 1.0))
+
+    @property
+    def queued_locked(self) -> int:
+        """Groups queued now; call with `cond` held."""
+        return len(self._groups)

@@ -1,0 +1,35 @@
+"""The toy world: a tiny Qwen2 warmed up on 2-digit addition, a char-level tokenizer and an exact-match reward.
+
+Offline and deterministic from a seed; `build_toy_world()` caches the result (see `asyncgrpo.toy.world`).
+The task and reward import without torch or transformers; the other names load their module on first use
+(which also keeps `python -m asyncgrpo.toy.world` from importing that module twice).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from asyncgrpo.toy.task import addition_reward, make_split
+
+if TYPE_CHECKING:
+    from asyncgrpo.toy.tokenizer import SPECIAL_TOKENS, build_tokenizer, decode_completion
+    from asyncgrpo.toy.world import ToyWorld, ToyWorldSpec, build_toy_world
+
+_LAZY = {
+    "SPECIAL_TOKENS": "asyncgrpo.toy.tokenizer",
+    "build_tokenizer": "asyncgrpo.toy.tokenizer",
+    "decode_completion": "asyncgrpo.toy.tokenizer",
+    "ToyWorld": "asyncgrpo.toy.world",
+    "ToyWorldSpec": "asyncgrpo.toy.world",
+    "build_toy_world": "asyncgrpo.toy.world",
+}
+
+__all__ = ["addition_reward", "make_split", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines `name` on first access."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -1,0 +1,63 @@
+"""The toy task: add two zero-padded 2-digit numbers. Prompt `07+45=` (6 characters), answer `52`.
+
+All 10,000 pairs exist; a seed shuffles them and the first `n_heldout` are held out for evaluation.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from asyncgrpo.errors import ConfigError
+
+N_PAIRS = 100 * 100
+PROMPT_LENGTH = 6
+"""Every prompt is `dd+dd=`: 6 characters, hence 6 tokens, so batches need no padding."""
+
+
+def prompt_text(a: int, b: int) -> str:
+    """The prompt for a + b, operands zero-padded to 2 digits: `prompt_text(7, 45) == "07+45="`."""
+    return f"{a:02d}+{b:02d}="
+
+
+def answer_text(a: int, b: int) -> str:
+    """The answer for a + b, without padding: `answer_text(7, 45) == "52"`, `answer_text(0, 3) == "3"`."""
+    return str(a + b)
+
+
+def make_split(seed: int, n_heldout: int = 500) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """All pairs as rows `{"prompt": "07+45=", "answer": "52"}`, shuffled by `seed`; returns (train, heldout).
+
+    The first `n_heldout` rows of the shuffle are held out, the rest are train; together they cover every pair once.
+    """
+    if not 0 < n_heldout < N_PAIRS:
+        raise ConfigError("n_heldout", f"must be between 1 and {N_PAIRS - 1}, got {n_heldout}", "use e.g. 500")
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(seed).shuffle(pairs)
+    rows = [{"prompt": prompt_text(a, b), "answer": answer_text(a, b)} for a, b in pairs]
+    return rows[n_heldout:], rows[:n_heldout]
+
+
+def _completion_text(completion: Any) -> str:
+    """The text of a completion: a string, or (TRL's conversational form) a list of messages, last one wins."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    raise TypeError(
+        f"completion must be a string or a list of chat messages, got {type(completion).__name__}: {completion!r}"
+    )
+
+
+def addition_reward(prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """TRL-style reward: 1.0 where the completion, stripped of surrounding whitespace, equals the answer, else 0.0.
+
+    `answer` is the dataset column of the same name, one entry per completion; extra columns arrive in `kwargs`
+    and are ignored. No partial credit: `"52 "` scores 1.0, `"052"` and `"52."` score 0.0.
+    """
+    if len(completions) != len(answer):
+        raise ValueError(
+            f"addition_reward got {len(completions)} completions but {len(answer)} answers; "
+            "pass the dataset's `answer` column repeated once per completion"
+        )
+    return [1.0 if _completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer)]

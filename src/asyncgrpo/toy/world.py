@@ -1,0 +1,420 @@
+"""The toy world: a tiny Qwen2 base model, warmed up just enough on 2-digit addition that GRPO can visibly improve it.
+
+`build_toy_world()` returns a cached world or builds one (about a minute on 2 CPU cores), offline and deterministic
+from `ToyWorldSpec.seed` on a given machine and thread count. A world is a directory:
+
+    toy-<key>/
+      model/          HF model (safetensors, fp32) + tokenizer; loads with Qwen2ForCausalLM and vLLM
+      train.jsonl     rows {"prompt": "07+45=", "answer": "52"}
+      heldout.jsonl   the held-out rows, same format
+      world.json      spec, key, base accuracy, warm-up steps and seconds; written last (the "complete" marker)
+
+Why warm up at all: from random init, reward is 0 for every sample and GRPO has nothing to learn from. Why stop
+early: a model that already solves the task leaves no room to improve. Held-out greedy accuracy sits near 0 for a
+few hundred steps, then climbs steeply; we stop the first time it reaches `stop_accuracy`.
+
+Run `python -m asyncgrpo.toy.world [--seed N] [--cache-dir D]` to build or find a world and print its paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.toy.task import PROMPT_LENGTH, addition_reward, make_split
+from asyncgrpo.toy.tokenizer import EOS_ID, TOKENIZER_SIZE, build_tokenizer, decode_completion
+
+FORMAT_VERSION = 1
+"""Bump when the world's layout or building code changes, so old caches are not reused."""
+
+MAX_NEW_TOKENS = 4
+"""Longest answer (3 digits, "198") plus eos."""
+
+Log = Callable[[str], Any]
+
+
+class ToyWorldBuildError(AsyncGRPOError):
+    """The warm-up did not produce a usable base model."""
+
+
+@dataclass(frozen=True)
+class ToyWorldSpec:
+    """Everything that decides the toy world's contents; `key()` names its cache directory."""
+
+    seed: int = 0
+    """Seeds the model init, the train/held-out split and the warm-up batches."""
+    hidden: int = 128
+    """Hidden size; must equal heads * head_dim."""
+    intermediate: int = 256
+    """MLP inner size."""
+    layers: int = 2
+    """Decoder layers."""
+    heads: int = 4
+    """Attention (query) heads."""
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide heads."""
+    head_dim: int = 32
+    """Per-head size."""
+    vocab: int = 320
+    """Model vocabulary: the tokenizer's 259 ids padded to a multiple of 64."""
+    warmup_lr: float = 3e-3
+    """AdamW learning rate for the supervised warm-up (no weight decay, no schedule)."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW betas for the warm-up."""
+    batch_size: int = 256
+    """Warm-up sequences per step, drawn without replacement within a step."""
+    eval_every: int = 10
+    """Warm-up steps between held-out evaluations (each is the stop check)."""
+    stop_accuracy: float = 0.2
+    """Stop the warm-up the first time held-out greedy accuracy reaches this."""
+    max_warmup_steps: int = 1500
+    """Give up (raise) if the warm-up has not reached stop_accuracy by this step."""
+    n_heldout: int = 500
+    """Held-out prompts (from the 10,000 pairs); the rest are train."""
+
+    def __post_init__(self) -> None:
+        """Reject shapes and knobs that cannot build a model or a split."""
+        if self.hidden != self.heads * self.head_dim:
+            raise ConfigError(
+                "hidden", f"{self.hidden} != heads * head_dim = {self.heads} * {self.head_dim}",
+                "set hidden = heads * head_dim (Qwen2 derives head_dim from them)",
+            )
+        if self.heads % self.kv_heads:
+            raise ConfigError("kv_heads", f"{self.kv_heads} does not divide heads={self.heads}", "use a divisor")
+        if self.vocab < TOKENIZER_SIZE:
+            raise ConfigError("vocab", f"{self.vocab} < tokenizer size {TOKENIZER_SIZE}", "use 320")
+        if not 0.0 < self.stop_accuracy <= 1.0:
+            raise ConfigError("stop_accuracy", f"must be in (0, 1], got {self.stop_accuracy}", "use e.g. 0.2")
+        if self.eval_every < 1 or self.max_warmup_steps < self.eval_every:
+            raise ConfigError(
+                "eval_every", f"{self.eval_every} with max_warmup_steps={self.max_warmup_steps}",
+                "use 1 <= eval_every <= max_warmup_steps",
+            )
+
+    def key(self) -> str:
+        """A short hex digest of every field and FORMAT_VERSION: equal keys mean interchangeable worlds."""
+        fields = {**dataclasses.asdict(self), "format_version": FORMAT_VERSION}
+        blob = json.dumps(fields, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> ToyWorldSpec:
+        """Inverse of `dataclasses.asdict` after a JSON round trip (lists back to tuples)."""
+        return cls(**{**fields, "betas": tuple(fields["betas"])})
+
+
+@dataclass
+class ToyWorld:
+    """A built toy world on disk. Paths are absolute."""
+
+    root: Path
+    model_dir: Path
+    """HF model + tokenizer: `Qwen2ForCausalLM.from_pretrained(model_dir)`, `AutoTokenizer...`, vLLM `--model`."""
+    train_file: Path
+    """jsonl rows {"prompt", "answer"} for training."""
+    heldout_file: Path
+    """jsonl rows {"prompt", "answer"} for evaluation."""
+    base_accuracy: float
+    """Held-out greedy accuracy of the saved base model (exact match, max 4 new tokens)."""
+    spec: ToyWorldSpec
+    warmup_steps: int = 0
+    warmup_seconds: float = 0.0
+
+    @classmethod
+    def load(cls, root: Path) -> ToyWorld:
+        """Read a complete world from `root` (the directory holding world.json)."""
+        meta = json.loads((root / "world.json").read_text())
+        return cls(
+            root=root,
+            model_dir=root / "model",
+            train_file=root / "train.jsonl",
+            heldout_file=root / "heldout.jsonl",
+            base_accuracy=float(meta["base_accuracy"]),
+            spec=ToyWorldSpec.from_dict(meta["spec"]),
+            warmup_steps=int(meta["warmup_steps"]),
+            warmup_seconds=float(meta["warmup_seconds"]),
+        )
+
+    def read_rows(self, heldout: bool = False) -> list[dict[str, str]]:
+        """The train (or held-out) rows."""
+        path = self.heldout_file if heldout else self.train_file
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+# ---------------------------------------------------------------------------------------------- model and decoding
+
+
+def build_model(spec: ToyWorldSpec) -> torch.nn.Module:
+    """A randomly initialised fp32 Qwen2ForCausalLM with the spec's shapes; seeds torch with `spec.seed` first."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        use_cache=True,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        dtype="float32",
+    )
+    assert config.hidden_size // config.num_attention_heads == spec.head_dim  # Qwen2 derives head_dim this way
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    return model
+
+
+@torch.no_grad()
+def greedy_decode(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int = MAX_NEW_TOKENS) -> torch.Tensor:
+    """Greedy continuation of equal-length prompts with a KV cache: (N, P) ids -> (N, max_new_tokens) ids.
+
+    Keeps going after eos (callers cut at the first eos); no padding since every prompt has the same length.
+    """
+    was_training = model.training
+    model.eval()
+    past = None
+    step_ids = prompt_ids  # (N, P) first, then (N, 1)
+    generated = []
+    for _ in range(max_new_tokens):
+        out = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        step_ids = out.logits[:, -1, :].argmax(-1, keepdim=True)  # (N, 1)
+        generated.append(step_ids)
+    model.train(was_training)
+    return torch.cat(generated, dim=1)
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str]) -> torch.Tensor:
+    """(N, 6) prompt ids; raises if a prompt is not the task's fixed 6 tokens."""
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    bad = [p for p, row in zip(prompts, ids) if len(row) != PROMPT_LENGTH]
+    if bad:
+        raise ValueError(f"toy prompts must be {PROMPT_LENGTH} tokens like '07+45=', got {bad[:3]}")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def heldout_accuracy(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, str]], chunk: int = 1000) -> float:
+    """Fraction of rows whose greedy completion exactly matches the answer (the reward, averaged)."""
+    rewards: list[float] = []
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        generated = greedy_decode(model, encode_prompts(tokenizer, [r["prompt"] for r in part]))
+        completions = [decode_completion(tokenizer, ids) for ids in generated.tolist()]
+        rewards += addition_reward([r["prompt"] for r in part], completions, [r["answer"] for r in part])
+    return sum(rewards) / len(rewards)
+
+
+# ---------------------------------------------------------------------------------------------- supervised warm-up
+
+
+def encode_examples(tokenizer: Any, rows: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and labels for the whole train split: (N, L) each, L = 6 + 3 + 1.
+
+    Sequence = prompt + answer + eos, right-padded with eos. Labels are -100 except at the positions that predict
+    the answer tokens and the eos, so the loss trains only the answer.
+    """
+    answers = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows]).tolist()
+    width = PROMPT_LENGTH + max(len(a) for a in answers) + 1
+    inputs = torch.full((len(rows), width), EOS_ID, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        sequence = prompt + answer + [EOS_ID]
+        inputs[i, : len(sequence)] = torch.tensor(sequence)
+        # Position t predicts token t + 1: the prompt's last position predicts the first answer token.
+        labels[i, PROMPT_LENGTH - 1 : len(sequence) - 1] = torch.tensor(answer + [EOS_ID])
+    return inputs, labels
+
+
+def warm_up(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    train_rows: list[dict[str, str]],
+    heldout_rows: list[dict[str, str]],
+    spec: ToyWorldSpec,
+    log: Log,
+) -> tuple[int, float, float]:
+    """Train on answers until held-out greedy accuracy first reaches `spec.stop_accuracy`.
+
+    Returns (steps, seconds, accuracy). Raises ToyWorldBuildError after `spec.max_warmup_steps` without success.
+    """
+    inputs, labels = encode_examples(tokenizer, train_rows)
+    batches = torch.Generator().manual_seed(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmup_lr, betas=spec.betas, weight_decay=0.0)
+    model.train()
+    start = time.perf_counter()
+    accuracy = 0.0
+    for step in range(1, spec.max_warmup_steps + 1):
+        index = torch.randperm(len(inputs), generator=batches)[: spec.batch_size]
+        logits = model(input_ids=inputs[index]).logits  # (B, L, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels[index].flatten(), ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % spec.eval_every:
+            continue
+        accuracy = heldout_accuracy(model, tokenizer, heldout_rows)
+        seconds = time.perf_counter() - start
+        log(f"toy warm-up step {step:5d}  loss {loss.item():.4f}  heldout greedy acc {accuracy:.3f}  {seconds:6.1f}s")
+        if accuracy >= spec.stop_accuracy:
+            return step, seconds, accuracy
+    raise ToyWorldBuildError(
+        f"toy warm-up reached held-out accuracy {accuracy:.3f} after max_warmup_steps={spec.max_warmup_steps}, "
+        f"short of stop_accuracy={spec.stop_accuracy}. Fix: raise max_warmup_steps, lower stop_accuracy, "
+        f"or try another seed (got seed={spec.seed})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- building and caching
+
+
+def default_cache_dir() -> Path:
+    """`$ASYNCGRPO_CACHE`, else `~/.cache/asyncgrpo`."""
+    return Path(os.environ.get("ASYNCGRPO_CACHE") or Path.home() / ".cache" / "asyncgrpo")
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+    """One JSON object per line."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _make_readable(directory: Path) -> None:
+    """Let other users (an inference server in another account) read the world: mkdtemp creates it 0700."""
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _build_into(directory: Path, spec: ToyWorldSpec, log: Log) -> None:
+    """Build a complete world inside `directory` (empty, exists); world.json is written last."""
+    tokenizer = build_tokenizer()
+    train_rows, heldout_rows = make_split(spec.seed, spec.n_heldout)
+    model = build_model(spec)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"toy world {spec.key()}: warming up a {n_params:,}-parameter Qwen2 (seed {spec.seed}) to "
+        f"held-out greedy accuracy >= {spec.stop_accuracy}")
+    steps, seconds, _ = warm_up(model, tokenizer, train_rows, heldout_rows, spec, log)
+    # Measure what is saved, the same way any user of the world will: held-out greedy accuracy of the final weights.
+    base_accuracy = heldout_accuracy(model, tokenizer, heldout_rows)
+    model.config.use_cache = True
+    model.save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    _write_jsonl(directory / "train.jsonl", train_rows)
+    _write_jsonl(directory / "heldout.jsonl", heldout_rows)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "key": spec.key(),
+        "spec": dataclasses.asdict(spec),
+        "base_accuracy": base_accuracy,
+        "warmup_steps": steps,
+        "warmup_seconds": round(seconds, 2),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    (directory / "world.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an inter-process lock on `path` (filelock if installed, else fcntl.flock)."""
+    try:
+        from filelock import FileLock
+    except ImportError:
+        import fcntl
+
+        with open(path, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+        return
+    with FileLock(str(path)):
+        yield
+
+
+def _remove_debris(cache: Path, root: Path, key: str, log: Log) -> None:
+    """Delete what killed builds of `key` left behind. Call only while holding the key's lock."""
+    debris = [p for p in cache.glob(f".toy-{key}-*") if p.is_dir()]
+    if root.exists():  # a root without world.json never completed
+        debris.append(root)
+    for path in debris:
+        log(f"toy world: removing incomplete {path}")
+        shutil.rmtree(path)
+
+
+def build_toy_world(
+    spec: ToyWorldSpec | None = None, cache_dir: str | Path | None = None, log: Log = print
+) -> ToyWorld:
+    """Return the toy world for `spec` from `cache_dir/toy-<key>`, building it first if it is not there.
+
+    Safe against concurrent callers: one builds (into a temp directory, renamed into place when complete) while
+    the others wait on a lock and then load its result.
+    """
+    spec = spec or ToyWorldSpec()
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = (cache / f"toy-{spec.key()}").resolve()
+    if (root / "world.json").is_file():
+        return ToyWorld.load(root)
+    cache.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(cache / f"toy-{spec.key()}.lock"):
+        if (root / "world.json").is_file():  # another process built it while we waited
+            return ToyWorld.load(root)
+        _remove_debris(cache, root, spec.key(), log)
+        staging = Path(tempfile.mkdtemp(prefix=f".toy-{spec.key()}-", dir=cache))
+        try:
+            _build_into(staging, spec, log)
+            _make_readable(staging)
+            os.rename(staging, root)  # atomic on one filesystem: readers see no world or a complete one
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    world = ToyWorld.load(root)
+    log(f"toy world ready at {root}: base accuracy {world.base_accuracy:.3f} after {world.warmup_steps} steps "
+        f"({world.warmup_seconds:.1f}s)")
+    return world
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: build or find the toy world; progress goes to stderr, its paths and base accuracy as JSON to stdout."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=ToyWorldSpec.seed, help="model init / split / batch seed")
+    parser.add_argument("--cache-dir", default=None, help="default: $ASYNCGRPO_CACHE or ~/.cache/asyncgrpo")
+    args = parser.parse_args(argv)
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # stdout carries only the JSON
+    world = build_toy_world(ToyWorldSpec(seed=args.seed), args.cache_dir, log=progress)
+    summary = {
+        "root": str(world.root),
+        "model_dir": str(world.model_dir),
+        "train_file": str(world.train_file),
+        "heldout_file": str(world.heldout_file),
+        "base_accuracy": world.base_accuracy,
+        "warmup_steps": world.warmup_steps,
+        "warmup_seconds": world.warmup_seconds,
+        "key": world.spec.key(),
+    }
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""The training recipe. `train()` reads like the data path in DESIGN.md:
+
+    take a batch from the rollout queue (rank 0) -> split it over ranks -> GRPO loss, backward, step (all ranks)
+    -> every `weight_sync_steps`: gather the LoRA tensors (all ranks) -> write + activate (rank 0) -> barrier
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import AsyncGRPOConfig
+from .distributed import broadcast_object, dist_sum, make_accelerator, setup_logging
+from .loss import grpo_loss, token_logprobs
+from .rollout.queue import Group, RolloutQueue
+from .sync.gather import gather_lora_state, lora_parameters
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step measured; rank 0 writes it to TensorBoard."""
+
+    values: dict[str, float] = field(default_factory=dict)
+
+    def add(self, **kw: float) -> None:
+        self.values.update({k: float(v) for k, v in kw.items()})
+
+
+class AsyncGRPOTrainer:
+    """One run: `setup()`, `train()`, `cleanup()`. Rank 0 also owns the producer, the store and the publisher."""
+
+    def __init__(self, cfg: AsyncGRPOConfig):
+        self.cfg = cfg
+        self.version = 0  # policy version the server serves (and the trainer's weights at the last sync)
+        self.step = 0
+
+    @property
+    def adapter_name(self) -> str:
+        """The adapter name the server serves the current policy under (rank 0)."""
+        return self.publisher.current_name
+
+    # ---- setup ----------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        if cfg.torch_num_threads:
+            torch.set_num_threads(cfg.torch_num_threads)
+        # The process group first: everything after may need collectives.
+        self.acc = make_accelerator(cfg.ddp_timeout)
+        self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        self.main = self.acc.is_main_process
+        setup_logging(self.rank)
+        global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * self.world
+        self.groups_per_step = global_batch // cfg.num_generations
+        # Rank 0 resolves (and, for the toy, builds) the model first; the others then find it cached.
+        if self.main:
+            self.model_path = self._resolve_model()
+        self.acc.wait_for_everyone()
+        if not self.main:
+            self.model_path = self._resolve_model()
+        self._build_model()
+        if self.main:
+            self._setup_rank0()
+        self.acc.wait_for_everyone()
+        # Version 0 is the untrained adapter (LoRA B = 0: the base policy); generation starts with it.
+        self.sync(first=True)
+
+    def _resolve_model(self) -> str:
+        from .data import resolve_model_path
+
+        return resolve_model_path(self.cfg)
+
+    def _build_model(self) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none")
+        model = get_peft_model(base, self.peft_config)
+        model.train()  # transformers 5 returns models in eval mode
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n for n in trainable), f"non-LoRA trainable params: {trainable[:3]}"
+        params = [p for _, p in lora_parameters(model)]
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                      betas=(cfg.adam_beta1, cfg.adam_beta2))
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def _setup_rank0(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        from .data import dataset_file, load_prompts
+        from .inference.client import InferenceClient
+        from .rewards import RewardScorer
+        from .rollout.producer import RolloutProducer
+        from .sync.publish import AdapterStore, PausePublisher
+
+        cfg = self.cfg
+        self.out_dir = Path(cfg.output_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(self.out_dir / "config.yaml")
+        self.client = InferenceClient(cfg.vllm_server_base_url, api_key=cfg.api_key,
+                                      timeout_s=cfg.vllm_request_timeout)
+        self.client.wait_healthy(cfg.vllm_server_timeout)
+        self.store = AdapterStore(cfg.lora_adapter_path)
+        self.store.clean_partial()
+        # Names must be unique for the server's lifetime (vLLM refuses to re-load one): add a run id.
+        self.run_id = uuid.uuid4().hex[:8]
+        self.publisher = PausePublisher([self.client], f"{cfg.lora_name}-{self.run_id}", cfg.sync_pause_mode)
+        self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback)
+        rows = load_prompts(dataset_file(cfg), self.tokenizer, cfg.prompt_column)
+        self.queue = RolloutQueue(cfg.max_staleness)
+        self.producer = RolloutProducer(client=self.client, tokenizer=self.tokenizer, rows=rows, scorer=self.scorer,
+                                        queue=self.queue, groups_per_step=self.groups_per_step, cfg=cfg)
+        self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self.producer.start()
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg = self.cfg
+        bar = self._progress_bar()
+        started = time.perf_counter()
+        while self.step < cfg.max_steps:
+            stats = self.train_step()
+            if self.step % cfg.weight_sync_steps == 0:
+                self.sync(stats)
+            if self.main:
+                self._log(stats, bar)
+        if self.main:
+            bar.close()
+        return self._finish(time.perf_counter() - started)
+
+    def train_step(self) -> StepStats:
+        """Collective: one optimizer step on the next batch from the queue (no weight sync)."""
+        stats = StepStats()
+        groups = self._next_batch(stats)  # rank 0 waits on the queue; all ranks get their share
+        self._optimise(groups, stats)
+        self.step += 1
+        return stats
+
+    def _next_batch(self, stats: StepStats) -> list[Group]:
+        """Collective: rank 0 takes one global batch of groups and sends each rank its share."""
+        shares = None
+        if self.main:
+            t0 = time.perf_counter()
+            groups = self.queue.take(self.groups_per_step, self.version, timeout_s=self.cfg.vllm_request_timeout * 4)
+            staleness = [self.version - g.version for g in groups]
+            assert max(staleness) <= self.cfg.max_staleness
+            rewards = torch.tensor([r for g in groups for r in g.rewards])
+            stats.add(**{"time/wait_for_data_s": time.perf_counter() - t0,
+                         "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+                         "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+                         "queue/dropped_stale_total": self.queue.dropped_stale, "queue/depth": len(self.queue),
+                         "queue/inflight_requests": self.producer.inflight,
+                         "completion/mean_length": sum(g.n_completion_tokens for g in groups)
+                         / (len(groups) * self.cfg.num_generations)})
+            for name in self.scorer.names:
+                stats.add(**{f"reward/{name}": sum(sum(g.reward_parts[name]) for g in groups) / len(rewards)})
+            per_rank = len(groups) // self.world
+            shares = [groups[i * per_rank:(i + 1) * per_rank] for i in range(self.world)]
+        shares = broadcast_object(shares)
+        return shares[self.rank]
+
+    def _collate(self, groups: list[Group]) -> dict[str, torch.Tensor]:
+        """Groups -> padded tensors. Position t of `logp_*`/`mask` scores token t+1 of the sequence."""
+        seqs, behaviour, advantages, spans = [], [], [], []
+        for g in groups:
+            for ids, lps, adv in zip(g.completion_ids, g.behaviour_logprobs, g.advantages):
+                seqs.append(g.prompt_ids + ids)
+                behaviour.append(lps)
+                advantages.append(adv)
+                spans.append((len(g.prompt_ids) - 1, len(ids)))
+        length = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(seqs), length), dtype=torch.long)
+        old = torch.zeros((len(seqs), length - 1))
+        mask = torch.zeros((len(seqs), length - 1))
+        for i, (s, lps, (start, n)) in enumerate(zip(seqs, behaviour, spans)):
+            input_ids[i, :len(s)] = torch.tensor(s)
+            attention[i, :len(s)] = 1
+            old[i, start:start + n] = torch.tensor(lps)
+            mask[i, start:start + n] = 1.0
+        return {"input_ids": input_ids, "attention_mask": attention, "behaviour": old, "mask": mask,
+                "advantages": torch.tensor(advantages, dtype=torch.float32)}
+
+    def policy_logprobs(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+        """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32."""
+        model = model if model is not None else self.model
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], self.cfg.temperature)
+
+    @torch.no_grad()
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+        """The trainer's own fp32 logprob of every completion token (for policy-equivalence checks)."""
+        groups = [Group(prompt="", prompt_ids=p, completion_ids=[c], behaviour_logprobs=[[0.0] * len(c)],
+                        rewards=[0.0], reward_parts={}, advantages=[0.0], version=self.version, adapter="")
+                  for p, c in zip(prompt_ids, completion_ids)]
+        batch = self._collate(groups)
+        logprobs = self.policy_logprobs(batch, self.acc.unwrap_model(self.model))
+        return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
+
+    def _optimise(self, groups: list[Group], stats: StepStats) -> None:
+        """Collective: GRPO loss over this rank's groups in micro-batches, backward, clip, optimizer step."""
+        cfg = self.cfg
+        per_micro = cfg.per_device_train_batch_size // cfg.num_generations
+        micro_batches = [self._collate(groups[i:i + per_micro]) for i in range(0, len(groups), per_micro)]
+        n_tokens = dist_sum(sum(float(b["mask"].sum()) for b in micro_batches))
+        # The loss is a mean over the global batch's tokens; DDP averages gradients over ranks, so scale back.
+        normaliser = n_tokens / self.world
+        totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0}
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self.acc.no_sync(self.model) if not last else contextlib.nullcontext():
+                terms = self._micro_step(batch, normaliser)
+            totals["loss"] += float(terms.loss.detach()) / self.world
+            totals["clipped"] += float(terms.clipped_tokens)
+            totals["kl"] += float(terms.kl_sum)
+            totals["ratio"] += float(terms.ratio_sum)
+        if cfg.max_grad_norm > 0:
+            grad_norm = self.acc.clip_grad_norm_([p for _, p in lora_parameters(self.model)], cfg.max_grad_norm)
+            stats.add(**{"train/grad_norm": float(grad_norm)})
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        summed = {k: dist_sum(v) for k, v in totals.items()}
+        stats.add(**{"train/loss": summed["loss"], "train/clip_fraction": summed["clipped"] / n_tokens,
+                     "train/kl": summed["kl"] / n_tokens, "train/ratio_mean": summed["ratio"] / n_tokens,
+                     "train/tokens": n_tokens})
+
+    def _micro_step(self, batch, normaliser: float):
+        ref = None
+        if self.cfg.beta > 0:
+            with torch.no_grad(), self.acc.unwrap_model(self.model).disable_adapter():
+                ref = self.policy_logprobs(batch, self.acc.unwrap_model(self.model))
+        logprobs = self.policy_logprobs(batch)
+        terms = grpo_loss(logprobs, batch["behaviour"], batch["advantages"], batch["mask"],
+                          epsilon_low=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_upper,
+                          normaliser=normaliser, beta=self.cfg.beta, ref_logprobs=ref)
+        self.acc.backward(terms.loss)
+        return terms
+
+    # ---- weight sync ----------------------------------------------------------------------------------
+    def sync(self, stats: StepStats | None = None, first: bool = False) -> None:
+        """Collective: gather the LoRA tensors (all ranks); rank 0 writes and activates the next version;
+        the other ranks wait on the barrier."""
+        t0 = time.perf_counter()
+        tensors = gather_lora_state(self.acc, self.model)
+        t1 = time.perf_counter()
+        version = 0 if first else self.version + 1
+        if self.main:
+            path = self.store.write(version, tensors, self.peft_config, base_model=str(Path(self.model_path).resolve()))
+            t2 = time.perf_counter()
+            timing = self.publisher.publish(version, path)
+            self.producer.set_policy(version, self.publisher.current_name)  # new requests go to the new version
+            self.publisher.retire(in_use=self.producer.adapters_in_use())
+            self.store.prune(self.cfg.keep_adapter_versions, in_use=set(self.publisher.loaded.values()))
+            if stats is not None:
+                stats.add(**{"sync/gather_s": t1 - t0, "sync/write_s": t2 - t1, "sync/server_s": timing.server_s,
+                             "sync/paused_s": timing.paused_s})
+        self.acc.wait_for_everyone()
+        self.version = version
+
+    # ---- logging and the end --------------------------------------------------------------------------
+    def _progress_bar(self):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.cfg.max_steps, desc="asyncgrpo", disable=not self.main, dynamic_ncols=True)
+
+    def _log(self, stats: StepStats, bar) -> None:
+        elapsed = time.monotonic() - self.producer.started_at
+        stats.add(**{"rollout/generated_tokens_per_s": self.producer.generated_tokens / max(elapsed, 1e-9),
+                     "rollout/lost_groups_total": self.producer.lost_groups,
+                     "reward/fallbacks_total": self.scorer.fallbacks, "policy/version": self.version})
+        if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
+            for key, value in stats.values.items():
+                self.writer.add_scalar(key, value, self.step)
+        bar.set_postfix(reward=f"{stats.values['reward/mean']:.3f}", v=self.version, refresh=False)
+        bar.update(1)
+
+    def _finish(self, seconds: float) -> dict:
+        summary = {}
+        if self.main:
+            summary = {"steps": self.step, "version": self.version, "adapter_name": self.adapter_name,
+                       "adapter_path": str(self.store.path(self.version)), "model_path": str(self.model_path),
+                       "train_seconds": seconds, "dropped_stale": self.queue.dropped_stale,
+                       "lost_groups": self.producer.lost_groups,
+                       "tensorboard": str((self.out_dir / "tensorboard").resolve())}
+            (self.out_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+            log.info("done: %s", json.dumps(summary))
+        return summary
+
+    def cleanup(self) -> None:
+        if self.main and hasattr(self, "producer"):
+            self.producer.stop()
+            self.writer.close()
+        self.acc.end_training()
+

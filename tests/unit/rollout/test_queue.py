@@ -1,0 +1,59 @@
+import threading
+
+import pytest
+
+from asyncgrpo.rollout.queue import Group, RolloutQueue
+
+
+def group(version: int, tag: str = "") -> Group:
+    return Group(prompt=tag or f"p{version}", prompt_ids=[1], completion_ids=[[2], [3]], behaviour_logprobs=[[-1.0], [-1.0]],
+                 rewards=[1.0, 0.0], reward_parts={}, advantages=[0.7, -0.7], version=version, adapter="a")
+
+
+def test_stale_groups_are_never_trained_on():
+    q = RolloutQueue(max_staleness=1)
+    for v in [0, 1, 2, 3, 3]:
+        q.put(group(v))
+    batch = q.take(3, trainer_version=3, timeout_s=1)
+    assert [g.version for g in batch] == [2, 3, 3]
+    assert q.dropped_stale == 2
+    assert q.batches_taken == 1
+
+
+def test_synchronous_queue_keeps_only_the_current_version():
+    q = RolloutQueue(max_staleness=0)
+    q.put(group(4))
+    q.put(group(5))
+    assert [g.version for g in q.take(1, trainer_version=5, timeout_s=1)] == [5]
+    assert q.dropped_stale == 1
+
+
+def test_take_waits_for_the_producer_and_keeps_order():
+    q = RolloutQueue(max_staleness=2)
+    q.put(group(0, "first"))
+    t = threading.Thread(target=lambda: q.put(group(0, "second")))
+    with q.cond:
+        t.start()  # cannot put until take() releases the lock while waiting
+    assert [g.prompt for g in q.take(2, trainer_version=0, timeout_s=30)] == ["first", "second"]
+    t.join()
+
+
+def test_producer_failure_reaches_the_trainer():
+    q = RolloutQueue(max_staleness=1)
+    q.fail(RuntimeError("server gone"))
+    with pytest.raises(RuntimeError, match="server gone"):
+        q.take(1, trainer_version=0, timeout_s=30)
+
+
+def test_take_times_out_with_a_message():
+    q = RolloutQueue(max_staleness=1)
+    with pytest.raises(TimeoutError, match="0/2 groups"):
+        q.take(2, trainer_version=0, timeout_s=0.01)
+
+
+def test_take_serves_the_oldest_version_first_so_late_groups_are_not_wasted():
+    q = RolloutQueue(max_staleness=1)
+    q.put(group(3, "new"))
+    q.put(group(2, "late-but-still-fresh"))
+    assert [g.prompt for g in q.take(1, trainer_version=3, timeout_s=1)] == ["late-but-still-fresh"]
+    assert q.dropped_stale == 0

@@ -1,0 +1,83 @@
+"""The adapter store: versions are complete or absent, never half-written."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file
+
+from asyncgrpo.errors import SyncError
+from asyncgrpo.sync.publish import AdapterStore
+
+CONFIG = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
+
+
+def tensors(value: float) -> dict:
+    return {"base_model.model.layer.q_proj.lora_A.weight": torch.full((8, 16), value),
+            "base_model.model.layer.q_proj.lora_B.weight": torch.full((16, 8), value)}
+
+
+def test_write_produces_a_complete_peft_adapter(tmp_path):
+    store = AdapterStore(tmp_path)
+    path = store.write(1, tensors(0.5), CONFIG, base_model="/models/base")
+    assert path == tmp_path.resolve() / "v000001"
+    loaded = load_file(path / "adapter_model.safetensors")
+    assert torch.equal(loaded["base_model.model.layer.q_proj.lora_B.weight"], torch.full((16, 8), 0.5))
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["base_model_name_or_path"] == "/models/base"
+    assert config["target_modules"] == ["q_proj"]
+    assert store.versions() == [1]
+
+
+def test_versions_are_immutable(tmp_path):
+    store = AdapterStore(tmp_path)
+    store.write(1, tensors(0.5), CONFIG, base_model="b")
+    with pytest.raises(SyncError, match="already exists"):
+        store.write(1, tensors(0.7), CONFIG, base_model="b")
+
+
+def test_prune_keeps_the_newest_and_the_served_version(tmp_path):
+    store = AdapterStore(tmp_path)
+    for v in range(1, 6):
+        store.write(v, tensors(v), CONFIG, base_model="b")
+    store.prune(keep=2, in_use={store.path(2)})
+    assert store.versions() == [2, 4, 5]
+
+
+def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_partial(tmp_path):
+    store = AdapterStore(tmp_path)
+    store.write(1, tensors(1.0), CONFIG, base_model="b")
+    # A child process writes version 2 and is SIGKILLed in the middle of writing the weights file:
+    # its safetensors writer is replaced by one that writes half the bytes, reports, and blocks.
+    child = textwrap.dedent(f"""
+        import sys, torch, safetensors.torch
+        from peft import LoraConfig
+        from asyncgrpo.sync.publish import AdapterStore
+        def half_then_block(tensors, path, metadata=None):
+            data = safetensors.torch.save(tensors, metadata=metadata)
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2]); f.flush()
+            print("midway", flush=True)
+            sys.stdin.read()
+        safetensors.torch.save_file = half_then_block
+        cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
+        AdapterStore({str(tmp_path)!r}).write(2, {{"a.lora_A.weight": torch.ones(64, 64)}}, cfg, base_model="b")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "midway"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert store.versions() == [1]
+    assert not store.path(2).exists()
+    partial = list(tmp_path.glob(".tmp-*"))
+    assert len(partial) == 1 and not (partial[0] / "adapter_config.json").exists()  # not a loadable adapter
+    assert torch.equal(load_file(store.path(1) / "adapter_model.safetensors")
+                       ["base_model.model.layer.q_proj.lora_A.weight"], torch.full((8, 16), 1.0))
+    assert store.clean_partial() == partial and not list(tmp_path.glob(".tmp-*"))
+    assert store.write(2, tensors(2.0), CONFIG, base_model="b") == store.path(2)
