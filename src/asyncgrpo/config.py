@@ -55,7 +55,7 @@ class AsyncGRPOConfig:
     """Prompt source: `toy` (the toy world's training split) or a local .jsonl file with a prompt column."""
     prompt_column: str = "prompt"
     """Column holding the prompt text. Every other column is passed to reward functions by name."""
-    reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:addition_reward"])
+    reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:larger_reward"])
     """Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
     returning one float per completion."""
     reward_weights: list[float] | None = None
@@ -193,7 +193,7 @@ class AsyncGRPOConfig:
         for ref in self.reward_funcs:
             if ":" not in ref:
                 raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
-                                  "write e.g. `asyncgrpo.toy:addition_reward`")
+                                  "write e.g. `asyncgrpo.toy:larger_reward`")
         if not self.vllm_server_base_url.startswith(("http://", "https://")):
             raise ConfigError("vllm_server_base_url", f"{self.vllm_server_base_url!r} is not an http(s) URL",
                               "write e.g. http://10.0.0.5:8000")
@@ -309,3 +309,18 @@ def field_docs() -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+def reference_markdown() -> str:
+    """The config reference table for README.md: `python -m asyncgrpo.config`."""
+    defaults = AsyncGRPOConfig.__dataclass_fields__
+    rows = ["| key | default | what it does |", "| --- | --- | --- |"]
+    for name, doc in field_docs().items():
+        f = defaults[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        rows.append(f"| `{name}` | `{default}` | {doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

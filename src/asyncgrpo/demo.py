@@ -1,6 +1,6 @@
 """`asyncgrpo demo`: the whole data path on one machine, with real parts.
 
-1. build (or find cached) the toy world: tiny Qwen2, local tokenizer, addition task, warmed-up base;
+1. build (or find cached) the toy world: tiny Qwen2, local tokenizer, "which is larger" task, warmed-up base;
 2. start a local vLLM CPU server with LoRA hot reload;
 3. measure the held-out reward of the base model through the server;
 4. `accelerate launch` N CPU processes of `asyncgrpo train` (DDP over gloo) against the server;
@@ -48,7 +48,9 @@ def launch_environment() -> dict[str, str]:
     return env
 
 
-def heldout_reward(cfg: AsyncGRPOConfig, client, model: str, world) -> float:
+def heldout_rewards(cfg: AsyncGRPOConfig, client, model: str, world) -> dict[str, float]:
+    """Held-out reward of `model` on the server: the mean over 4 samples per prompt at the training temperature
+    (the quantity GRPO maximises), and greedy accuracy."""
     from transformers import AutoTokenizer
 
     from .data import load_prompts
@@ -58,7 +60,10 @@ def heldout_reward(cfg: AsyncGRPOConfig, client, model: str, world) -> float:
     tokenizer = AutoTokenizer.from_pretrained(world.model_dir)
     rows = load_prompts(world.heldout_file, tokenizer, cfg.prompt_column)
     scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights)
-    return evaluate_served(client, model, rows, tokenizer, scorer, max_tokens=cfg.max_completion_length)
+    common = dict(max_tokens=cfg.max_completion_length)
+    return {"sampled": evaluate_served(client, model, rows, tokenizer, scorer, temperature=cfg.temperature, n=4,
+                                       **common),
+            "greedy": evaluate_served(client, model, rows, tokenizer, scorer, temperature=0.0, **common)}
 
 
 def run_demo(args, overrides: list[str]) -> int:
@@ -83,9 +88,9 @@ def run_demo(args, overrides: list[str]) -> int:
                         max_model_len=256, log_path=out / "vllm.log")
     with server:
         client = InferenceClient(server.base_url, timeout_s=cfg.vllm_request_timeout)
-        log.info("3/5 held-out reward of the base model (greedy, %s)", world.heldout_file.name)
-        before = heldout_reward(cfg, client, client.base_model(), world)
-        log.info("    base: %.3f", before)
+        log.info("3/5 held-out reward of the base model (%s)", world.heldout_file)
+        before = heldout_rewards(cfg, client, client.base_model(), world)
+        log.info("    base: %s", before)
 
         log.info("4/5 training: %d processes, %d steps", args.num_processes, cfg.max_steps)
         train_overrides = [*overrides, "--vllm_server_base_url", server.base_url]
@@ -99,10 +104,14 @@ def run_demo(args, overrides: list[str]) -> int:
         summary = json.loads((out / "run_summary.json").read_text())
 
         log.info("5/5 held-out reward of the trained adapter %s", summary["adapter_name"])
-        after = heldout_reward(cfg, client, summary["adapter_name"], world)
+        after = heldout_rewards(cfg, client, summary["adapter_name"], world)
+        log.info("    trained: %s", after)
 
-    result = {"heldout_reward_before": round(before, 4), "heldout_reward_after": round(after, 4),
-              "gain": round(after - before, 4), "steps": summary["steps"], "policy_version": summary["version"],
+    result = {"heldout_reward_before": round(before["sampled"], 4), "heldout_reward_after": round(after["sampled"], 4),
+              "gain": round(after["sampled"] - before["sampled"], 4),
+              "heldout_greedy_accuracy_before": round(before["greedy"], 4),
+              "heldout_greedy_accuracy_after": round(after["greedy"], 4),
+              "steps": summary["steps"], "policy_version": summary["version"],
               "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
               "groups_dropped_stale": summary["dropped_stale"], "adapter": summary["adapter_path"],
               "tensorboard": f"tensorboard --logdir {summary['tensorboard']}"}

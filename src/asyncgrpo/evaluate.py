@@ -1,4 +1,4 @@
-"""Held-out evaluation through the inference server: greedy completions of a served model, scored."""
+"""Held-out evaluation through the inference server: completions of a served model, scored by the reward."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from .rewards import RewardScorer
 from .rollout.producer import PromptRow, decode_completion
 
 
-def evaluate_served(client, model: str, rows: list[PromptRow], tokenizer, scorer: RewardScorer,
-                    max_tokens: int, concurrency: int = 16) -> float:
-    """Mean reward of greedy (temperature 0) completions of `model` on the server, one per prompt."""
+def evaluate_served(client, model: str, rows: list[PromptRow], tokenizer, scorer: RewardScorer, *,
+                    max_tokens: int, temperature: float = 0.0, n: int = 1, concurrency: int = 16) -> float:
+    """Mean reward of `n` completions per held-out prompt from `model` on the server (temperature 0 = greedy)."""
 
     def one(row: PromptRow) -> float:
-        completion = client.complete(model, row.prompt_ids, n=1, max_tokens=max_tokens, temperature=0.0)[0]
-        text = decode_completion(tokenizer, completion.token_ids)
-        columns = {k: [v] for k, v in row.columns.items()}
-        total, _ = scorer.score([row.prompt], [text], columns)
-        return total[0]
+        completions = client.complete(model, row.prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature)
+        texts = [decode_completion(tokenizer, c.token_ids) for c in completions]
+        columns = {k: [v] * n for k, v in row.columns.items()}
+        total, _ = scorer.score([row.prompt] * n, texts, columns)
+        return sum(total) / n
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         scores = list(pool.map(one, rows))

@@ -93,3 +93,10 @@ def test_shipped_configs_validate():
     for path in sorted((REPO / "configs").glob("*.yaml")):
         cfg = AsyncGRPOConfig.load(path)
         assert cfg.use_lora and cfg.lora_adapter_path
+
+
+def test_readme_documents_every_config_key():
+    from asyncgrpo.config import reference_markdown
+
+    readme = (REPO / "README.md").read_text()
+    assert reference_markdown() in readme  # regenerate: python scripts/update_readme_config.py

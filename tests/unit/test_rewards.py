@@ -17,10 +17,10 @@ def short_reward(prompts, completions, **kw):
 
 
 def test_weighted_sum_and_parts():
-    s = RewardScorer([f"{__name__}:length_reward", "asyncgrpo.toy:addition_reward"], weights=[0.5, 2.0])
-    total, parts = s.score(["01+02="] * 2, ["3", "45"], {"answer": ["3", "3"]})
-    assert parts == {"length_reward": [1.0, 2.0], "addition_reward": [1.0, 0.0]}
-    assert total == [0.5 + 2.0, 1.0]
+    s = RewardScorer([f"{__name__}:length_reward", "asyncgrpo.toy:larger_reward"], weights=[0.5, 2.0])
+    total, parts = s.score(["01,03>"] * 2, ["3", "03"], {"answer": ["03", "03"]})
+    assert parts == {"length_reward": [1.0, 2.0], "larger_reward": [0.0, 1.0]}
+    assert total == [0.5, 1.0 + 2.0]
 
 
 def test_raising_reward_names_function_and_sample():

@@ -1,4 +1,4 @@
-"""The toy world: a tiny Qwen2 warmed up on 2-digit addition, a char-level tokenizer and an exact-match reward.
+"""The toy world: a tiny Qwen2 warmed up on "which number is larger", a char-level tokenizer and an exact-match reward.
 
 Offline and deterministic from a seed; `build_toy_world()` caches the result (see `asyncgrpo.toy.world`).
 The task and reward import without torch or transformers; the other names load their module on first use
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from asyncgrpo.toy.task import addition_reward, make_split
+from asyncgrpo.toy.task import larger_reward, make_split
 
 if TYPE_CHECKING:
     from asyncgrpo.toy.tokenizer import SPECIAL_TOKENS, build_tokenizer, decode_completion
@@ -25,7 +25,7 @@ _LAZY = {
     "build_toy_world": "asyncgrpo.toy.world",
 }
 
-__all__ = ["addition_reward", "make_split", *_LAZY]
+__all__ = ["larger_reward", "make_split", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,17 +1,20 @@
-"""The toy world: a tiny Qwen2 base model, warmed up just enough on 2-digit addition that GRPO can visibly improve it.
+"""The toy world: a tiny Qwen2 base model, warmed up so that GRPO has a clear, quickly learnable signal.
 
-`build_toy_world()` returns a cached world or builds one (about a minute on 2 CPU cores), offline and deterministic
-from `ToyWorldSpec.seed` on a given machine and thread count. A world is a directory:
+`build_toy_world()` returns a cached world or builds one (about half a minute on 2 CPU cores), offline and
+deterministic from `ToyWorldSpec.seed` on a given machine and thread count. A world is a directory:
 
     toy-<key>/
       model/          HF model (safetensors, fp32) + tokenizer; loads with Qwen2ForCausalLM and vLLM
-      train.jsonl     rows {"prompt": "07+45=", "answer": "52"}
+      train.jsonl     rows {"prompt": "07,45>", "answer": "45", "distractor": "07"}
       heldout.jsonl   the held-out rows, same format
-      world.json      spec, key, base accuracy, warm-up steps and seconds; written last (the "complete" marker)
+      world.json      spec, key, base accuracies, warm-up steps and seconds; written last (the "complete" marker)
 
-Why warm up at all: from random init, reward is 0 for every sample and GRPO has nothing to learn from. Why stop
-early: a model that already solves the task leaves no room to improve. Held-out greedy accuracy sits near 0 for a
-few hundred steps, then climbs steeply; we stop the first time it reaches `stop_accuracy`.
+The task (asyncgrpo.toy.task) asks for the larger of two 2-digit numbers. The supervised warm-up answers with the
+larger number only `warmup_correct_fraction` of the time and with the smaller one otherwise: the base model learns
+the format and that the answer is one of the two operands, but prefers the wrong one. Its sampled success rate
+starts near that fraction (well above 0, well below the ceiling) and its greedy one near 0; only the reward can
+tell it which operand is right. A control with shuffled rewards does not improve. (Plain addition was measured
+first: on 2 CPU cores the tiny model needs far more warm-up and GRPO steps than a few-minute demo allows.)
 
 Run `python -m asyncgrpo.toy.world [--seed N] [--cache-dir D]` to build or find a world and print its paths.
 """
@@ -37,14 +40,14 @@ import torch
 import torch.nn.functional as F
 
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
-from asyncgrpo.toy.task import PROMPT_LENGTH, addition_reward, make_split
+from asyncgrpo.toy.task import PROMPT_LENGTH, larger_reward, make_split
 from asyncgrpo.toy.tokenizer import EOS_ID, TOKENIZER_SIZE, build_tokenizer, decode_completion
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the world's layout or building code changes, so old caches are not reused."""
 
-MAX_NEW_TOKENS = 4
-"""Longest answer (3 digits, "198") plus eos."""
+MAX_NEW_TOKENS = 3
+"""An answer (2 digits) plus eos."""
 
 Log = Callable[[str], Any]
 
@@ -79,12 +82,15 @@ class ToyWorldSpec:
     """AdamW betas for the warm-up."""
     batch_size: int = 256
     """Warm-up sequences per step, drawn without replacement within a step."""
-    eval_every: int = 10
-    """Warm-up steps between held-out evaluations (each is the stop check)."""
-    stop_accuracy: float = 0.2
-    """Stop the warm-up the first time held-out greedy accuracy reaches this."""
-    max_warmup_steps: int = 1500
-    """Give up (raise) if the warm-up has not reached stop_accuracy by this step."""
+    eval_every: int = 50
+    """Warm-up steps between progress lines (held-out greedy and sampled accuracy)."""
+    warmup_steps: int = 300
+    """Supervised warm-up steps (the format and the two candidates are learned in about 200)."""
+    warmup_correct_fraction: float = 0.3
+    """Probability that a warm-up target is the right answer (else the smaller number): the base's sampled
+    success rate ends up near this value."""
+    sample_seed: int = 1234
+    """Seed of the sampled (temperature 1) evaluation of the base."""
     n_heldout: int = 500
     """Held-out prompts (from the 10,000 pairs); the rest are train."""
 
@@ -99,12 +105,13 @@ class ToyWorldSpec:
             raise ConfigError("kv_heads", f"{self.kv_heads} does not divide heads={self.heads}", "use a divisor")
         if self.vocab < TOKENIZER_SIZE:
             raise ConfigError("vocab", f"{self.vocab} < tokenizer size {TOKENIZER_SIZE}", "use 320")
-        if not 0.0 < self.stop_accuracy <= 1.0:
-            raise ConfigError("stop_accuracy", f"must be in (0, 1], got {self.stop_accuracy}", "use e.g. 0.2")
-        if self.eval_every < 1 or self.max_warmup_steps < self.eval_every:
+        if not 0.0 < self.warmup_correct_fraction < 1.0:
+            raise ConfigError("warmup_correct_fraction", f"must be in (0, 1), got {self.warmup_correct_fraction}",
+                              "use e.g. 0.3")
+        if self.eval_every < 1 or self.warmup_steps < self.eval_every:
             raise ConfigError(
-                "eval_every", f"{self.eval_every} with max_warmup_steps={self.max_warmup_steps}",
-                "use 1 <= eval_every <= max_warmup_steps",
+                "eval_every", f"{self.eval_every} with warmup_steps={self.warmup_steps}",
+                "use 1 <= eval_every <= warmup_steps",
             )
 
     def key(self) -> str:
@@ -131,7 +138,9 @@ class ToyWorld:
     heldout_file: Path
     """jsonl rows {"prompt", "answer"} for evaluation."""
     base_accuracy: float
-    """Held-out greedy accuracy of the saved base model (exact match, max 4 new tokens)."""
+    """Held-out greedy accuracy of the saved base model (exact match)."""
+    base_sampled_accuracy: float
+    """Held-out success rate of the saved base model sampling at temperature 1 (what GRPO starts from)."""
     spec: ToyWorldSpec
     warmup_steps: int = 0
     warmup_seconds: float = 0.0
@@ -146,6 +155,7 @@ class ToyWorld:
             train_file=root / "train.jsonl",
             heldout_file=root / "heldout.jsonl",
             base_accuracy=float(meta["base_accuracy"]),
+            base_sampled_accuracy=float(meta["base_sampled_accuracy"]),
             spec=ToyWorldSpec.from_dict(meta["spec"]),
             warmup_steps=int(meta["warmup_steps"]),
             warmup_seconds=float(meta["warmup_seconds"]),
@@ -187,11 +197,10 @@ def build_model(spec: ToyWorldSpec) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def greedy_decode(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int = MAX_NEW_TOKENS) -> torch.Tensor:
-    """Greedy continuation of equal-length prompts with a KV cache: (N, P) ids -> (N, max_new_tokens) ids.
-
-    Keeps going after eos (callers cut at the first eos); no padding since every prompt has the same length.
-    """
+def decode(model: torch.nn.Module, prompt_ids: torch.Tensor, generator: torch.Generator | None = None,
+           max_new_tokens: int = MAX_NEW_TOKENS) -> torch.Tensor:
+    """Continue equal-length prompts with a KV cache: (N, P) ids -> (N, max_new_tokens) ids. Greedy without a
+    `generator`, else sampled at temperature 1 from it. Keeps going after eos (callers cut at the first eos)."""
     was_training = model.training
     model.eval()
     past = None
@@ -200,7 +209,11 @@ def greedy_decode(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_toke
     for _ in range(max_new_tokens):
         out = model(input_ids=step_ids, past_key_values=past, use_cache=True)
         past = out.past_key_values
-        step_ids = out.logits[:, -1, :].argmax(-1, keepdim=True)  # (N, 1)
+        logits = out.logits[:, -1, :].float()  # (N, V)
+        if generator is None:
+            step_ids = logits.argmax(-1, keepdim=True)
+        else:
+            step_ids = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)  # (N, 1)
         generated.append(step_ids)
     model.train(was_training)
     return torch.cat(generated, dim=1)
@@ -215,76 +228,62 @@ def encode_prompts(tokenizer: Any, prompts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def heldout_accuracy(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, str]], chunk: int = 1000) -> float:
-    """Fraction of rows whose greedy completion exactly matches the answer (the reward, averaged)."""
+def heldout_accuracy(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, str]],
+                     generator: torch.Generator | None = None, chunk: int = 1000) -> float:
+    """Mean reward of one completion per row: greedy, or sampled at temperature 1 with `generator`."""
     rewards: list[float] = []
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
-        generated = greedy_decode(model, encode_prompts(tokenizer, [r["prompt"] for r in part]))
+        generated = decode(model, encode_prompts(tokenizer, [r["prompt"] for r in part]), generator)
         completions = [decode_completion(tokenizer, ids) for ids in generated.tolist()]
-        rewards += addition_reward([r["prompt"] for r in part], completions, [r["answer"] for r in part])
+        rewards += larger_reward([r["prompt"] for r in part], completions, [r["answer"] for r in part])
     return sum(rewards) / len(rewards)
 
 
 # ---------------------------------------------------------------------------------------------- supervised warm-up
 
 
-def encode_examples(tokenizer: Any, rows: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and labels for the whole train split: (N, L) each, L = 6 + 3 + 1.
+def encode_examples(tokenizer: Any, rows: list[dict[str, str]], column: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and labels for every row with `column` ("answer" or "distractor") as the target: (N, 6 + 2 + 1).
 
-    Sequence = prompt + answer + eos, right-padded with eos. Labels are -100 except at the positions that predict
-    the answer tokens and the eos, so the loss trains only the answer.
+    Sequence = prompt + target + eos. Labels are -100 except at the positions that predict the target tokens and
+    the eos, so the loss trains only the answer.
     """
-    answers = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
+    targets = tokenizer([r[column] for r in rows], add_special_tokens=False)["input_ids"]
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows]).tolist()
-    width = PROMPT_LENGTH + max(len(a) for a in answers) + 1
-    inputs = torch.full((len(rows), width), EOS_ID, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
-        sequence = prompt + answer + [EOS_ID]
-        inputs[i, : len(sequence)] = torch.tensor(sequence)
-        # Position t predicts token t + 1: the prompt's last position predicts the first answer token.
-        labels[i, PROMPT_LENGTH - 1 : len(sequence) - 1] = torch.tensor(answer + [EOS_ID])
-    return inputs, labels
+    assert len({len(t) for t in targets}) == 1, "toy targets are all 2 digits"
+    sequences = torch.tensor([p + t + [EOS_ID] for p, t in zip(prompts, targets)])  # (N, L)
+    labels = torch.full_like(sequences, -100)
+    labels[:, PROMPT_LENGTH - 1 : -1] = sequences[:, PROMPT_LENGTH:]  # position t predicts token t + 1
+    return sequences, labels
 
 
-def warm_up(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    train_rows: list[dict[str, str]],
-    heldout_rows: list[dict[str, str]],
-    spec: ToyWorldSpec,
-    log: Log,
-) -> tuple[int, float, float]:
-    """Train on answers until held-out greedy accuracy first reaches `spec.stop_accuracy`.
-
-    Returns (steps, seconds, accuracy). Raises ToyWorldBuildError after `spec.max_warmup_steps` without success.
-    """
-    inputs, labels = encode_examples(tokenizer, train_rows)
-    batches = torch.Generator().manual_seed(spec.seed)
+def warm_up(model: torch.nn.Module, tokenizer: Any, train_rows: list[dict[str, str]],
+            heldout_rows: list[dict[str, str]], spec: ToyWorldSpec, log: Log) -> float:
+    """`spec.warmup_steps` supervised steps whose target is the right answer with probability
+    `spec.warmup_correct_fraction` and the distractor otherwise. Returns the seconds taken."""
+    right, right_labels = encode_examples(tokenizer, train_rows, "answer")
+    wrong, wrong_labels = encode_examples(tokenizer, train_rows, "distractor")
+    draws = torch.Generator().manual_seed(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warmup_lr, betas=spec.betas, weight_decay=0.0)
     model.train()
     start = time.perf_counter()
-    accuracy = 0.0
-    for step in range(1, spec.max_warmup_steps + 1):
-        index = torch.randperm(len(inputs), generator=batches)[: spec.batch_size]
-        logits = model(input_ids=inputs[index]).logits  # (B, L, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels[index].flatten(), ignore_index=-100)
+    for step in range(1, spec.warmup_steps + 1):
+        index = torch.randperm(len(right), generator=draws)[: spec.batch_size]
+        use_right = (torch.rand(len(index), generator=draws) < spec.warmup_correct_fraction).unsqueeze(1)  # (B, 1)
+        inputs = torch.where(use_right, right[index], wrong[index])
+        labels = torch.where(use_right, right_labels[index], wrong_labels[index])
+        logits = model(input_ids=inputs).logits  # (B, L, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step % spec.eval_every:
-            continue
-        accuracy = heldout_accuracy(model, tokenizer, heldout_rows)
-        seconds = time.perf_counter() - start
-        log(f"toy warm-up step {step:5d}  loss {loss.item():.4f}  heldout greedy acc {accuracy:.3f}  {seconds:6.1f}s")
-        if accuracy >= spec.stop_accuracy:
-            return step, seconds, accuracy
-    raise ToyWorldBuildError(
-        f"toy warm-up reached held-out accuracy {accuracy:.3f} after max_warmup_steps={spec.max_warmup_steps}, "
-        f"short of stop_accuracy={spec.stop_accuracy}. Fix: raise max_warmup_steps, lower stop_accuracy, "
-        f"or try another seed (got seed={spec.seed})"
-    )
+        if step % spec.eval_every == 0:
+            greedy = heldout_accuracy(model, tokenizer, heldout_rows)
+            sampled = heldout_accuracy(model, tokenizer, heldout_rows, torch.Generator().manual_seed(spec.sample_seed))
+            log(f"toy warm-up step {step:4d}  loss {loss.item():.4f}  held-out accuracy: greedy {greedy:.3f}, "
+                f"sampled {sampled:.3f}  {time.perf_counter() - start:5.1f}s")
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------- building and caching
@@ -312,11 +311,17 @@ def _build_into(directory: Path, spec: ToyWorldSpec, log: Log) -> None:
     train_rows, heldout_rows = make_split(spec.seed, spec.n_heldout)
     model = build_model(spec)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"toy world {spec.key()}: warming up a {n_params:,}-parameter Qwen2 (seed {spec.seed}) to "
-        f"held-out greedy accuracy >= {spec.stop_accuracy}")
-    steps, seconds, _ = warm_up(model, tokenizer, train_rows, heldout_rows, spec, log)
-    # Measure what is saved, the same way any user of the world will: held-out greedy accuracy of the final weights.
+    log(f"toy world {spec.key()}: warming up a {n_params:,}-parameter Qwen2 (seed {spec.seed}) for "
+        f"{spec.warmup_steps} steps, right answer in {spec.warmup_correct_fraction:.0%} of the targets")
+    seconds = warm_up(model, tokenizer, train_rows, heldout_rows, spec, log)
+    # Measure what is saved, the way any user of the world will.
     base_accuracy = heldout_accuracy(model, tokenizer, heldout_rows)
+    base_sampled = heldout_accuracy(model, tokenizer, heldout_rows, torch.Generator().manual_seed(spec.sample_seed))
+    if not 0.05 <= base_sampled <= 0.5:
+        raise ToyWorldBuildError(
+            f"the warmed-up base succeeds on {base_sampled:.3f} of held-out prompts when sampling; a usable base is "
+            f"between 0.05 and 0.5. Fix: change warmup_correct_fraction ({spec.warmup_correct_fraction}) or "
+            f"warmup_steps ({spec.warmup_steps}), or try another seed (got {spec.seed})")
     model.config.use_cache = True
     model.save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
@@ -327,7 +332,8 @@ def _build_into(directory: Path, spec: ToyWorldSpec, log: Log) -> None:
         "key": spec.key(),
         "spec": dataclasses.asdict(spec),
         "base_accuracy": base_accuracy,
-        "warmup_steps": steps,
+        "base_sampled_accuracy": base_sampled,
+        "warmup_steps": spec.warmup_steps,
         "warmup_seconds": round(seconds, 2),
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -390,8 +396,8 @@ def build_toy_world(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     world = ToyWorld.load(root)
-    log(f"toy world ready at {root}: base accuracy {world.base_accuracy:.3f} after {world.warmup_steps} steps "
-        f"({world.warmup_seconds:.1f}s)")
+    log(f"toy world ready at {root}: base held-out accuracy greedy {world.base_accuracy:.3f}, sampled "
+        f"{world.base_sampled_accuracy:.3f}, after {world.warmup_steps} warm-up steps ({world.warmup_seconds:.1f}s)")
     return world
 
 
@@ -409,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         "train_file": str(world.train_file),
         "heldout_file": str(world.heldout_file),
         "base_accuracy": world.base_accuracy,
+        "base_sampled_accuracy": world.base_sampled_accuracy,
         "warmup_steps": world.warmup_steps,
         "warmup_seconds": world.warmup_seconds,
         "key": world.spec.key(),

@@ -1,0 +1,22 @@
+# Thin targets over scripts/: every target installs what it needs first (scripts/setup.sh is idempotent).
+VENV ?= .venv
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_NO_USAGE_STATS := 1
+
+.PHONY: setup demo test test-unit bench
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/asyncgrpo demo
+
+test: setup
+	$(VENV)/bin/python -m pytest -q tests
+
+test-unit: setup
+	$(VENV)/bin/python -m pytest -q tests/unit
+
+bench: setup
+	$(VENV)/bin/asyncgrpo bench policy_equivalence --json
