@@ -35,8 +35,8 @@ class AsyncGRPOConfig:
     use_lora: bool = True
     """Train a LoRA adapter on a frozen base. Requires `lora_adapter_path`. Full fine-tuning is not supported yet."""
     lora_adapter_path: str | None = None
-    """Directory where every published adapter version is written (one sub-directory per version,
-    PEFT `save_pretrained` format). The inference server must be able to read it."""
+    """Directory where published adapter versions are written: `<lora_adapter_path>/<run id>/v000001`, ... (PEFT
+    `save_pretrained` format, written atomically). The inference server must be able to read it."""
     lora_name: str = "policy"
     """Name generation requests use for the trained adapter on the inference server. A run id is appended
     so that names stay unique for the server's lifetime (vLLM refuses to re-load a name)."""
@@ -114,7 +114,7 @@ class AsyncGRPOConfig:
     """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
     `wait` (drain first), `abort` (end them; their groups are lost and counted)."""
     keep_adapter_versions: int = 3
-    """Adapter version directories kept on disk; older ones are deleted once the server no longer uses them."""
+    """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
 
     # ---- inference server -----------------------------------------------------------------------
     vllm_server_base_url: str = "http://127.0.0.1:8000"

@@ -84,7 +84,7 @@ def run_demo(args, overrides: list[str]) -> int:
 
     port = args.port or find_free_port()
     log.info("2/5 vLLM CPU server on 127.0.0.1:%d (log: %s)", port, out / "vllm.log")
-    server = VLLMServer(world.model_dir, port, max_lora_rank=max(8, cfg.lora_r), max_loras=2,
+    server = VLLMServer(world.model_dir, port, max_lora_rank=max(8, cfg.lora_r), max_loras=cfg.max_staleness + 3,
                         max_model_len=256, log_path=out / "vllm.log")
     with server:
         client = InferenceClient(server.base_url, timeout_s=cfg.vllm_request_timeout)

@@ -114,10 +114,10 @@ class AsyncGRPOTrainer:
         self.client = InferenceClient(cfg.vllm_server_base_url, api_key=cfg.api_key,
                                       timeout_s=cfg.vllm_request_timeout)
         self.client.wait_healthy(cfg.vllm_server_timeout)
-        self.store = AdapterStore(cfg.lora_adapter_path)
-        self.store.clean_partial()
-        # Names must be unique for the server's lifetime (vLLM refuses to re-load one): add a run id.
+        # Names must be unique for the server's lifetime (vLLM refuses to re-load one), and versions on disk are
+        # immutable: each run gets an id, its adapters go to lora_adapter_path/<run id>/v<N>.
         self.run_id = uuid.uuid4().hex[:8]
+        self.store = AdapterStore(Path(cfg.lora_adapter_path) / self.run_id)
         self.publisher = PausePublisher([self.client], f"{cfg.lora_name}-{self.run_id}", cfg.sync_pause_mode)
         self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback)
         rows = load_prompts(dataset_file(cfg), self.tokenizer, cfg.prompt_column)

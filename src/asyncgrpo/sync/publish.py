@@ -47,6 +47,7 @@ class AdapterStore:
         except OSError as exc:
             raise AsyncGRPOError(f"cannot create lora_adapter_path {str(self.root)!r} ({exc}); set lora_adapter_path "
                                  f"to a writable directory the inference server can read") from exc
+        self.clean_partial()  # what a writer killed midway left behind
 
     def path(self, version: int) -> Path:
         return self.root / f"v{version:06d}"

@@ -12,9 +12,11 @@ deterministic from `ToyWorldSpec.seed` on a given machine and thread count. A wo
 The task (asyncgrpo.toy.task) asks for the larger of two 2-digit numbers. The supervised warm-up answers with the
 larger number only `warmup_correct_fraction` of the time and with the smaller one otherwise: the base model learns
 the format and that the answer is one of the two operands, but prefers the wrong one. Its sampled success rate
-starts near that fraction (well above 0, well below the ceiling) and its greedy one near 0; only the reward can
-tell it which operand is right. A control with shuffled rewards does not improve. (Plain addition was measured
-first: on 2 CPU cores the tiny model needs far more warm-up and GRPO steps than a few-minute demo allows.)
+starts near that fraction (well above 0, well below the ceiling; greedy ~0.19 for seed 0), and only the reward
+can tell it which operand is right. Measured in-process (seed 0): 20 GRPO steps of 32 prompts x 8 take the
+sampled success from 0.28 to 0.72; with the rewards shuffled across the batch it stays at 0.24-0.33 for 100
+steps. (Plain addition was measured first: on 2 CPU cores the tiny model needs far more warm-up and GRPO steps
+than a few-minute demo allows.)
 
 Run `python -m asyncgrpo.toy.world [--seed N] [--cache-dir D]` to build or find a world and print its paths.
 """

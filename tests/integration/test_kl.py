@@ -1,0 +1,23 @@
+"""beta > 0: the KL to the base model (the same model with the adapter disabled) is computed and trained against."""
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.demo import default_config_path
+from asyncgrpo.trainer import AsyncGRPOTrainer
+
+
+def test_kl_to_the_adapter_free_model_starts_at_zero_and_grows(vllm_server, tmp_path):
+    cfg = AsyncGRPOConfig.load(default_config_path(), [
+        "--max_steps", "3", "--per_device_train_batch_size", "64", "--beta", "0.04", "--learning_rate", "1e-2",
+        "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
+        "--vllm_server_base_url", vllm_server.base_url])
+    trainer = AsyncGRPOTrainer(cfg)
+    try:
+        trainer.setup()
+        kls = []
+        for _ in range(3):
+            kls.append(trainer.train_step().values["train/kl"])
+            trainer.sync()
+    finally:
+        trainer.cleanup()
+    assert kls[0] == 0.0  # LoRA B starts at zero: the policy is the reference
+    assert 0.0 < kls[1] < kls[2] < 1.0
