@@ -301,8 +301,11 @@ class AsyncGRPOTrainer:
         return summary
 
     def cleanup(self) -> None:
-        if self.main and hasattr(self, "producer"):
+        """Stop the producer and close the logs; safe after a setup that failed part-way."""
+        if hasattr(self, "producer"):
             self.producer.stop()
+        if hasattr(self, "writer"):
             self.writer.close()
-        self.acc.end_training()
+        if hasattr(self, "acc"):
+            self.acc.end_training()
 

@@ -31,3 +31,25 @@ def client(vllm_server):
 
     with InferenceClient(vllm_server.base_url) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def random_adapter(world):
+    """`random_adapter(seed) -> (tensors, peft config)`: a LoRA with random non-zero weights on the toy model."""
+
+    def make(seed: int):
+        import torch
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                            init_lora_weights=False)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(world.model_dir), config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.3)
+        return get_peft_model_state_dict(model), config
+
+    return make

@@ -3,7 +3,6 @@
 import uuid
 
 import pytest
-import torch
 
 from asyncgrpo.errors import SyncError
 from asyncgrpo.sync.publish import WEIGHTS_NAME, AdapterStore, PausePublisher
@@ -11,36 +10,21 @@ from asyncgrpo.sync.publish import WEIGHTS_NAME, AdapterStore, PausePublisher
 PROBE = [3 + b for b in b"07+45=52"]
 
 
-def random_adapter(world, seed: int):
-    """A PEFT adapter with random non-zero weights on the toy model: (tensors, peft config)."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
-                        init_lora_weights=False)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(world.model_dir), config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.3)
-    return get_peft_model_state_dict(model), config
-
-
 @pytest.fixture()
-def published(world, client, tmp_path):
+def published(world, client, tmp_path, random_adapter):
     """A store with version 1 written and served under a fresh name; returns (store, publisher, scores of v1)."""
     store = AdapterStore(tmp_path / "adapters")
-    tensors, config = random_adapter(world, seed=1)
+    tensors, config = random_adapter(seed=1)
     publisher = PausePublisher([client], f"safety-{uuid.uuid4().hex[:6]}")
     publisher.publish(1, store.write(1, tensors, config, base_model=str(world.model_dir)))
     assert publisher.current_name == publisher.name(1)
     return store, publisher, client.score(publisher.current_name, PROBE)
 
 
-def test_a_corrupt_adapter_fails_the_sync_and_the_previous_version_keeps_serving(world, client, published):
+def test_a_corrupt_adapter_fails_the_sync_and_the_previous_version_keeps_serving(world, client, published,
+                                                                             random_adapter):
     store, publisher, v1_scores = published
-    tensors, config = random_adapter(world, seed=2)
+    tensors, config = random_adapter(seed=2)
     path = store.write(2, tensors, config, base_model=str(world.model_dir))
     weights = path / WEIGHTS_NAME
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated on disk
@@ -55,9 +39,9 @@ def test_a_corrupt_adapter_fails_the_sync_and_the_previous_version_keeps_serving
 
 
 def test_an_exception_between_pause_and_resume_leaves_the_server_resumed_on_the_previous_version(
-        world, client, published, monkeypatch):
+        world, client, published, monkeypatch, random_adapter):
     store, publisher, v1_scores = published
-    tensors, config = random_adapter(world, seed=3)
+    tensors, config = random_adapter(seed=3)
     path = store.write(2, tensors, config, base_model=str(world.model_dir))
     calls = []
 

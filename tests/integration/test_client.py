@@ -1,0 +1,59 @@
+"""InferenceClient against the real vLLM CPU server: adapter endpoints, pause/resume, completions, errors."""
+
+import uuid
+
+import pytest
+
+from asyncgrpo.errors import InferenceServerError
+
+PROMPT = [3 + b for b in b"12,34>"]
+
+
+@pytest.fixture()
+def adapter_dir(world, tmp_path, random_adapter):
+    from asyncgrpo.sync.publish import AdapterStore
+
+    tensors, config = random_adapter(seed=5)
+    return AdapterStore(tmp_path).write(1, tensors, config, base_model=str(world.model_dir))
+
+
+def test_completions_return_exact_token_ids_with_one_logprob_each_and_the_eos(client):
+    completions = client.complete(client.base_model(), PROMPT, n=8, max_tokens=4, temperature=1.0)
+    assert len(completions) == 8
+    for c in completions:
+        assert len(c.token_ids) == len(c.logprobs) >= 1
+        assert all(lp <= 0.0 for lp in c.logprobs)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == 0  # the eos is part of the completion the trainer trains on
+
+
+def test_load_read_back_and_unload_an_adapter(client, adapter_dir):
+    name = f"probe-{uuid.uuid4().hex[:6]}"
+    client.load_adapter(name, adapter_dir)
+    assert client.adapter_paths()[name] == str(adapter_dir)
+    served = client.complete(name, PROMPT, n=1, max_tokens=3, temperature=0.0)[0]
+    assert served.model == name
+    assert client.score(name, PROMPT + served.token_ids)[len(PROMPT):] == pytest.approx(served.logprobs, abs=1e-5)
+    client.unload_adapter(name)
+    assert name not in client.adapter_paths()
+
+
+def test_pause_and_resume_are_read_back(client):
+    client.pause(mode="keep")
+    try:
+        assert client.is_paused() is True
+    finally:
+        client.resume()
+    assert client.is_paused() is False
+
+
+def test_server_errors_quote_the_server_and_say_what_to_check(client, tmp_path):
+    with pytest.raises(InferenceServerError) as err:
+        client.unload_adapter("never-loaded")
+    assert err.value.status == 404 and "never-loaded" in err.value.body
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(err.value)
+    with pytest.raises(InferenceServerError) as err:
+        client.load_adapter("missing", tmp_path / "no-such-adapter")
+    assert err.value.status == 404 and "HTTP 404" in str(err.value)
+    with pytest.raises(InferenceServerError, match="does not exist"):
+        client.complete("no-such-model", PROMPT, n=1, max_tokens=2)
