@@ -195,10 +195,9 @@ class AsyncGRPOTrainer:
         return {"input_ids": input_ids, "attention_mask": attention, "behaviour": old, "mask": mask,
                 "advantages": torch.tensor(advantages, dtype=torch.float32)}
 
-    def policy_logprobs(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+    def policy_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32."""
-        model = model if model is not None else self.model
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], self.cfg.temperature)
 
     @torch.no_grad()
@@ -208,7 +207,7 @@ class AsyncGRPOTrainer:
                         rewards=[0.0], reward_parts={}, advantages=[0.0], version=self.version, adapter="")
                   for p, c in zip(prompt_ids, completion_ids)]
         batch = self._collate(groups)
-        logprobs = self.policy_logprobs(batch, self.acc.unwrap_model(self.model))
+        logprobs = self.policy_logprobs(batch)
         return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
 
     def _optimise(self, groups: list[Group], stats: StepStats) -> None:
@@ -229,8 +228,9 @@ class AsyncGRPOTrainer:
             totals["kl"] += float(terms.kl_sum)
             totals["ratio"] += float(terms.ratio_sum)
         if cfg.max_grad_norm > 0:
-            grad_norm = self.acc.clip_grad_norm_([p for _, p in lora_parameters(self.model)], cfg.max_grad_norm)
-            stats.add(**{"train/grad_norm": float(grad_norm)})
+            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            if grad_norm is not None:  # DeepSpeed clips inside its engine (gradient_clipping) and returns None
+                stats.add(**{"train/grad_norm": float(grad_norm)})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         summed = {k: dist_sum(v) for k, v in totals.items()}
@@ -241,8 +241,9 @@ class AsyncGRPOTrainer:
     def _micro_step(self, batch, normaliser: float):
         ref = None
         if self.cfg.beta > 0:
+            # The reference is the same (possibly sharded) model with the adapter switched off: no second copy.
             with torch.no_grad(), self.acc.unwrap_model(self.model).disable_adapter():
-                ref = self.policy_logprobs(batch, self.acc.unwrap_model(self.model))
+                ref = self.policy_logprobs(batch)
         logprobs = self.policy_logprobs(batch)
         terms = grpo_loss(logprobs, batch["behaviour"], batch["advantages"], batch["mask"],
                           epsilon_low=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_upper,
