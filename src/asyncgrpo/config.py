@@ -110,6 +110,10 @@ class AsyncGRPOConfig:
     """Most policy versions a trained group may lag the trainer. 0 = fully synchronous on-policy training."""
     weight_sync_steps: int = 1
     """Optimizer steps between adapter publications to the inference server."""
+    sync_mode: str = "pause"
+    """How a new adapter version goes live: `pause` (pause -> load -> reset prefix cache -> resume) or `versioned`
+    (load the new version beside the old one with no pause; requests in flight finish on the old version). Either
+    way each version has its own adapter name, so the server needs `--max-loras` >= max_staleness + 2."""
     sync_pause_mode: str = "keep"
     """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
     `wait` (drain first), `abort` (end them; their groups are lost and counted)."""
@@ -182,6 +186,8 @@ class AsyncGRPOConfig:
             raise ConfigError("epsilon", "clip ranges must be > 0", "use epsilon: 0.2 (epsilon_high: 0.28 for DAPO)")
         if self.beta < 0:
             raise ConfigError("beta", f"must be >= 0, got {self.beta}", "use 0 (no KL) or a small value like 0.04")
+        if self.sync_mode not in ("pause", "versioned"):
+            raise ConfigError("sync_mode", f"unknown mode {self.sync_mode!r}", "use pause or versioned")
         if self.sync_pause_mode not in ("keep", "wait", "abort"):
             raise ConfigError("sync_pause_mode", f"unknown mode {self.sync_pause_mode!r}",
                               "use one of keep, wait, abort")

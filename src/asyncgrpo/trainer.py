@@ -105,7 +105,7 @@ class AsyncGRPOTrainer:
         from .inference.client import InferenceClient
         from .rewards import RewardScorer
         from .rollout.producer import RolloutProducer
-        from .sync.publish import AdapterStore, PausePublisher
+        from .sync.publish import AdapterPublisher, AdapterStore
 
         cfg = self.cfg
         self.out_dir = Path(cfg.output_dir)
@@ -118,7 +118,8 @@ class AsyncGRPOTrainer:
         # immutable: each run gets an id, its adapters go to lora_adapter_path/<run id>/v<N>.
         self.run_id = uuid.uuid4().hex[:8]
         self.store = AdapterStore(Path(cfg.lora_adapter_path) / self.run_id)
-        self.publisher = PausePublisher([self.client], f"{cfg.lora_name}-{self.run_id}", cfg.sync_pause_mode)
+        self.publisher = AdapterPublisher([self.client], f"{cfg.lora_name}-{self.run_id}", cfg.sync_mode,
+                                          cfg.sync_pause_mode)
         self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback)
         rows = load_prompts(dataset_file(cfg), self.tokenizer, cfg.prompt_column)
         self.queue = RolloutQueue(cfg.max_staleness)

@@ -15,6 +15,14 @@ from safetensors.torch import load_file
 
 from asyncgrpo.inference.server import find_free_port
 
+
+def scalars(tb_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3 + b for b in b"61,16>"]
 # Environment per backend, as measured in shared/NOTES.md: accelerate needs ACCELERATE_USE_CPU for DDP/FSDP on a
@@ -62,3 +70,22 @@ def test_sharded_training_publishes_the_trained_adapter(backend, vllm_server, cl
         logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
     mine = logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
     assert torch.allclose(mine, torch.tensor(completion.logprobs), atol=1e-3, rtol=0)
+
+
+def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, client, tmp_path):
+    """No accelerate launcher: plain `torchrun` (DDP over gloo on this CPU host), with `sync_mode: versioned`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
+    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--max_steps", "2",
+           "--per_device_train_batch_size", "16", "--output_dir", str(tmp_path),
+           "--lora_adapter_path", str(tmp_path / "adapters"), "--vllm_server_base_url", vllm_server.base_url,
+           "--ddp_timeout", "120", "--sync_mode", "versioned"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["version"] == 2
+    paused = [v for _, v in scalars(tmp_path / "tensorboard", "sync/paused_s")]
+    assert len(paused) == 2 and paused == [0.0, 0.0]  # versioned: the server was never paused
+    assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
+    assert proc.stderr.count("asyncgrpo.trainer: done") == 1  # two ranks, one rank 0

@@ -5,7 +5,7 @@ import uuid
 import pytest
 
 from asyncgrpo.errors import SyncError
-from asyncgrpo.sync.publish import WEIGHTS_NAME, AdapterStore, PausePublisher
+from asyncgrpo.sync.publish import WEIGHTS_NAME, AdapterStore, AdapterPublisher
 
 PROBE = [3 + b for b in b"07+45=52"]
 
@@ -15,7 +15,7 @@ def published(world, client, tmp_path, random_adapter):
     """A store with version 1 written and served under a fresh name; returns (store, publisher, scores of v1)."""
     store = AdapterStore(tmp_path / "adapters")
     tensors, config = random_adapter(seed=1)
-    publisher = PausePublisher([client], f"safety-{uuid.uuid4().hex[:6]}")
+    publisher = AdapterPublisher([client], f"safety-{uuid.uuid4().hex[:6]}")
     publisher.publish(1, store.write(1, tensors, config, base_model=str(world.model_dir)))
     assert publisher.current_name == publisher.name(1)
     return store, publisher, client.score(publisher.current_name, PROBE)

@@ -1,5 +1,7 @@
 """Publishing an adapter version: an atomic write to disk, then activation on the inference server(s).
 
+The two sync modes differ only inside AdapterPublisher.
+
 Never a half-written adapter: files go into a hidden temporary directory beside the target (weights first,
 `adapter_config.json` last, so a partial directory is not even a loadable adapter), are fsynced, and the
 directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory.
@@ -115,18 +117,26 @@ class PublishTiming:
     paused_s: float = 0.0  # time the server(s) spent paused
 
 
-class PausePublisher:
-    """`sync_mode: pause`: pause -> load the new version -> reset prefix cache -> resume, on every server.
+SYNC_MODES = ("pause", "versioned")
 
-    Each version is loaded under its own name, `{prefix}-v{N}`, never in place: requests already running keep
-    the weights they started with (so a completion's version tag is exact), and vLLM does not re-read an
-    in-place adapter from disk at every engine step (measured: in place costs throughput, and a deleted
-    directory kills the engine). Older versions are unloaded by `retire` once no request uses them.
+
+class AdapterPublisher:
+    """Activates each new adapter version on every server, in one of two modes:
+
+    - `pause`: pause -> load the new version -> reset prefix cache -> resume (resume in `finally`);
+    - `versioned`: load the new version beside the old ones, with no pause at all; requests already running
+      finish on the version they started with, new requests go to the new name.
+
+    In both, each version is loaded under its own name, `{prefix}-v{N}`, never in place: a completion's version
+    tag is exact, and vLLM does not re-read an in-place adapter from disk at every engine step (measured: in place
+    costs throughput, and a deleted directory kills the engine). `retire` unloads old versions no request uses.
     """
 
-    def __init__(self, clients, prefix: str, pause_mode: str = "keep"):
+    def __init__(self, clients, prefix: str, sync_mode: str = "pause", pause_mode: str = "keep"):
+        assert sync_mode in SYNC_MODES, sync_mode
         self.clients = list(clients)
         self.prefix = prefix
+        self.sync_mode = sync_mode
         self.pause_mode = pause_mode
         self.current_name: str | None = None  # the version every server serves to new requests
         self.loaded: dict[str, Path] = {}  # adapter name -> directory, for every version still loaded
@@ -148,7 +158,7 @@ class PausePublisher:
             except Exception as exc:
                 for other in done:  # all servers or none: take the new version off those that got it
                     self._unload_quietly(other, name)
-                raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  The server was resumed "
+                raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  The server is not paused "
                                 f"and still serves {self.current_name or 'no adapter'}.") from exc
         self.loaded[name] = path
         self.current_name = name
@@ -156,9 +166,14 @@ class PausePublisher:
         return timing
 
     def _activate(self, client, name: str, path: Path) -> float:
-        if self.current_name is None:
-            client.load_adapter(name, str(path))  # the first version: no generation is running yet
-            self._check_served(client, name, path)
+        if self.current_name is None or self.sync_mode == "versioned":
+            # The first version (nothing is generating yet), or versioned mode: load beside the old versions.
+            client.load_adapter(name, str(path))
+            try:
+                self._check_served(client, name, path)
+            except BaseException:
+                self._unload_quietly(client, name)
+                raise
             return 0.0
         client.pause(mode=self.pause_mode)
         paused_at = time.perf_counter()
