@@ -14,6 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -52,17 +53,51 @@ class AsyncGRPOConfig:
 
     # ---- data and rewards -----------------------------------------------------------------------
     dataset_name: str = "toy"
-    """Prompt source: `toy` (the toy world's training split) or a local .jsonl file with a prompt column."""
+    """Prompt source: `toy` (the toy world's training split); a local data file (`.json`, `.jsonl`, `.parquet`,
+    `.csv`, `.arrow`) or a directory written by `Dataset.save_to_disk`; a `datasets` format (`json`, `parquet`,
+    `csv`, `arrow`) together with `data_files`; or a Hugging Face hub dataset such as `openai/gsm8k` (needs hub
+    access)."""
+    dataset_config: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. `main` for `openai/gsm8k` (`datasets.load_dataset`'s `name`)."""
+    dataset_train_split: str = "train"
+    """Split to train on. Local files (a path in `dataset_name`, or `data_files`) are the `train` split."""
+    data_files: list[str] | None = None
+    """Local data files for `dataset_name: json | parquet | csv | arrow` (or files picked from a hub dataset)."""
     prompt_column: str = "prompt"
-    """Column holding the prompt text. Every other column is passed to reward functions by name."""
+    """Column holding the prompt: plain text, or a list of chat messages (TRL's conversational format). Every other
+    column is passed to reward functions by name."""
+    messages_column: str | None = None
+    """Column holding chat messages (`[{role: user, content: ...}, ...]`) to use as the prompt instead of
+    `prompt_column`."""
+    prompt_format: str = "auto"
+    """How a prompt becomes token ids: `auto` (chat messages through the tokenizer's chat template, plain text as
+    written), `chat` (plain text too, as one user message after `system_prompt`), `raw` (plain text exactly as
+    written; chat messages are an error)."""
+    system_prompt: str | None = None
+    """System message put first in every chat prompt that has none (e.g. the answer format your rewards check)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the tokenizer's chat template, e.g. `{enable_thinking: false}` for Qwen3."""
+    max_prompt_length: int | None = None
+    """Longest prompt in tokens; longer prompts are skipped and counted (`data/prompts_skipped_too_long`), never
+    truncated. Unset: the server's `max_model_len` (read from /v1/models at start) minus `max_completion_length`;
+    when both are known the smaller wins."""
+    parse_responses: bool = True
+    """Parse chat completions with transformers' `tokenizer.parse_response` (content, thinking, tool calls) and hand
+    the parsed messages to reward functions as `parsed`. Uses the tokenizer's `response_template`, else the one
+    transformers ships for the model type (Qwen2/2.5/3, Gemma 4); without either there is no `parsed`."""
     reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:larger_reward"])
     """Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
-    returning one float per completion."""
+    returning one float per completion, or None where the function does not apply. Built-ins:
+    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`."""
     reward_weights: list[float] | None = None
-    """Weight of each reward function in the total reward; default 1.0 each."""
+    """Weight of each reward function; a completion's reward is the weighted sum over the functions that apply to
+    it (did not return None). Default 1.0 each."""
+    reward_kwargs: dict[str, dict[str, Any]] | None = None
+    """Keyword arguments per reward function, keyed by its name or its `module:function`, e.g.
+    `{format_reward: {pattern: "<answer>.*</answer>"}, length_penalty: {max_length: 512}}`."""
     reward_fallback: float | None = None
-    """Reward used when a reward function raises (counted in `rewards/fallbacks`). Unset (default): a raising
-    reward function stops the run with its name and the sample."""
+    """Reward used when a reward function raises, or when no function applies to a completion (counted in
+    `reward/fallbacks_total`). Unset (default): either stops the run with the function's name and the sample."""
 
     # ---- generation -----------------------------------------------------------------------------
     num_generations: int = 8
@@ -200,9 +235,32 @@ class AsyncGRPOConfig:
             if ":" not in ref:
                 raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
                                   "write e.g. `asyncgrpo.toy:larger_reward`")
+        self._validate_data()
         if not self.vllm_server_base_url.startswith(("http://", "https://")):
             raise ConfigError("vllm_server_base_url", f"{self.vllm_server_base_url!r} is not an http(s) URL",
                               "write e.g. http://10.0.0.5:8000")
+
+    def _validate_data(self) -> None:
+        """Checks of the dataset, prompt and reward keys."""
+        if self.prompt_format not in ("auto", "chat", "raw"):
+            raise ConfigError("prompt_format", f"unknown format {self.prompt_format!r}", "use one of auto, chat, raw")
+        if self.system_prompt is not None and self.prompt_format == "raw":
+            raise ConfigError("system_prompt", "is set but prompt_format is raw (no chat template is applied)",
+                              "set `prompt_format: chat` (or auto with chat messages), or remove system_prompt")
+        if self.data_files is not None and self.dataset_name == "toy":
+            raise ConfigError("dataset_name", "is `toy` but data_files is set",
+                              "set dataset_name to the files' format: json (also .jsonl), parquet, csv or arrow")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ConfigError("max_prompt_length", f"must be >= 1, got {self.max_prompt_length}",
+                              "leave it unset to derive it from the server's max_model_len")
+        names = {r.partition(":")[2] for r in self.reward_funcs} | set(self.reward_funcs)
+        for key, value in (self.reward_kwargs or {}).items():
+            if key not in names:
+                raise ConfigError("reward_kwargs", f"{key!r} is not one of reward_funcs ({self.reward_funcs})",
+                                  "key each entry by a reward function's name, e.g. `format_reward`")
+            if not isinstance(value, dict):
+                raise ConfigError("reward_kwargs", f"the entry for {key!r} is {value!r}, not a mapping",
+                                  f"write `{key}: {{argument: value}}`")
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
@@ -273,6 +331,12 @@ def _coerce(key: str, value, hint):
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(key, value, inner[0])
+    if hint is Any:
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {value!r}", f"write `{key}: {{name: value}}`")
+        return {str(k): _coerce(key, v, args[1]) for k, v in value.items()}
     if origin is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]

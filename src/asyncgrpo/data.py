@@ -1,14 +1,90 @@
-"""Prompt datasets: the toy world's split, or a local jsonl file with a prompt column."""
+"""Prompt datasets: where prompts come from, how they become token ids, and the order they are used in.
+
+    source (toy split | local json/jsonl/parquet/csv/arrow | hub dataset, through `datasets`)
+      -> one prompt per row: plain text, or chat messages through the tokenizer's own chat template
+      -> token ids, once; prompts too long for the server are skipped and counted
+      -> PromptStream: endless, each epoch shuffled by (seed, epoch), so a position can be restored exactly
+
+Every column other than the prompt reaches the reward functions by name (`rewards.py`). For chat prompts the
+tokenizer's response template, if any, is resolved here too: the producer parses completions with it.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import random
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from .errors import ConfigError
-from .rollout.producer import PromptRow
+
+log = logging.getLogger(__name__)
+
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+"""Local file suffix -> the `datasets` builder that reads it."""
+
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "parsed")
+"""Names reward functions already receive as arguments; a dataset column may not use them."""
 
 
+@dataclass
+class PromptRow:
+    """A dataset row with its prompt already tokenised once.
+
+    `prompt` is what reward functions receive as `prompts`: the text, or the chat messages (TRL's conversational
+    format). `rendered` is the text sent for a chat prompt (chat template applied), None for a text prompt.
+    """
+
+    prompt: str | list[dict]
+    prompt_ids: list[int]
+    columns: dict
+    rendered: str | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.rendered is not None
+
+
+@dataclass
+class PromptSet:
+    """The rows to train on, and what loading them found."""
+
+    rows: list[PromptRow]
+    source: str  # how the data was named, for messages
+    total: int  # rows in the split, before skipping
+    skipped_too_long: int = 0
+    skipped_empty: int = 0
+    max_prompt_length: int | None = None
+    response_template: dict | None = None  # for parsing chat completions; None = no parsing
+
+
+@dataclass
+class PromptFormat:
+    """How one row becomes a prompt (the config's prompt keys, gathered)."""
+
+    prompt_column: str = "prompt"
+    messages_column: str | None = None
+    prompt_format: str = "auto"
+    system_prompt: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg) -> "PromptFormat":
+        return cls(cfg.prompt_column, cfg.messages_column, cfg.prompt_format, cfg.system_prompt,
+                   dict(cfg.chat_template_kwargs or {}))
+
+    @property
+    def column(self) -> str:
+        return self.messages_column or self.prompt_column
+
+    @property
+    def column_key(self) -> str:
+        return "messages_column" if self.messages_column else "prompt_column"
+
+
+# ---- the toy world and the model path ------------------------------------------------------------------
 def resolve_model_path(cfg) -> str:
     """`model_name_or_path: toy` -> the cached toy model directory (built on first use)."""
     if cfg.model_name_or_path != "toy":
@@ -20,17 +96,6 @@ def toy_world(cfg):
     from .toy import ToyWorldSpec, build_toy_world
 
     return build_toy_world(ToyWorldSpec(seed=cfg.toy_seed))
-
-
-def dataset_file(cfg, split: str = "train") -> Path:
-    if cfg.dataset_name == "toy":
-        world = toy_world(cfg)
-        return world.train_file if split == "train" else world.heldout_file
-    path = Path(cfg.dataset_name)
-    if not path.is_file() or path.suffix != ".jsonl":
-        raise ConfigError("dataset_name", f"{cfg.dataset_name!r} is not `toy` or an existing .jsonl file",
-                          "point dataset_name at a local .jsonl file with one JSON object per line")
-    return path
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -46,18 +111,255 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def load_prompts(path: Path, tokenizer, prompt_column: str = "prompt") -> list[PromptRow]:
-    """Rows with their prompt tokenised once; every other column is kept for the reward functions."""
-    rows = read_jsonl(path)
-    if not rows:
-        raise ConfigError("dataset_name", f"{path} has no rows", "use a file with at least one prompt")
-    if prompt_column not in rows[0]:
-        raise ConfigError("prompt_column", f"{prompt_column!r} is not a column of {path}; columns: "
-                          f"{sorted(rows[0])}", "set prompt_column to one of those")
-    out = []
-    for row in rows:
-        prompt = row[prompt_column]
-        columns = {k: v for k, v in row.items() if k != prompt_column}
-        out.append(PromptRow(prompt=prompt, prompt_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"],
-                             columns=columns))
+# ---- reading a split -------------------------------------------------------------------------------------
+def read_records(cfg) -> tuple[list[dict], str]:
+    """The training split as (rows, a description of where they came from, for messages)."""
+    if cfg.dataset_name == "toy":
+        path = toy_world(cfg).train_file  # the toy split is small: read it directly, without `datasets`
+        return read_jsonl(path), str(path)
+    dataset, source = _load_split(cfg)
+    return dataset.to_list(), source
+
+
+def _load_split(cfg):
+    """`datasets.load_dataset` (or `load_from_disk`) for the configured source; errors name the key to fix."""
+    import datasets
+
+    name, files = cfg.dataset_name, cfg.data_files
+    path = Path(name)
+    kwargs: dict = {"split": cfg.dataset_train_split}
+    if files is None and path.is_file():
+        if path.suffix not in FORMATS:
+            raise ConfigError("dataset_name", f"{name!r} is a {path.suffix or 'suffix-less'} file",
+                              f"use a file ending in one of {', '.join(FORMATS)}")
+        name, files = FORMATS[path.suffix], [str(path)]
+    elif files is None and any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
+        return _split_from_disk(path, cfg.dataset_train_split), str(path)
+    elif files is not None:
+        missing = [f for f in files if not Path(f).exists() and "*" not in f]
+        if missing and name in FORMATS.values():
+            raise ConfigError("data_files", f"{missing} do not exist", "give paths to existing local files")
+    if files is not None:
+        kwargs["data_files"] = list(files)
+    source = f"{name}" + (f" ({', '.join(files)})" if files else "") + (
+        f" config {cfg.dataset_config!r}" if cfg.dataset_config else "") + f" split {cfg.dataset_train_split!r}"
+    try:
+        dataset = datasets.load_dataset(name, cfg.dataset_config, **kwargs)
+    except ValueError as exc:  # an unknown split or config: datasets lists the ones that exist
+        raise ConfigError("dataset_train_split" if "split" in str(exc) else "dataset_config",
+                          f"cannot load {source}: {exc}", "pick one of the names the message lists") from exc
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types (offline, not found, bad files)
+        raise ConfigError("dataset_name", f"cannot load {source}: {type(exc).__name__}: {exc}",
+                          "check the name (hub access needed for hub datasets), or point dataset_name at a "
+                          "local file") from exc
+    return dataset, source
+
+
+def _split_from_disk(path: Path, split: str):
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError("dataset_train_split", f"{split!r} is not a split of {path}; splits: {list(loaded)}",
+                              "set dataset_train_split to one of those")
+        return loaded[split]
+    return loaded
+
+
+# ---- rows -> prompts ---------------------------------------------------------------------------------------
+def check_columns(columns: list[str], fmt: PromptFormat, source: str) -> None:
+    """The prompt column must exist; no other column may shadow a reward-function argument."""
+    if fmt.column not in columns:
+        raise ConfigError(fmt.column_key, f"{fmt.column!r} is not a column of {source}; columns: {sorted(columns)}",
+                          f"set {fmt.column_key} to one of those")
+    clash = sorted(set(columns) - {fmt.column} & set(RESERVED_COLUMNS))
+    if clash:
+        raise ConfigError("dataset_name", f"{source} has column(s) {clash}, names reward functions already get as "
+                          f"arguments ({', '.join(RESERVED_COLUMNS)})",
+                          "rename those columns (datasets: `rename_column`) and the reward functions' arguments")
+
+
+def _messages(value, i: int, fmt: PromptFormat, source: str) -> list[dict] | None:
+    """The row's prompt as chat messages, or None when it is plain text used as written."""
+    if isinstance(value, str):
+        if fmt.messages_column:
+            raise ConfigError("messages_column", f"row {i} of {source} holds text in {fmt.column!r}, not messages",
+                              "point messages_column at a column of [{role, content}] lists, or use prompt_column")
+        if fmt.prompt_format != "chat":
+            if fmt.system_prompt is not None:
+                raise ConfigError("system_prompt", "is set but the prompts are plain text used as written",
+                                  "set `prompt_format: chat` to wrap each prompt as a user message")
+            return None
+        return [{"role": "user", "content": value}]
+    ok = isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                   for m in value)
+    if not ok:
+        raise ConfigError(fmt.column_key, f"row {i} of {source}: {fmt.column!r} holds {str(value)[:80]!r}",
+                          "each prompt must be a string or a non-empty list of {role, content} messages")
+    if fmt.prompt_format == "raw":
+        raise ConfigError("prompt_format", f"is raw but {fmt.column!r} holds chat messages",
+                          "use `prompt_format: auto` (or chat) so that they go through the chat template")
+    return list(value)
+
+
+def render_chat(tokenizer, messages: list[dict], fmt: PromptFormat) -> str:
+    """The text of a chat prompt: system prompt first if the messages have none, the tokenizer's own chat template,
+    and the assistant turn opened (`add_generation_prompt`)."""
+    if tokenizer.chat_template is None:
+        raise ConfigError("prompt_format", f"the tokenizer {tokenizer.name_or_path!r} has no chat template",
+                          "use plain-text prompts with `prompt_format: raw`, or a model whose tokenizer has one")
+    if fmt.system_prompt is not None and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": fmt.system_prompt}, *messages]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **fmt.chat_template_kwargs)
+
+
+def build_rows(records: list[dict], tokenizer, fmt: PromptFormat, *, source: str,
+               max_prompt_length: int | None = None) -> PromptSet:
+    """Tokenise every prompt once; skip (and count) empty prompts and prompts longer than `max_prompt_length`."""
+    if not records:
+        raise ConfigError("dataset_name", f"{source} has no rows", "use a split with at least one prompt")
+    check_columns(list(records[0]), fmt, source)
+    prompts, texts, rendered = [], [], []
+    for i, record in enumerate(records):
+        value = record[fmt.column]
+        messages = _messages(value, i, fmt, source)
+        chat_text = None if messages is None else render_chat(tokenizer, messages, fmt)
+        prompts.append(value if messages is None else messages)  # reward functions get the messages
+        texts.append(value if chat_text is None else chat_text)
+        rendered.append(chat_text)
+    # Chat templates write their own bos. verbose=False: over-long prompts are counted below, not warned about.
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    out = PromptSet(rows=[], source=source, total=len(records), max_prompt_length=max_prompt_length)
+    for record, prompt, prompt_ids, chat_text in zip(records, prompts, ids, rendered):
+        if not prompt_ids:
+            out.skipped_empty += 1
+        elif max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+            out.skipped_too_long += 1
+        else:
+            columns = {k: v for k, v in record.items() if k != fmt.column}
+            out.rows.append(PromptRow(prompt=prompt, prompt_ids=list(prompt_ids), columns=columns, rendered=chat_text))
+    if not out.rows:
+        raise ConfigError("max_prompt_length", f"all {out.total} prompts of {source} are empty or longer than "
+                          f"{max_prompt_length} tokens", "raise max_prompt_length / the server's --max-model-len, "
+                          "or lower max_completion_length")
     return out
+
+
+def prompt_length_limit(cfg, server_max_model_len: int | None) -> int | None:
+    """The longest prompt the server can take while leaving `max_completion_length` tokens to generate."""
+    limits = [cfg.max_prompt_length] if cfg.max_prompt_length else []
+    if server_max_model_len is not None:
+        room = server_max_model_len - cfg.max_completion_length
+        if room < 1:
+            raise ConfigError("max_completion_length", f"{cfg.max_completion_length} leaves no room for a prompt in "
+                              f"the server's max_model_len ({server_max_model_len})",
+                              "lower max_completion_length, or start the server with a larger --max-model-len")
+        if cfg.max_prompt_length and cfg.max_prompt_length > room:
+            log.warning("max_prompt_length %d + max_completion_length %d exceed the server's max_model_len %d; "
+                        "prompts longer than %d tokens are skipped", cfg.max_prompt_length,
+                        cfg.max_completion_length, server_max_model_len, room)
+        limits.append(room)
+    return min(limits) if limits else None
+
+
+def server_max_model_len(models: list[dict]) -> int | None:
+    """The base model's `max_model_len` from a `/v1/models` listing (None when the server does not say)."""
+    for entry in models:
+        if entry.get("parent") is None and entry.get("max_model_len"):
+            return int(entry["max_model_len"])
+    return None
+
+
+def load_prompt_set(cfg, tokenizer, *, server_max_model_len: int | None = None,
+                    model_path: str | None = None) -> PromptSet:
+    """The configured training split, tokenised, with over-long prompts skipped and counted (rank 0, at start)."""
+    records, source = read_records(cfg)
+    limit = prompt_length_limit(cfg, server_max_model_len)
+    prompts = build_rows(records, tokenizer, PromptFormat.from_config(cfg), source=source, max_prompt_length=limit)
+    if prompts.skipped_too_long or prompts.skipped_empty:
+        log.warning("skipped %d of %d prompts of %s: %d longer than %s tokens, %d empty",
+                    prompts.skipped_too_long + prompts.skipped_empty, prompts.total, source,
+                    prompts.skipped_too_long, limit, prompts.skipped_empty)
+    if cfg.parse_responses and any(r.is_chat for r in prompts.rows):
+        prompts.response_template = response_template_for(tokenizer, model_type_of(model_path))
+    return prompts
+
+
+def load_prompts(path: Path, tokenizer, prompt_column: str = "prompt") -> list[PromptRow]:
+    """Rows of a local jsonl file (the toy world's splits), plain-text prompts tokenised as written."""
+    fmt = PromptFormat(prompt_column=prompt_column, prompt_format="raw")
+    return build_rows(read_jsonl(path), tokenizer, fmt, source=str(path)).rows
+
+
+# ---- parsed responses ----------------------------------------------------------------------------------------
+def model_type_of(model_path: str | None) -> str | None:
+    if model_path is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path).model_type
+    except (OSError, ValueError):
+        return None
+
+
+def response_template_for(tokenizer, model_type: str | None = None) -> dict | None:
+    """The tokenizer's own `response_template`, else the one transformers ships for `model_type` (its serving
+    fallbacks: Qwen2/2.5/3, Gemma 4, ...), else None. Nothing here is parsed by hand."""
+    own = getattr(tokenizer, "response_template", None)
+    if own is not None or model_type is None:
+        return own
+    try:
+        from transformers.cli.serving.utils import get_response_template
+    except ImportError:  # the serving extras are not installed: no fallback
+        return None
+    return get_response_template(tokenizer, SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
+
+
+def parse_completions(tokenizer, template: dict, prefix: str, texts: list[str]) -> list[dict | None]:
+    """`tokenizer.parse_response` on each completion (decoded with its special tokens, which close the regions);
+    `prefix` is the rendered chat prompt, so a template that pre-writes part of the turn parses right.
+    A completion the parser rejects (a policy can write anything) gets None."""
+    out: list[dict | None] = []
+    for text in texts:
+        try:
+            out.append(tokenizer.parse_response(text, template, prefix=prefix))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            log.debug("parse_response failed on %r: %s", text[:200], exc)
+            out.append(None)
+    return out
+
+
+# ---- the order -------------------------------------------------------------------------------------------------
+class PromptStream:
+    """Endless deterministic stream of rows: epoch e is the rows shuffled by (seed, e).
+
+    `position` counts the rows handed out; a stream built with `start=position` continues at exactly that row,
+    across epoch boundaries too (what resuming from a checkpoint needs).
+    """
+
+    def __init__(self, rows: list, seed: int, start: int = 0):
+        assert rows, "a prompt stream needs at least one row"
+        self.rows, self.seed, self.position = rows, seed, start
+        self._epoch, self._order = -1, []
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.seed * 100_003 + epoch).shuffle(order)
+        return order
+
+    @property
+    def epoch(self) -> int:
+        return self.position // len(self.rows)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        epoch, index = divmod(self.position, len(self.rows))
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, self.epoch_order(epoch)
+        self.position += 1
+        return self.rows[self._order[index]]

@@ -1,15 +1,28 @@
-"""Reward functions: loading by `package.module:function` and scoring with weights and clear failures.
+"""Reward functions: loading by `package.module:function`, scoring with weights, clear failures, and built-ins.
 
-A reward function has TRL's signature `fn(prompts, completions, **columns) -> list[float]`: one float per
-completion, where `columns` are the dataset's other columns, repeated once per completion.
+A reward function has TRL's signature `fn(prompts, completions, **columns) -> list[float | None]`: one value per
+completion, where `columns` are the dataset's other columns, repeated once per completion, plus
+`completion_ids` (the sampled token ids) and, for chat prompts whose tokenizer has a response template, `parsed`
+(transformers' parsed assistant message per completion: `content`, `thinking`, `tool_calls`; None where the
+completion could not be parsed). For a text prompt `completions` are strings; for a chat prompt they are TRL's
+conversational form, `[{"role": "assistant", "content": text}]`.
+
+None means "this function does not apply to this completion" (e.g. a math reward on a row without a reference):
+a completion's total is the weighted sum over the functions that returned a number, and a function's logged mean
+is over its numbers only. A completion no function applies to gets `reward_fallback`, or stops the run if unset.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import logging
 import math
+import numbers
+import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Callable
 
 from .errors import ConfigError, RewardFunctionError
@@ -19,8 +32,8 @@ log = logging.getLogger(__name__)
 RewardFn = Callable[..., list]
 
 
-def load_reward_function(ref: str) -> RewardFn:
-    """`package.module:function` -> the function; errors name the reference and the fix."""
+def load_reward_function(ref: str, kwargs: dict | None = None) -> RewardFn:
+    """`package.module:function` -> the function, with `kwargs` bound; errors name the reference and the fix."""
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -31,7 +44,24 @@ def load_reward_function(ref: str) -> RewardFn:
     if not callable(fn):
         raise ConfigError("reward_funcs", f"{module_name!r} has no function {attr!r}",
                           f"check the name after ':' in {ref!r}")
-    return fn
+    if not kwargs:
+        return fn
+    named = {name for name, p in inspect.signature(fn).parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"prompts", "completions"}
+    unknown = sorted(set(kwargs) - named)
+    if unknown:
+        raise ConfigError("reward_kwargs", f"{ref} has no argument(s) {unknown}; it takes {sorted(named)}",
+                          "fix the argument names under this function in reward_kwargs")
+    return functools.partial(fn, **kwargs)
+
+
+def reward_means(parts: list[dict[str, list]]) -> dict[str, float | None]:
+    """Per-function mean over several groups' `reward_parts`, skipping None (None: it applied to none of them)."""
+    values: dict[str, list[float]] = {}
+    for group in parts:
+        for name, rewards in group.items():
+            values.setdefault(name, []).extend(r for r in rewards if r is not None)
+    return {name: (sum(v) / len(v) if v else None) for name, v in values.items()}
 
 
 @dataclass
@@ -41,11 +71,13 @@ class RewardScorer:
     refs: list[str]
     weights: list[float] | None = None
     fallback: float | None = None
+    kwargs: dict[str, dict] | None = None  # reward_kwargs: by function name or by full reference
     fallbacks: int = 0
     functions: list[RewardFn] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.functions = [load_reward_function(r) for r in self.refs]
+        kwargs = self.kwargs or {}
+        self.functions = [load_reward_function(r, kwargs.get(r, kwargs.get(r.partition(":")[2]))) for r in self.refs]
         if self.weights is None:
             self.weights = [1.0] * len(self.refs)
 
@@ -53,17 +85,38 @@ class RewardScorer:
     def names(self) -> list[str]:
         return [r.partition(":")[2] for r in self.refs]
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> tuple[list[float], dict]:
-        """Returns (total reward per completion, {function name: its rewards})."""
-        parts: dict[str, list[float]] = {}
-        total = [0.0] * len(completions)
+    def score(self, prompts: list, completions: list, columns: dict[str, list], *,
+              completion_ids: list[list[int]] | None = None,
+              parsed: list[dict | None] | None = None) -> tuple[list[float], dict[str, list[float | None]]]:
+        """Returns (total reward per completion, {function name: its rewards, None where it does not apply})."""
+        extra = dict(columns)
+        if completion_ids is not None:
+            extra["completion_ids"] = completion_ids
+        if parsed is not None:
+            extra["parsed"] = parsed
+        parts: dict[str, list[float | None]] = {}
+        total: list[float | None] = [None] * len(completions)
         for ref, name, fn, weight in zip(self.refs, self.names, self.functions, self.weights):
-            values = self._call(ref, fn, prompts, completions, columns)
+            values = self._call(ref, fn, prompts, completions, extra)
             parts[name] = values
-            total = [t + weight * v for t, v in zip(total, values)]
-        return total, parts
+            total = [t if v is None else (t or 0.0) + weight * v for t, v in zip(total, values)]
+        return self._fill_inapplicable(total, prompts, completions), parts
 
-    def _call(self, ref, fn, prompts, completions, columns) -> list[float]:
+    def _fill_inapplicable(self, total: list[float | None], prompts, completions) -> list[float]:
+        missing = [i for i, t in enumerate(total) if t is None]
+        if not missing:
+            return total
+        if self.fallback is None:
+            i = missing[0]
+            raise RewardFunctionError(
+                f"no reward function applies to {len(missing)} completion(s): all of {self.refs} returned None\n"
+                f"  on prompt {prompts[i]!r}, completion {completions[i]!r}\n"
+                f"  Fix: add a reward function that scores such rows, drop them from the dataset, or set "
+                f"`reward_fallback: 0.0` to score them with a fallback value (counted in reward/fallbacks_total)")
+        self.fallbacks += len(missing)
+        return [self.fallback if t is None else t for t in total]
+
+    def _call(self, ref, fn, prompts, completions, columns) -> list[float | None]:
         try:
             values = fn(prompts=prompts, completions=completions, **columns)
         except Exception as exc:  # a user's function: report it with the sample, or fall back if asked to
@@ -72,7 +125,7 @@ class RewardScorer:
                     f"reward function {ref} raised {type(exc).__name__}: {exc}\n"
                     f"  on prompt {prompts[0]!r}, first completion {completions[0]!r}\n"
                     f"  Fix the function, or set `reward_fallback: 0.0` to score such samples with a "
-                    f"fallback value (counted in rewards/fallbacks)") from exc
+                    f"fallback value (counted in reward/fallbacks_total)") from exc
             self.fallbacks += len(completions)
             log.warning("reward function %s raised %s on prompt %r; using reward_fallback=%s",
                         ref, type(exc).__name__, prompts[0], self.fallback)
@@ -80,15 +133,155 @@ class RewardScorer:
         return self._check(ref, values, len(completions))
 
     @staticmethod
-    def _check(ref: str, values, n: int) -> list[float]:
+    def _check(ref: str, values, n: int) -> list[float | None]:
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             raise RewardFunctionError(f"reward function {ref} returned {got} values for {n} completions; "
-                                      f"return a list with one float per completion")
-        out = []
+                                      f"return a list with one float (or None) per completion")
+        out: list[float | None] = []
         for v in values:
-            if v is None or not isinstance(v, (int, float)) or math.isnan(float(v)):
-                raise RewardFunctionError(f"reward function {ref} returned {v!r}; return a finite float "
-                                          f"for every completion")
+            if v is None:
+                out.append(None)
+                continue
+            if not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+                raise RewardFunctionError(f"reward function {ref} returned {v!r}; return a finite float for every "
+                                          f"completion, or None where the function does not apply")
             out.append(float(v))
         return out
+
+
+# ---- built-in reward functions ----------------------------------------------------------------------------------
+def completion_text(completion, parsed: dict | None = None) -> str:
+    """The answer text of one completion: the parsed `content` when there is a parsed message (so that reasoning and
+    tool calls are left out), else the string, else the last message's content (TRL's conversational form)."""
+    if isinstance(parsed, dict):
+        return str(parsed.get("content") or "")
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content") or "")
+    raise TypeError(f"a completion must be a string or a list of chat messages, got {completion!r:.80}")
+
+
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+_FRACTION = re.compile(r"^(-?[\d.,]+)\s*/\s*(-?[\d.,]+)$")
+_LATEX_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+
+
+def _boxed(text: str) -> str | None:
+    """Contents of the last `\\boxed{...}` (or `\\fbox{...}`), braces matched; None if there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None  # unclosed: the completion was cut off
+
+
+def parse_number(text: str) -> Fraction | None:
+    """`"1,234"`, `"42.0"`, `"-3.5"`, `"3/4"`, `"\\frac{3}{4}"`, `"$18"`, `"18 dollars"` -> an exact value.
+    A text holding several numbers gives its last one; no number gives None."""
+    text = _LATEX_TEXT.sub(r"\1", text)
+    text = _LATEX_FRAC.sub(r"(\1)/(\2)", text)
+    text = re.sub(r"\\[,!;: ]|\\\$|\$|\\%|%|\\left|\\right", "", text).strip()
+    plain = text.replace("(", "").replace(")", "").replace(" ", "")
+    frac = _FRACTION.match(plain)
+    if frac:
+        num, den = (_to_fraction(g) for g in frac.groups())
+        if num is not None and den:
+            return num / den
+    numbers_found = _NUMBER.findall(text)
+    return _to_fraction(numbers_found[-1]) if numbers_found else None
+
+
+def _to_fraction(token: str) -> Fraction | None:
+    token = token.replace(",", "").rstrip(".")
+    try:
+        return Fraction(token)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def extract_answer(text: str) -> Fraction | None:
+    """A completion's final answer: the last `\\boxed{}`, else the last `<answer>...</answer>`, else what follows
+    the last GSM8K-style `####`, else the last number in the text. None when there is no number at all, or when
+    the last box was never closed (the completion was cut off)."""
+    if "\\boxed{" in text or "\\fbox{" in text:
+        boxed = _boxed(text)
+        return None if boxed is None else parse_number(boxed)  # an unclosed box: cut off before the answer
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    if tagged:
+        return parse_number(tagged[-1])
+    if "####" in text:
+        return parse_number(text.rsplit("####", 1)[1])
+    return parse_number(text)
+
+
+def extract_reference(reference) -> Fraction | None:
+    """A reference answer: a number, a GSM8K solution ending in `#### 42`, a `\\boxed{}` solution, or plain text."""
+    if isinstance(reference, numbers.Real) and not isinstance(reference, bool):
+        return Fraction(str(reference))
+    if not isinstance(reference, str) or not reference.strip():
+        return None
+    if "####" in reference:
+        return parse_number(reference.rsplit("####", 1)[1])
+    return extract_answer(reference)
+
+
+def math_accuracy(prompts, completions, *, answer_column: str = "answer", parsed=None,
+                  **columns) -> list[float | None]:
+    """1.0 when the completion's final answer equals the reference numerically, else 0.0; None for a row whose
+    reference holds no number (not applicable).
+
+    The reference comes from the `answer_column` column (GSM8K: `answer`, ending in `#### 42`). The completion's
+    answer is its last `\\boxed{}`, else `<answer>` tag, else text after `####`, else its last number; with a parsed
+    message only its `content` is read (not the reasoning). Numbers compare exactly after removing thousands
+    commas, `$` and `%`: `1,000` == `1000`, `42.0` == `42`, `\\frac{1}{2}` == `0.5`.
+    """
+    if answer_column not in columns:
+        raise ValueError(f"math_accuracy needs the reference column {answer_column!r}; columns: {sorted(columns)} "
+                         f"(set `reward_kwargs: {{math_accuracy: {{answer_column: NAME}}}}`)")
+    references = columns[answer_column]
+    parsed = parsed if parsed is not None else [None] * len(completions)
+    out: list[float | None] = []
+    for completion, reference, message in zip(completions, references, parsed):
+        expected = extract_reference(reference)
+        if expected is None:
+            out.append(None)
+            continue
+        got = extract_answer(completion_text(completion, message))
+        out.append(1.0 if got is not None and got == expected else 0.0)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern, re.DOTALL)
+
+
+THINK_ANSWER_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+
+
+def format_reward(prompts, completions, *, pattern: str = THINK_ANSWER_PATTERN, **columns) -> list[float]:
+    """1.0 when the completion (stripped) matches `pattern` (`re.search`, `.` matches newlines; anchor with `^...$`
+    to require the whole completion), else 0.0. Default: reasoning in `<think>` tags, then an `<answer>` tag."""
+    regex = _compiled(pattern)
+    return [1.0 if regex.search(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+def length_penalty(prompts, completions, *, max_length: int = 1024, soft_length: int | None = None,
+                   completion_ids=None, **columns) -> list[float]:
+    """0 up to `soft_length`, then falling linearly to -1.0 at `max_length` and -1.0 beyond (DAPO's soft overlong
+    penalty). Lengths are in tokens (`completion_ids`), or characters when there are no ids. Default soft_length:
+    three quarters of max_length."""
+    soft = int(0.75 * max_length) if soft_length is None else soft_length
+    if not 0 <= soft < max_length:
+        raise ValueError(f"length_penalty needs 0 <= soft_length < max_length, got {soft} and {max_length}")
+    lengths = [len(i) for i in completion_ids] if completion_ids is not None else \
+        [len(completion_text(c)) for c in completions]
+    return [0.0 - min(1.0, max(0.0, (n - soft) / (max_length - soft))) for n in lengths]

@@ -19,6 +19,7 @@ import torch
 from .config import AsyncGRPOConfig
 from .distributed import broadcast_object, dist_sum, make_accelerator, setup_logging
 from .loss import grpo_loss, token_logprobs
+from .rewards import reward_means
 from .rollout.queue import Group, RolloutQueue
 from .sync.gather import gather_lora_state, lora_parameters
 
@@ -101,7 +102,7 @@ class AsyncGRPOTrainer:
     def _setup_rank0(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        from .data import dataset_file, load_prompts
+        from .data import load_prompt_set, server_max_model_len
         from .inference.client import InferenceClient
         from .rewards import RewardScorer
         from .rollout.producer import RolloutProducer
@@ -120,12 +121,16 @@ class AsyncGRPOTrainer:
         self.store = AdapterStore(Path(cfg.lora_adapter_path) / self.run_id)
         self.publisher = AdapterPublisher([self.client], f"{cfg.lora_name}-{self.run_id}", cfg.sync_mode,
                                           cfg.sync_pause_mode)
-        self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback)
-        rows = load_prompts(dataset_file(cfg), self.tokenizer, cfg.prompt_column)
+        self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
+        # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted).
+        prompts = load_prompt_set(cfg, self.tokenizer, model_path=self.model_path,
+                                  server_max_model_len=server_max_model_len(self.client.models()))
         self.queue = RolloutQueue(cfg.max_staleness)
-        self.producer = RolloutProducer(client=self.client, tokenizer=self.tokenizer, rows=rows, scorer=self.scorer,
-                                        queue=self.queue, groups_per_step=self.groups_per_step, cfg=cfg)
+        self.producer = RolloutProducer(client=self.client, tokenizer=self.tokenizer, rows=prompts.rows,
+                                        scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
+                                        cfg=cfg, response_template=prompts.response_template)
         self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self.writer.add_scalar("data/prompts_skipped_too_long", prompts.skipped_too_long, 0)
         self.producer.start()
 
     # ---- the loop -------------------------------------------------------------------------------------
@@ -167,8 +172,9 @@ class AsyncGRPOTrainer:
                          "queue/inflight_requests": self.producer.inflight,
                          "completion/mean_length": sum(g.n_completion_tokens for g in groups)
                          / (len(groups) * self.cfg.num_generations)})
-            for name in self.scorer.names:
-                stats.add(**{f"reward/{name}": sum(sum(g.reward_parts[name]) for g in groups) / len(rewards)})
+            for name, mean in reward_means([g.reward_parts for g in groups]).items():
+                if mean is not None:  # None: the function applied to no completion of this batch
+                    stats.add(**{f"reward/{name}": mean})
             per_rank = len(groups) // self.world
             shares = [groups[i * per_rank:(i + 1) * per_rank] for i in range(self.world)]
         shares = broadcast_object(shares)

@@ -50,3 +50,83 @@ def test_unknown_reward_function_is_a_config_error():
         RewardScorer([f"{__name__}:nope"])
     with pytest.raises(ConfigError, match="cannot import module"):
         RewardScorer(["no_such_module_xyz:f"])
+
+
+# ---- None = "not applicable" ------------------------------------------------------------------------------------
+def only_even_rows(prompts, completions, row, **kw):
+    return [1.0 if r % 2 == 0 else None for r in row]
+
+
+def only_odd_rows(prompts, completions, row, **kw):
+    return [10.0 if r % 2 else None for r in row]
+
+
+def never_applies(prompts, completions, **kw):
+    return [None] * len(completions)
+
+
+def nan_reward(prompts, completions, **kw):
+    return [float("nan")] * len(completions)
+
+
+def numpy_reward(prompts, completions, **kw):
+    import numpy as np
+
+    return [np.float32(0.5)] * len(completions)
+
+
+def test_none_means_not_applicable_total_is_the_weighted_sum_over_applicable_functions():
+    s = RewardScorer([f"{__name__}:only_even_rows", f"{__name__}:length_reward"], weights=[2.0, 0.5])
+    total, parts = s.score(["p"] * 3, ["a", "bb", "ccc"], {"row": [0, 1, 2]})
+    assert parts == {"only_even_rows": [1.0, None, 1.0], "length_reward": [1.0, 2.0, 3.0]}
+    assert total == [2.0 + 0.5, 1.0, 2.0 + 1.5]  # row 1: only length_reward applies, no renormalisation
+
+
+def test_per_function_means_skip_none():
+    from asyncgrpo.rewards import reward_means
+
+    parts = [{"a": [1.0, None], "b": [None, None]}, {"a": [0.0, None], "b": [None, None]}]
+    assert reward_means(parts) == {"a": 0.5, "b": None}  # b applied to nothing: no mean, not 0
+
+
+def test_a_completion_no_function_applies_to_is_an_error_or_the_fallback():
+    s = RewardScorer([f"{__name__}:only_even_rows", f"{__name__}:never_applies"])
+    with pytest.raises(RewardFunctionError) as err:
+        s.score(["p", "q"], ["a", "b"], {"row": [0, 1]})
+    assert "no reward function applies to 1 completion(s)" in str(err.value)
+    assert "'q'" in str(err.value) and "reward_fallback" in str(err.value)
+    s = RewardScorer([f"{__name__}:only_even_rows", f"{__name__}:only_odd_rows"])
+    assert s.score(["p", "q"], ["a", "b"], {"row": [0, 1]})[0] == [1.0, 10.0]
+    s = RewardScorer([f"{__name__}:never_applies"], fallback=-0.5)
+    assert s.score(["p", "q"], ["a", "b"], {})[0] == [-0.5, -0.5] and s.fallbacks == 2
+
+
+def test_nan_is_still_an_error_and_numpy_floats_are_accepted():
+    with pytest.raises(RewardFunctionError, match="returned nan; return a finite float"):
+        RewardScorer([f"{__name__}:nan_reward"]).score(["p"], ["a"], {})
+    assert RewardScorer([f"{__name__}:numpy_reward"]).score(["p"], ["a"], {})[0] == [0.5]
+
+
+# ---- what reaches the functions --------------------------------------------------------------------------------------
+def echo_extras(prompts, completions, completion_ids, parsed=None, **kw):
+    return [len(ids) + (100.0 if p and p.get("content") == "4" else 0.0) for ids, p in zip(completion_ids, parsed)]
+
+
+def test_completion_ids_and_parsed_messages_reach_the_functions():
+    s = RewardScorer([f"{__name__}:echo_extras"])
+    total, _ = s.score(["p", "p"], ["4", "x"], {}, completion_ids=[[1, 2], [3]],
+                       parsed=[{"role": "assistant", "content": "4"}, None])
+    assert total == [102.0, 1.0]
+
+
+def scaled(prompts, completions, *, factor: float = 1.0, **kw):
+    return [factor * len(c) for c in completions]
+
+
+def test_reward_kwargs_are_bound_by_name_or_reference_and_typos_are_config_errors():
+    assert RewardScorer([f"{__name__}:scaled"], kwargs={"scaled": {"factor": 3.0}}).score(["p"], ["ab"], {})[0] == [6.0]
+    by_ref = RewardScorer([f"{__name__}:scaled"], kwargs={f"{__name__}:scaled": {"factor": 0.5}})
+    assert by_ref.score(["p"], ["ab"], {})[0] == [1.0]
+    with pytest.raises(ConfigError) as err:
+        RewardScorer([f"{__name__}:scaled"], kwargs={"scaled": {"facter": 3.0}})
+    assert err.value.field == "reward_kwargs" and "no argument(s) ['facter']; it takes ['factor']" in str(err.value)

@@ -10,15 +10,14 @@ The queue drops whatever still arrives too old (e.g. after an aborted request), 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
+from ..data import PromptRow, PromptStream, parse_completions
 from ..inference.client import InferenceClient
 from ..loss import group_advantages
 from ..rewards import RewardScorer
@@ -27,38 +26,19 @@ from .queue import Group, RolloutQueue
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PromptRow:
-    """A dataset row with its prompt already tokenised once."""
-
-    prompt: str
-    prompt_ids: list[int]
-    columns: dict
-
-
-def prompt_stream(rows: list[PromptRow], seed: int):
-    """Endless deterministic stream: each epoch is the rows shuffled by (seed, epoch)."""
-    epoch = 0
-    while True:
-        order = list(range(len(rows)))
-        random.Random(seed * 100_003 + epoch).shuffle(order)
-        for i in order:
-            yield rows[i]
-        epoch += 1
-
-
-def decode_completion(tokenizer, ids: list[int]) -> str:
-    """Token ids -> text; ids outside the tokenizer (padded vocab rows) decode to U+FFFD, so they score as wrong."""
+def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """Token ids -> text; ids outside the tokenizer (padded vocab rows) decode to U+FFFD, so they score as wrong.
+    `skip_special_tokens=False` keeps end-of-turn markers, which a response template needs to close regions."""
     size = len(tokenizer)
     pieces, run = [], []
     for i in ids:
         if i < size:
             run.append(i)
             continue
-        pieces.append(tokenizer.decode(run, skip_special_tokens=True))
+        pieces.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
         pieces.append("\ufffd")
         run = []
-    pieces.append(tokenizer.decode(run, skip_special_tokens=True))
+    pieces.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
     return "".join(pieces)
 
 
@@ -66,14 +46,15 @@ class RolloutProducer:
     """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end."""
 
     def __init__(self, *, client: InferenceClient, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
-                 queue: RolloutQueue, groups_per_step: int, cfg):
+                 queue: RolloutQueue, groups_per_step: int, cfg, response_template: dict | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.queue = queue
         self.groups_per_step = groups_per_step
         self.cfg = cfg
-        self._stream = prompt_stream(rows, cfg.seed)
+        self.response_template = response_template  # parse chat completions with it (data.response_template_for)
+        self.stream = PromptStream(rows, cfg.seed)  # its `position` is where a resumed run continues
         self._version = -1  # nothing served yet: no request is sent before the first set_policy()
         self._adapter = ""
         self._inflight = 0
@@ -133,7 +114,7 @@ class RolloutProducer:
                     self._inflight += 1
                     version, adapter = self._version, self._adapter
                     self._inflight_by_adapter[adapter] += 1
-                self._pool.submit(self._make_group, next(self._stream), version, adapter)
+                self._pool.submit(self._make_group, next(self.stream), version, adapter)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which re-raises it
             self.queue.fail(exc)
 
@@ -162,13 +143,27 @@ class RolloutProducer:
             self.lost_groups += 1  # aborted by a sync with sync_pause_mode: abort
             return None
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
-        texts = [decode_completion(self.tokenizer, c.token_ids) for c in completions]
-        n = len(texts)
+        ids = [c.token_ids for c in completions]
+        n = len(ids)
         columns = {k: [v] * n for k, v in row.columns.items()}
-        rewards, parts = self.scorer.score([row.prompt] * n, texts, columns)
+        completions_in, parsed = self._reward_inputs(row, ids)
+        rewards, parts = self.scorer.score([row.prompt] * n, completions_in, columns, completion_ids=ids, parsed=parsed)
         advantages = group_advantages(torch.tensor([rewards]), scale=cfg.scale_rewards)[0].tolist()
-        return Group(prompt=row.prompt, prompt_ids=row.prompt_ids,
+        return Group(prompt=row.rendered or row.prompt, prompt_ids=row.prompt_ids,
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],
                      rewards=rewards, reward_parts=parts, advantages=advantages, version=version, adapter=adapter,
                      finish_reasons=[c.finish_reason for c in completions])
+
+    def _reward_inputs(self, row: PromptRow, ids: list[list[int]]) -> tuple[list, list | None]:
+        """(completions, parsed) as reward functions get them: text for a text prompt; for a chat prompt TRL's
+        conversational form `[{"role": "assistant", "content": text}]`, plus the parsed messages when the tokenizer
+        has a response template (None where a completion could not be parsed)."""
+        texts = [decode_completion(self.tokenizer, i) for i in ids]
+        if not row.is_chat:
+            return texts, None
+        completions = [[{"role": "assistant", "content": t}] for t in texts]
+        if self.response_template is None:
+            return completions, None
+        raw = [decode_completion(self.tokenizer, i, skip_special_tokens=False) for i in ids]
+        return completions, parse_completions(self.tokenizer, self.response_template, row.rendered, raw)
