@@ -156,8 +156,10 @@ class AsyncGRPOConfig:
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
 
     # ---- inference server -----------------------------------------------------------------------
-    vllm_server_base_url: str = "http://127.0.0.1:8000"
-    """Base URL of the vLLM inference node (OpenAI-compatible server started with --enable-lora)."""
+    vllm_server_base_url: str | list[str] = "http://127.0.0.1:8000"
+    """Base URL of the vLLM inference node (OpenAI-compatible server started with --enable-lora), or a list of them
+    (YAML list, or comma-separated on the command line): rollout requests are spread over the servers and every
+    sync reaches all of them."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the inference server to become healthy at start."""
     vllm_request_timeout: float = 120.0
@@ -180,6 +182,12 @@ class AsyncGRPOConfig:
     @property
     def epsilon_upper(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def server_urls(self) -> list[str]:
+        """`vllm_server_base_url` as a list (one entry per inference server)."""
+        urls = self.vllm_server_base_url
+        return [urls] if isinstance(urls, str) else list(urls)
 
     @property
     def api_key(self) -> str | None:
@@ -236,9 +244,10 @@ class AsyncGRPOConfig:
                 raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
                                   "write e.g. `asyncgrpo.toy:larger_reward`")
         self._validate_data()
-        if not self.vllm_server_base_url.startswith(("http://", "https://")):
-            raise ConfigError("vllm_server_base_url", f"{self.vllm_server_base_url!r} is not an http(s) URL",
-                              "write e.g. http://10.0.0.5:8000")
+        for url in self.server_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError("vllm_server_base_url", f"{url!r} is not an http(s) URL",
+                                  "write e.g. http://10.0.0.5:8000")
 
     def _validate_data(self) -> None:
         """Checks of the dataset, prompt and reward keys."""
@@ -330,6 +339,9 @@ def _coerce(key: str, value, hint):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        lists = [a for a in inner if typing.get_origin(a) is list]
+        if lists and (isinstance(value, list) or (isinstance(value, str) and "," in value)):
+            inner = lists  # `str | list[str]`: a YAML list, or `a,b` on the command line, picks the list
         return _coerce(key, value, inner[0])
     if hint is Any:
         return value

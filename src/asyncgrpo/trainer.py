@@ -103,6 +103,7 @@ class AsyncGRPOTrainer:
         from torch.utils.tensorboard import SummaryWriter
 
         from .data import load_prompt_set, server_max_model_len
+        from .inference.checks import check_lora_serving
         from .inference.client import InferenceClient
         from .rewards import RewardScorer
         from .rollout.producer import RolloutProducer
@@ -112,21 +113,24 @@ class AsyncGRPOTrainer:
         self.out_dir = Path(cfg.output_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(self.out_dir / "config.yaml")
-        self.client = InferenceClient(cfg.vllm_server_base_url, api_key=cfg.api_key,
-                                      timeout_s=cfg.vllm_request_timeout)
-        self.client.wait_healthy(cfg.vllm_server_timeout)
+        self.clients = [InferenceClient(url, api_key=cfg.api_key, timeout_s=cfg.vllm_request_timeout)
+                        for url in cfg.server_urls]
+        for client in self.clients:  # fail now, naming the flag to change, not at the first sync
+            client.wait_healthy(cfg.vllm_server_timeout)
+            check_lora_serving(client, lora_r=cfg.lora_r, adapters_needed=cfg.max_staleness + 2)
+        self.client = self.clients[0]  # for what all servers share: the base model, max_model_len
         # Names must be unique for the server's lifetime (vLLM refuses to re-load one), and versions on disk are
         # immutable: each run gets an id, its adapters go to lora_adapter_path/<run id>/v<N>.
         self.run_id = uuid.uuid4().hex[:8]
         self.store = AdapterStore(Path(cfg.lora_adapter_path) / self.run_id)
-        self.publisher = AdapterPublisher([self.client], f"{cfg.lora_name}-{self.run_id}", cfg.sync_mode,
+        self.publisher = AdapterPublisher(self.clients, f"{cfg.lora_name}-{self.run_id}", cfg.sync_mode,
                                           cfg.sync_pause_mode)
         self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
         # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted).
         prompts = load_prompt_set(cfg, self.tokenizer, model_path=self.model_path,
                                   server_max_model_len=server_max_model_len(self.client.models()))
         self.queue = RolloutQueue(cfg.max_staleness)
-        self.producer = RolloutProducer(client=self.client, tokenizer=self.tokenizer, rows=prompts.rows,
+        self.producer = RolloutProducer(clients=self.clients, tokenizer=self.tokenizer, rows=prompts.rows,
                                         scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
                                         cfg=cfg, response_template=prompts.response_template)
         self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))

@@ -25,6 +25,18 @@ def vllm_server(world, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def second_vllm_server(world, tmp_path_factory):
+    """A second inference server, only for the several-servers tests; it accepts rank 16 where the first does not."""
+    from asyncgrpo.inference.server import VLLMServer, find_free_port
+
+    log = tmp_path_factory.mktemp("vllm2") / "vllm.log"
+    server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=16, max_loras=4, max_model_len=256,
+                        log_path=log)
+    with server:
+        yield server
+
+
 @pytest.fixture()
 def client(vllm_server):
     from asyncgrpo.inference.client import InferenceClient
@@ -37,13 +49,13 @@ def client(vllm_server):
 def random_adapter(world):
     """`random_adapter(seed) -> (tensors, peft config)`: a LoRA with random non-zero weights on the toy model."""
 
-    def make(seed: int):
+    def make(seed: int, rank: int = 8):
         import torch
         from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+        config = LoraConfig(r=rank, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
                             init_lora_weights=False)
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(world.model_dir), config)
         with torch.no_grad():

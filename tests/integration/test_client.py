@@ -57,3 +57,15 @@ def test_server_errors_quote_the_server_and_say_what_to_check(client, tmp_path):
     assert err.value.status == 404 and "HTTP 404" in str(err.value)
     with pytest.raises(InferenceServerError, match="does not exist"):
         client.complete("no-such-model", PROMPT, n=1, max_tokens=2)
+
+
+def test_start_up_check_names_the_server_flag_to_change(client):
+    from asyncgrpo.inference.checks import check_lora_serving
+
+    config = client.server_config()
+    assert config["lora_config"]["max_loras"] == 4 and config["lora_config"]["max_lora_rank"] == 8
+    check_lora_serving(client, lora_r=8, adapters_needed=4)  # what the session server was started for
+    with pytest.raises(InferenceServerError, match="restart it with --max-lora-rank 16"):
+        check_lora_serving(client, lora_r=16, adapters_needed=3)
+    with pytest.raises(InferenceServerError, match="restart it with --max-loras 5"):
+        check_lora_serving(client, lora_r=8, adapters_needed=5)

@@ -12,7 +12,7 @@ PROMPT = [3 + b for b in b"42,24>"]
 
 
 def running_requests(base_url: str) -> float:
-    """vLLM's own gauge of requests being generated now (GET /metrics)."""
+    """vLLM's own gauge of requests being generated now (GET /metrics); n=8 counts as one request."""
     for line in requests.get(f"{base_url}/metrics", timeout=5).text.splitlines():
         if line.startswith("vllm:num_requests_running"):
             return float(line.rsplit(" ", 1)[1])
@@ -27,21 +27,22 @@ def test_versioned_sync_never_pauses_and_in_flight_requests_finish_on_their_vers
     monkeypatch.setattr(client, "pause", lambda *a, **k: calls.append("pause"))
     monkeypatch.setattr(client, "resume", lambda *a, **k: calls.append("resume"))
     publisher.publish(1, store.write(1, *random_adapter(seed=7), base_model=str(world.model_dir)))
+    v2 = store.write(2, *random_adapter(seed=8), base_model=str(world.model_dir))  # ready before the request starts
 
     result = {}
     long_request = threading.Thread(target=lambda: result.update(c=client.complete(
-        publisher.name(1), PROMPT, n=4, max_tokens=200, extra={"ignore_eos": True})))
+        publisher.name(1), PROMPT, n=8, max_tokens=240, extra={"ignore_eos": True})))
     long_request.start()
     deadline = time.monotonic() + 60
     while running_requests(vllm_server.base_url) < 1:  # poll until the request is being generated
         assert time.monotonic() < deadline, "the long request never started"
-    publisher.publish(2, store.write(2, *random_adapter(seed=8), base_model=str(world.model_dir)))
+    publisher.publish(2, v2)
     assert running_requests(vllm_server.base_url) >= 1  # the sync happened while it was generating
     long_request.join(timeout=300)
 
     assert calls == []  # no pause, no resume
     in_flight = result["c"]
-    assert [c.model for c in in_flight] == [publisher.name(1)] * 4 and all(len(c.token_ids) == 200 for c in in_flight)
+    assert [c.model for c in in_flight] == [publisher.name(1)] * 8 and all(len(c.token_ids) == 240 for c in in_flight)
     first = in_flight[0]
     under_v1 = client.score(publisher.name(1), PROMPT + first.token_ids)[len(PROMPT):]
     under_v2 = client.score(publisher.name(2), PROMPT + first.token_ids)[len(PROMPT):]

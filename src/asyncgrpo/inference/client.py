@@ -155,6 +155,17 @@ class InferenceClient:
                 return m["id"]
         raise InferenceServerError(f"models: {self.base_url}/v1/models lists no base model (every entry has a parent)")
 
+    def server_config(self) -> dict[str, Any] | None:
+        """The server's engine configuration (`GET /server_info`, a dev-mode route), or None where the route is
+        absent (a server started without VLLM_SERVER_DEV_MODE=1)."""
+        try:
+            resp = self._request("server_info", "GET", "/server_info", params={"config_format": "json"})
+        except InferenceServerError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return self._json("server_info", resp).get("vllm_config")
+
     # ---- generation ----------------------------------------------------------------------------------
 
     def complete(

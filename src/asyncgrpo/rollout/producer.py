@@ -9,6 +9,7 @@ The queue drops whatever still arrives too old (e.g. after an aborted request), 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -45,9 +46,9 @@ def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = Tru
 class RolloutProducer:
     """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end."""
 
-    def __init__(self, *, client: InferenceClient, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
+    def __init__(self, *, clients: list[InferenceClient], tokenizer, rows: list[PromptRow], scorer: RewardScorer,
                  queue: RolloutQueue, groups_per_step: int, cfg, response_template: dict | None = None):
-        self.client = client
+        self._servers = itertools.cycle(clients)  # requests go round-robin over the inference servers
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.queue = queue
@@ -114,14 +115,15 @@ class RolloutProducer:
                     self._inflight += 1
                     version, adapter = self._version, self._adapter
                     self._inflight_by_adapter[adapter] += 1
-                self._pool.submit(self._make_group, next(self.stream), version, adapter)
+                    client = next(self._servers)
+                self._pool.submit(self._make_group, client, next(self.stream), version, adapter)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which re-raises it
             self.queue.fail(exc)
 
     # ---- one request ----------------------------------------------------------------------------------
-    def _make_group(self, row: PromptRow, version: int, adapter: str) -> None:
+    def _make_group(self, client: InferenceClient, row: PromptRow, version: int, adapter: str) -> None:
         try:
-            group = self._generate(row, version, adapter)
+            group = self._generate(client, row, version, adapter)
             if group is not None:
                 self.queue.put(group)
         except BaseException as exc:  # noqa: BLE001
@@ -134,9 +136,9 @@ class RolloutProducer:
                 self._inflight_by_adapter[adapter] -= 1
                 self.queue.cond.notify_all()
 
-    def _generate(self, row: PromptRow, version: int, adapter: str) -> Group | None:
+    def _generate(self, client: InferenceClient, row: PromptRow, version: int, adapter: str) -> Group | None:
         cfg = self.cfg
-        completions = self.client.complete(adapter, row.prompt_ids, n=cfg.num_generations,
+        completions = client.complete(adapter, row.prompt_ids, n=cfg.num_generations,
                                            max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                            top_p=cfg.top_p)
         if any(c.finish_reason == "abort" for c in completions):

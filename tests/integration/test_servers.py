@@ -1,0 +1,64 @@
+"""Several inference servers (two real vLLM CPU servers): rollouts are spread over them, every sync reaches both,
+and a server that rejects a load fails the sync loudly without leaving the other one ahead."""
+
+import uuid
+
+import pytest
+import requests
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.demo import default_config_path
+from asyncgrpo.errors import SyncError
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.sync.publish import AdapterPublisher, AdapterStore
+from asyncgrpo.trainer import AsyncGRPOTrainer
+
+
+def finished_requests(base_url: str) -> float:
+    """vLLM's own count of finished requests (GET /metrics, summed over finish reasons)."""
+    lines = requests.get(f"{base_url}/metrics", timeout=5).text.splitlines()
+    values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:request_success_total")]
+    assert values, "no vllm:request_success_total in /metrics"
+    return sum(values)
+
+
+def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, second_vllm_server, tmp_path):
+    urls = [vllm_server.base_url, second_vllm_server.base_url]
+    before = [finished_requests(u) for u in urls]
+    cfg = AsyncGRPOConfig.load(default_config_path(), [
+        "--max_steps", "2", "--per_device_train_batch_size", "64", "--output_dir", str(tmp_path),
+        "--lora_adapter_path", str(tmp_path / "adapters"), "--vllm_server_base_url", ",".join(urls)])
+    trainer = AsyncGRPOTrainer(cfg)
+    served = []
+    try:
+        trainer.setup()
+        for _ in range(2):
+            trainer.train_step()
+            trainer.sync()
+            served.append([InferenceClient(u).adapter_paths().get(trainer.adapter_name) for u in urls])
+        final = str(trainer.store.path(trainer.version))
+    finally:
+        trainer.cleanup()
+    assert served[-1] == [final, final]
+    assert served[0][0] == served[0][1] and served[0][0] != final  # version 1 on both, then version 2 on both
+    gained = [finished_requests(u) - b for u, b in zip(urls, before)]
+    assert min(gained) >= 4  # each server generated a share of the 16+ groups (round-robin)
+
+
+def test_a_server_that_rejects_the_load_fails_the_sync_with_its_message(
+        world, vllm_server, second_vllm_server, tmp_path, random_adapter):
+    accepts_16, refuses_16 = InferenceClient(second_vllm_server.base_url), InferenceClient(vllm_server.base_url)
+    publisher = AdapterPublisher([accepts_16, refuses_16], f"two-{uuid.uuid4().hex[:6]}")
+    store = AdapterStore(tmp_path)
+    publisher.publish(1, store.write(1, *random_adapter(seed=11), base_model=str(world.model_dir)))
+    path = store.write(2, *random_adapter(seed=12, rank=16), base_model=str(world.model_dir))
+    with pytest.raises(SyncError) as err:
+        publisher.publish(2, path)
+    message = str(err.value)
+    assert vllm_server.base_url in message and ("HTTP 400" in message or "HTTP 500" in message)
+    assert "rank" in message.lower()  # the server's own words about the rank limit
+    for client in (accepts_16, refuses_16):  # all or nothing: neither server serves version 2
+        assert publisher.name(2) not in client.adapter_paths()
+        assert client.adapter_paths()[publisher.name(1)] == str(store.path(1))
+        assert client.is_paused() is False
+    assert publisher.current_name == publisher.name(1)
