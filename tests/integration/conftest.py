@@ -65,3 +65,37 @@ def random_adapter(world):
         return get_peft_model_state_dict(model), config
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tb_scalars():
+    """`tb_scalars(tensorboard_dir, tag) -> [(step, value), ...]`, read back from the event files."""
+
+    def read(tb_dir, tag):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(tb_dir))
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+    return read
+
+
+@pytest.fixture(scope="session")
+def peft_logprobs(world):
+    """`peft_logprobs(adapter_dir, prompt_ids, completion_ids)`: the completion tokens' logprobs (fp32) with the
+    adapter loaded by PEFT onto the unsharded toy base, the reference a served adapter is compared with."""
+
+    def score(adapter_dir, prompt_ids, completion_ids):
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(world.model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+        ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        return logprobs[len(prompt_ids) - 1:].gather(-1, ids[0, len(prompt_ids):, None]).squeeze(-1)
+
+    return score

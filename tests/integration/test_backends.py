@@ -16,13 +16,6 @@ from safetensors.torch import load_file
 from asyncgrpo.inference.server import find_free_port
 
 
-def scalars(tb_dir, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir))
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
-
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3 + b for b in b"61,16>"]
 # Environment per backend, as measured in shared/NOTES.md: accelerate needs ACCELERATE_USE_CPU for DDP/FSDP on a
@@ -48,10 +41,7 @@ def launch(backend: str, out: Path, server_url: str) -> subprocess.CompletedProc
 
 
 @pytest.mark.parametrize("backend", sorted(BACKEND_ENV))
-def test_sharded_training_publishes_the_trained_adapter(backend, vllm_server, client, world, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+def test_sharded_training_publishes_the_trained_adapter(backend, vllm_server, client, peft_logprobs, tmp_path):
     proc = launch(backend, tmp_path, vllm_server.base_url)
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((tmp_path / "run_summary.json").read_text())
@@ -63,16 +53,11 @@ def test_sharded_training_publishes_the_trained_adapter(backend, vllm_server, cl
     assert min(t.abs().max().item() for k, t in tensors.items() if "lora_B" in k) > 0
 
     completion = client.complete(summary["adapter_name"], PROMPT, n=1, max_tokens=3, temperature=1.0)[0]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(world.model_dir, dtype=torch.float32),
-                                      summary["adapter_path"]).eval()
-    ids = torch.tensor([PROMPT + completion.token_ids])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-    mine = logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
+    mine = peft_logprobs(summary["adapter_path"], PROMPT, completion.token_ids)
     assert torch.allclose(mine, torch.tensor(completion.logprobs), atol=1e-3, rtol=0)
 
 
-def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, client, tmp_path):
+def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, client, tb_scalars, tmp_path):
     """No accelerate launcher: plain `torchrun` (DDP over gloo on this CPU host), with `sync_mode: versioned`."""
     env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
     env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
@@ -85,7 +70,7 @@ def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, cli
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["version"] == 2
-    paused = [v for _, v in scalars(tmp_path / "tensorboard", "sync/paused_s")]
+    paused = [v for _, v in tb_scalars(tmp_path / "tensorboard", "sync/paused_s")]
     assert len(paused) == 2 and paused == [0.0, 0.0]  # versioned: the server was never paused
     assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
     assert proc.stderr.count("asyncgrpo.trainer: done") == 1  # two ranks, one rank 0

@@ -51,14 +51,6 @@ torch_num_threads: 1
 """
 
 
-def scalars(tb_dir, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir))
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
-
-
 @pytest.fixture(scope="module")
 def own_data_run(vllm_server, world, tmp_path_factory):
     out = tmp_path_factory.mktemp("own_data")
@@ -77,28 +69,28 @@ def own_data_run(vllm_server, world, tmp_path_factory):
     return out, json.loads((out / "run_summary.json").read_text()), proc
 
 
-def test_a_local_gsm8k_file_trains_end_to_end_in_one_process(own_data_run, client):
+def test_a_local_gsm8k_file_trains_end_to_end_in_one_process(own_data_run, client, tb_scalars):
     out, summary, _ = own_data_run
     assert summary["steps"] == 3 and summary["version"] == 3
     assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
-    assert [v for _, v in scalars(out / "tensorboard", "policy/version")] == [1.0, 2.0, 3.0]
+    assert [v for _, v in tb_scalars(out / "tensorboard", "policy/version")] == [1.0, 2.0, 3.0]
 
 
-def test_each_reward_function_has_its_own_mean_in_tensorboard(own_data_run):
+def test_each_reward_function_has_its_own_mean_in_tensorboard(own_data_run, tb_scalars):
     out, _, _ = own_data_run
-    accuracy = [v for _, v in scalars(out / "tensorboard", "reward/math_accuracy")]
-    penalty = [v for _, v in scalars(out / "tensorboard", "reward/length_penalty")]
+    accuracy = [v for _, v in tb_scalars(out / "tensorboard", "reward/math_accuracy")]
+    penalty = [v for _, v in tb_scalars(out / "tensorboard", "reward/length_penalty")]
     assert len(accuracy) == 3 and all(0.0 <= v <= 1.0 for v in accuracy)
     assert len(penalty) == 3 and all(-1.0 <= v <= 0.0 for v in penalty)
 
 
-def test_chat_completions_reach_the_users_reward_function_parsed(own_data_run):
+def test_chat_completions_reach_the_users_reward_function_parsed(own_data_run, tb_scalars):
     """The toy tokenizer has no response template of its own; transformers ships one for its model type (qwen2)."""
     out, _, _ = own_data_run
-    assert [v for _, v in scalars(out / "tensorboard", "reward/parsed_reply")] == [1.0, 1.0, 1.0]
+    assert [v for _, v in tb_scalars(out / "tensorboard", "reward/parsed_reply")] == [1.0, 1.0, 1.0]
 
 
-def test_over_long_prompts_are_skipped_and_counted(own_data_run):
+def test_over_long_prompts_are_skipped_and_counted(own_data_run, tb_scalars):
     out, _, proc = own_data_run
-    assert scalars(out / "tensorboard", "data/prompts_skipped_too_long") == [(0, 2.0)]
+    assert tb_scalars(out / "tensorboard", "data/prompts_skipped_too_long") == [(0, 2.0)]
     assert "skipped 2 of 9 prompts" in proc.stderr and "2 longer than 240 tokens" in proc.stderr

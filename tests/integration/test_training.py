@@ -14,14 +14,6 @@ from asyncgrpo.inference.server import find_free_port
 PROMPT = [3 + b for b in b"23+19="]
 
 
-def scalars(tb_dir, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir))
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
-
-
 @pytest.fixture(scope="module")
 def two_process_run(vllm_server, world, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
@@ -34,10 +26,10 @@ def two_process_run(vllm_server, world, tmp_path_factory):
     return out, json.loads((out / "run_summary.json").read_text()), proc
 
 
-def test_two_processes_train_and_publish_every_step(two_process_run, client):
+def test_two_processes_train_and_publish_every_step(two_process_run, client, tb_scalars):
     out, summary, proc = two_process_run
     assert summary["steps"] == 4 and summary["version"] == 4
-    assert [v for _, v in scalars(out / "tensorboard", "policy/version")] == [1.0, 2.0, 3.0, 4.0]
+    assert [v for _, v in tb_scalars(out / "tensorboard", "policy/version")] == [1.0, 2.0, 3.0, 4.0]
     assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
     trained = load_file(f"{summary['adapter_path']}/adapter_model.safetensors")
     b_max = [t.abs().max().item() for k, t in trained.items() if "lora_B" in k]
@@ -46,26 +38,18 @@ def test_two_processes_train_and_publish_every_step(two_process_run, client):
     assert proc.stderr.count("asyncgrpo.trainer: done") == 1  # one summary, from rank 0 only
 
 
-def test_staleness_is_bounded_in_a_real_run(two_process_run):
+def test_staleness_is_bounded_in_a_real_run(two_process_run, tb_scalars):
     out, summary, _ = two_process_run
-    maxima = [v for _, v in scalars(out / "tensorboard", "staleness/max")]
+    maxima = [v for _, v in tb_scalars(out / "tensorboard", "staleness/max")]
     assert len(maxima) == 4 and max(maxima) <= 1.0
     assert maxima[0] == 0.0  # the first batch can only come from version 0
 
 
-def test_the_written_adapter_gives_the_served_logprobs(two_process_run, client, world):
+def test_the_written_adapter_gives_the_served_logprobs(two_process_run, client, peft_logprobs):
     """Load the last published adapter with PEFT onto the unsharded base: its logprobs equal the server's."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     _, summary, _ = two_process_run
     completion = client.complete(summary["adapter_name"], PROMPT, n=1, max_tokens=4, temperature=1.0)[0]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(world.model_dir, dtype=torch.float32),
-                                      summary["adapter_path"]).eval()
-    ids = torch.tensor([PROMPT + completion.token_ids])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-    mine = logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
+    mine = peft_logprobs(summary["adapter_path"], PROMPT, completion.token_ids)
     assert torch.allclose(mine, torch.tensor(completion.logprobs), atol=1e-3, rtol=0)
 
 

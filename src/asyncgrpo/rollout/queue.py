@@ -17,7 +17,7 @@ class Group:
     completion_ids: list[list[int]]
     behaviour_logprobs: list[list[float]]  # the server's logprob of each sampled token
     rewards: list[float]
-    reward_parts: dict[str, list[float]]
+    reward_parts: dict[str, list[float | None]]  # None: the function did not apply to that completion
     advantages: list[float]
     version: int  # policy version that was being served when the request was sent
     adapter: str  # adapter name that served the request
