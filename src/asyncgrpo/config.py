@@ -145,6 +145,9 @@ class AsyncGRPOConfig:
     """Most policy versions a trained group may lag the trainer. 0 = fully synchronous on-policy training."""
     weight_sync_steps: int = 1
     """Optimizer steps between adapter publications to the inference server."""
+    publish_in_background: bool = True
+    """Write and activate each adapter version on a background thread of rank 0, overlapping the next training
+    step (the next sync waits for it, so versions go live in order). False: every sync waits for the server."""
     sync_mode: str = "pause"
     """How a new adapter version goes live: `pause` (pause -> load -> reset prefix cache -> resume) or `versioned`
     (load the new version beside the old one with no pause; requests in flight finish on the old version). Either

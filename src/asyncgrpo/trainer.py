@@ -11,6 +11,7 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,6 +134,8 @@ class AsyncGRPOTrainer:
         self.producer = RolloutProducer(clients=self.clients, tokenizer=self.tokenizer, rows=prompts.rows,
                                         scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
                                         cfg=cfg, response_template=prompts.response_template)
+        self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
+        self._publishing = None
         self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))
         self.writer.add_scalar("data/prompts_skipped_too_long", prompts.skipped_too_long, 0)
         self.producer.start()
@@ -150,6 +153,7 @@ class AsyncGRPOTrainer:
                 self._log(stats, bar)
         if self.main:
             bar.close()
+            self._wait_published()  # the run ends when its last version is served
         return self._finish(time.perf_counter() - started)
 
     def train_step(self) -> StepStats:
@@ -263,25 +267,45 @@ class AsyncGRPOTrainer:
         return terms
 
     # ---- weight sync ----------------------------------------------------------------------------------
-    def sync(self, stats: StepStats | None = None, first: bool = False) -> None:
-        """Collective: gather the LoRA tensors (all ranks); rank 0 writes and activates the next version;
-        the other ranks wait on the barrier."""
+    def sync(self, stats: StepStats | None = None, first: bool = False, wait: bool = False) -> None:
+        """Collective: every rank joins the LoRA-only gather; rank 0 hands the tensors to the publisher thread
+        (atomic write, then activation on every server), so that work overlaps the next training step. The next
+        sync first waits for this one, so versions go live in order and a failed publish stops the run there.
+        `wait=True` (and the first sync) return only once the server serves the new version."""
         t0 = time.perf_counter()
         tensors = gather_lora_state(self.acc, self.model)
-        t1 = time.perf_counter()
+        gathered = time.perf_counter()
         version = 0 if first else self.version + 1
         if self.main:
-            path = self.store.write(version, tensors, self.peft_config, base_model=str(Path(self.model_path).resolve()))
-            t2 = time.perf_counter()
-            timing = self.publisher.publish(version, path)
-            self.producer.set_policy(version, self.publisher.current_name)  # new requests go to the new version
-            self.publisher.retire(in_use=self.producer.adapters_in_use())
-            self.store.prune(self.cfg.keep_adapter_versions, in_use=set(self.publisher.loaded.values()))
+            self._wait_published()  # raises here if the previous publish failed
+            waited = time.perf_counter() - gathered
+            self._publishing = self._publish_thread.submit(self._publish, version, tensors, self.step)
+            if first or wait or not self.cfg.publish_in_background:
+                self._wait_published()
             if stats is not None:
-                stats.add(**{"sync/gather_s": t1 - t0, "sync/write_s": t2 - t1, "sync/server_s": timing.server_s,
-                             "sync/paused_s": timing.paused_s})
+                stats.add(**{"sync/gather_s": gathered - t0, "sync/wait_previous_publish_s": waited})
         self.acc.wait_for_everyone()
         self.version = version
+
+    def _publish(self, version: int, tensors, step: int) -> None:
+        """On rank 0's publisher thread: write version `version`, activate it, retire what nothing uses; its
+        timings go to TensorBoard at the step whose sync made the version."""
+        t0 = time.perf_counter()
+        path = self.store.write(version, tensors, self.peft_config, base_model=str(Path(self.model_path).resolve()))
+        written = time.perf_counter()
+        timing = self.publisher.publish(version, path)
+        self.producer.set_policy(version, self.publisher.current_name)  # new requests go to the new version
+        self.publisher.retire(in_use=self.producer.adapters_in_use())
+        self.store.prune(self.cfg.keep_adapter_versions, in_use=set(self.publisher.loaded.values()))
+        for key, value in {"sync/write_s": written - t0, "sync/server_s": timing.server_s,
+                           "sync/paused_s": timing.paused_s}.items():
+            self.writer.add_scalar(key, value, step)
+
+    def _wait_published(self) -> None:
+        """Block until the publish in progress (if any) is done; re-raises its error."""
+        done, self._publishing = self._publishing, None
+        if done is not None:
+            done.result()
 
     # ---- logging and the end --------------------------------------------------------------------------
     def _progress_bar(self):
@@ -314,6 +338,8 @@ class AsyncGRPOTrainer:
 
     def cleanup(self) -> None:
         """Stop the producer and close the logs; safe after a setup that failed part-way."""
+        if hasattr(self, "_publish_thread"):
+            self._publish_thread.shutdown(wait=True)
         if hasattr(self, "producer"):
             self.producer.stop()
         if hasattr(self, "writer"):

@@ -34,7 +34,7 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
         trainer.setup()
         for _ in range(2):
             trainer.train_step()
-            trainer.sync()
+            trainer.sync(wait=True)
             served.append([InferenceClient(u).adapter_paths().get(trainer.adapter_name) for u in urls])
         final = str(trainer.store.path(trainer.version))
     finally:

@@ -35,7 +35,7 @@ def measure(trainer, prompts: list[list[int]], n: int = 4) -> dict:
     trainer.train_step()  # the trainer moves on; the server still serves the previous version
     mine = trainer.score(prompt_ids, completion_ids)
     before = _max_diff(mine, server_scores())
-    trainer.sync()
+    trainer.sync(wait=True)
     after = _max_diff(mine, server_scores())
     return {"max_abs_logprob_diff": max(sampled, after), "max_abs_logprob_diff_sampled": sampled,
             "max_abs_logprob_diff_after_sync": after, "max_abs_logprob_diff_before_sync": before,
