@@ -33,6 +33,9 @@ class AsyncGRPOConfig:
     (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory."""
     toy_seed: int = 0
     """Seed of the toy world, used only when `model_name_or_path: toy` or `dataset_name: toy`."""
+    torch_dtype: str = "float32"
+    """Dtype the trainer loads the base model in: `float32`, `bfloat16` or `float16`. The LoRA weights stay fp32
+    over a half-precision base (PEFT's default), and the loss is computed in fp32. On GPUs use `bfloat16`."""
     use_lora: bool = True
     """Train a LoRA adapter on a frozen base. Requires `lora_adapter_path`. Full fine-tuning is not supported yet."""
     lora_adapter_path: str | None = None
@@ -232,6 +235,8 @@ class AsyncGRPOConfig:
             raise ConfigError("epsilon", "clip ranges must be > 0", "use epsilon: 0.2 (epsilon_high: 0.28 for DAPO)")
         if self.beta < 0:
             raise ConfigError("beta", f"must be >= 0, got {self.beta}", "use 0 (no KL) or a small value like 0.04")
+        if self.torch_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16")
         if self.sync_mode not in ("pause", "versioned"):
             raise ConfigError("sync_mode", f"unknown mode {self.sync_mode!r}", "use pause or versioned")
         if self.sync_pause_mode not in ("keep", "wait", "abort"):

@@ -87,7 +87,7 @@ class AsyncGRPOTrainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, cfg.torch_dtype))
         self.peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                       target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none")
         model = get_peft_model(base, self.peft_config)
