@@ -5,7 +5,7 @@ from asyncgrpo.demo import default_config_path
 from asyncgrpo.trainer import AsyncGRPOTrainer
 
 
-def test_kl_to_the_adapter_free_model_starts_at_zero_and_grows(vllm_server, tmp_path):
+def test_kl_to_the_adapter_free_model_is_zero_at_the_start_and_positive_once_the_adapter_moved(vllm_server, tmp_path):
     cfg = AsyncGRPOConfig.load(default_config_path(), [
         "--max_steps", "3", "--per_device_train_batch_size", "64", "--beta", "0.04", "--learning_rate", "1e-2",
         "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
@@ -20,4 +20,6 @@ def test_kl_to_the_adapter_free_model_starts_at_zero_and_grows(vllm_server, tmp_
     finally:
         trainer.cleanup()
     assert kls[0] == 0.0  # LoRA B starts at zero: the policy is the reference
-    assert 0.0 < kls[1] < kls[2] < 1.0
+    # After an update the policy differs from the reference on every batch (the k3 estimate need not grow
+    # monotonically: each step scores a different sampled batch).
+    assert all(0.0 < kl < 1.0 for kl in kls[1:])
