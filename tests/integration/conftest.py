@@ -14,27 +14,25 @@ def world():
     return build_toy_world()
 
 
-@pytest.fixture(scope="session")
-def vllm_server(world, tmp_path_factory):
+def _serve(world, tmp_path_factory, name: str, max_lora_rank: int):
+    """A real vLLM CPU server on the toy model for the rest of the session (started, health-polled, stopped)."""
     from asyncgrpo.inference.server import VLLMServer, find_free_port
 
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
-                        log_path=log)
-    with server:
+    log = tmp_path_factory.mktemp(name) / "vllm.log"
+    with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
+                    log_path=log) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_server(world, tmp_path_factory):
+    yield from _serve(world, tmp_path_factory, "vllm", max_lora_rank=8)
 
 
 @pytest.fixture(scope="session")
 def second_vllm_server(world, tmp_path_factory):
     """A second inference server, only for the several-servers tests; it accepts rank 16 where the first does not."""
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
-
-    log = tmp_path_factory.mktemp("vllm2") / "vllm.log"
-    server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=16, max_loras=4, max_model_len=256,
-                        log_path=log)
-    with server:
-        yield server
+    yield from _serve(world, tmp_path_factory, "vllm2", max_lora_rank=16)
 
 
 @pytest.fixture()

@@ -55,11 +55,6 @@ class RolloutQueue:
         with self.cond:
             return len(self._groups)
 
-    def drop_stale(self, trainer_version: int) -> int:
-        """Discard queued groups too old for `trainer_version`; returns how many went."""
-        with self.cond:
-            return self._drop_stale_locked(trainer_version)
-
     def _drop_stale_locked(self, trainer_version: int) -> int:
         keep = deque(g for g in self._groups if trainer_version - g.version <= self.max_staleness)
         dropped = len(self._groups) - len(keep)
