@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -10,24 +11,61 @@ import torch
 import torch.distributed as dist
 
 
-def make_accelerator(ddp_timeout_s: int):
-    """Build the Accelerator. On CPU hosts accelerate needs help (measured in shared/NOTES.md):
-    gloo with an explicit timeout (a rank that skips a collective must not hang for 30 minutes), and an
-    explicit backend for DeepSpeed, or every rank believes it is rank 0."""
+def make_accelerator(ddp_timeout_s: int, deepspeed_config: str | None = None):
+    """Build the Accelerator for whichever launcher started us. On CPU hosts accelerate needs help (measured in
+    shared/NOTES.md): gloo with an explicit timeout (a rank that skips a collective must not hang for 30 minutes),
+    and an explicit backend for DeepSpeed, or every rank believes it is rank 0.
+
+    `deepspeed_config` (config key `deepspeed`) is for the `deepspeed` launcher and `torchrun`, which set only the
+    rank variables: the DeepSpeed plugin is then built here. Under `accelerate launch` with a DeepSpeed config file,
+    accelerate's own settings win."""
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
 
     timeout = datetime.timedelta(seconds=ddp_timeout_s)
     on_cpu = not torch.cuda.is_available()
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
+    by_accelerate = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
+    if by_accelerate and deepspeed_config:
+        logging.getLogger(__name__).warning("`deepspeed: %s` is ignored: accelerate launch configured DeepSpeed",
+                                            deepspeed_config)
+    if by_accelerate or deepspeed_config:
         backend = "gloo" if on_cpu else None
-        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=timeout)])
+        plugin = None if by_accelerate else DeepSpeedPlugin(hf_ds_config=deepspeed_config)
+        return Accelerator(deepspeed_plugin=plugin,
+                           kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=timeout)])
     if on_cpu:
         state = PartialState(cpu=True, timeout=timeout)
         if os.environ.get("ACCELERATE_USE_FSDP") == "true":
             state.distributed_type = DistributedType.MULTI_GPU  # else the FSDP plugin is ignored on CPU
         return Accelerator(cpu=True)
     return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
+
+
+def wrap_lora_separately(accelerator, peft_model) -> None:
+    """FSDP1 flattens each wrapped unit into one buffer of one dtype, so a bf16 base cannot share a unit with fp32
+    LoRA weights ("Must flatten tensors with uniform dtype"). Wrap every LoRA layer as its own unit (PEFT's policy:
+    decoder layers, plus each leaf module with a trainable weight); a no-op on every other backend."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 1 or accelerator.distributed_type.value != "FSDP":
+        return
+    from peft.utils.other import fsdp_auto_wrap_policy
+
+    plugin.auto_wrap_policy = fsdp_auto_wrap_policy(peft_model)
+
+
+@contextlib.contextmanager
+def without_zero3_init():
+    """Once a ZeRO-3 run has configured DeepSpeed, transformers builds every model under `deepspeed.zero.Init`: a
+    collective (rank 0 building something alone hangs), which also casts the weights to the DeepSpeed config's
+    dtype (fp32 unless its `bf16` is on). Inside this block models are built plainly."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def is_distributed() -> bool:
@@ -49,6 +87,15 @@ def dist_sum(value: float) -> float:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def dist_max(value: float) -> float:
+    """Collective: the maximum of `value` over all ranks."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 

@@ -40,6 +40,7 @@ class LossTerms:
     clipped_tokens: torch.Tensor
     kl_sum: torch.Tensor
     ratio_sum: torch.Tensor
+    max_abs_log_ratio: torch.Tensor  # max over masked tokens of |log pi - log behaviour|: 0 when on-policy and exact
 
 
 def grpo_loss(
@@ -81,4 +82,6 @@ def grpo_loss(
             clipped_tokens=(was_clipped.to(mask.dtype) * mask).sum(),
             kl_sum=(kl.detach() * mask).sum(),
             ratio_sum=(ratio.detach() * mask).sum(),
+            max_abs_log_ratio=((logprobs.detach() - behaviour_logprobs).abs() * mask).max() if mask.numel()
+            else mask.sum(),
         )

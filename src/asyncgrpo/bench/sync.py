@@ -1,0 +1,302 @@
+"""`asyncgrpo bench sync --backend {ddp,fsdp1,fsdp2,zero2,zero3} --json`: what one weight sync costs, per backend.
+
+The parent builds (once, cached) a model whose base weights dwarf the adapter (Qwen2, hidden 512, 4 layers, 8 heads
+of 64, random init: 52 MB of fp32 weights against a 0.5 MB rank-8 LoRA on the attention projections), starts a real
+vLLM server on it unless `--server` is given, and launches two CPU ranks of this module's worker under
+`accelerate launch` with the backend's config from launch/accelerate/. The worker builds the model exactly as the
+trainer does, and for each of a few rounds: one optimizer step on random tokens, then
+
+    gather (the trainer's LoRA-only gather) -> write (atomic PEFT directory) -> publish (load on the server)
+    -> the naive gather, for comparison: the whole state dict gathered to rank 0, then filtered to LoRA keys
+
+once per sync mode (`pause`, then `versioned`). Reported figures are medians over the rounds after the first
+(which pays for warm-up). Finally the served adapter's logprobs are compared with the trainer's own.
+
+Output: one JSON object. Top-level figures are for `pause` mode; `modes` holds both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BACKENDS = ("ddp", "fsdp1", "fsdp2", "zero2", "zero3")
+# The environment each backend needs on a CPU host (shared/NOTES.md): accelerate needs ACCELERATE_USE_CPU for
+# DDP/FSDP but must not see it for DeepSpeed, which needs DS_ACCELERATOR=cpu instead.
+BACKEND_ENV = {"ddp": {"ACCELERATE_USE_CPU": "true"},
+               "fsdp1": {"ACCELERATE_USE_CPU": "true", "ACCELERATE_TORCH_DEVICE": "cpu"},
+               "fsdp2": {"ACCELERATE_USE_CPU": "true"},
+               "zero2": {"DS_ACCELERATOR": "cpu"},
+               "zero3": {"DS_ACCELERATOR": "cpu"}}
+LORA_TARGETS = "[q_proj,k_proj,v_proj,o_proj]"
+ROUNDS = 4  # per sync mode; the first is warm-up
+
+
+# ---- the bench model ---------------------------------------------------------------------------------------
+
+def bench_model_dir(cache: Path, tokenizer_dir: str) -> Path:
+    """A random-init Qwen2 (hidden 512, 4 layers) with the toy tokenizer, built once under `cache`."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    import torch
+
+    target = cache / "bench-sync-h512-l4"
+    if (target / "config.json").exists():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eos = tokenizer.eos_token_id
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    partial = Path(tempfile.mkdtemp(prefix=".bench-sync-", dir=cache))
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    os.replace(partial, target)  # atomic: a half-built model is never found
+    return target
+
+
+# ---- the parent: server + launch ---------------------------------------------------------------------------
+
+def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, overrides: list[str],
+                  timeout_s: float = 900) -> dict:
+    """Two CPU ranks of the worker under `accelerate launch` with the backend's config; returns its JSON."""
+    from ..inference.server import find_free_port
+
+    repo = Path(__file__).resolve().parents[3]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
+    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **BACKEND_ENV[backend]})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(repo / "launch" / "accelerate" / f"{backend}_cpu.yaml"), "--main_process_port", str(find_free_port()),
+           "-m", "asyncgrpo.bench.sync", "--worker", "--out", str(out),
+           "--model_name_or_path", str(model_dir), "--vllm_server_base_url", server_url,
+           "--lora_adapter_path", str(out.parent / "adapters"), "--lora_target_modules", LORA_TARGETS, *overrides]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0 or not out.exists():
+        from ..errors import AsyncGRPOError
+
+        raise AsyncGRPOError(f"bench sync worker for {backend} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def run(backend: str, server_url: str | None, overrides: list[str], model: str | None = None,
+        sync_mode: str = "pause") -> dict:
+    """Build the bench model, start a vLLM server on it unless `server_url` is given, run the worker for
+    `backend` (or for each backend, one after another against the same server, with `all`). `sync_mode`: whose
+    figures go at the top level of the JSON (both modes are measured)."""
+    import contextlib
+
+    from ..config import AsyncGRPOConfig
+    from ..data import toy_world
+    from ..demo import default_config_path
+    from ..inference.server import VLLMServer, find_free_port
+    from ..toy.world import default_cache_dir
+
+    backends = BACKENDS if backend == "all" else (backend,)
+    if not set(backends) <= set(BACKENDS):
+        from ..errors import ConfigError
+
+        raise ConfigError("--backend", f"{backend!r} is not one of {', '.join(BACKENDS)} or all", "pick one of those")
+    world = toy_world(AsyncGRPOConfig.load(default_config_path(), []))
+    cache = Path(os.environ.get("ASYNCGRPO_CACHE") or default_cache_dir())
+    model_dir = Path(model) if model else bench_model_dir(cache, str(world.model_dir))
+    results = {}
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-sync-")))
+        if server_url is None:
+            server = stack.enter_context(VLLMServer(model_dir, find_free_port(), max_lora_rank=8, max_loras=4,
+                                                    max_model_len=256, log_path=work / "vllm.log"))
+            server_url = server.base_url
+        for name in backends:
+            result = launch_worker(name, model_dir, server_url, work / name / "result.json", overrides)
+            results[name] = {"backend": name, "sync_mode": sync_mode, **result["modes"][sync_mode],
+                             **{k: v for k, v in result.items() if k != "modes"}, "modes": result["modes"]}
+    if backend != "all":
+        return results[backend]
+    return {"backends": results, "load_average": os.getloadavg()}
+
+
+# ---- the worker: every rank ------------------------------------------------------------------------------
+
+def _naive_gather(backend: str, acc, model) -> tuple[dict | None, int]:
+    """Collective: what a trainer without a LoRA-only path does: gather the whole state dict to rank 0 (every base
+    weight included), then keep the LoRA keys. Returns ({parameter name: tensor} on rank 0, bytes gathered)."""
+    import torch
+
+    full: dict | None
+    if backend == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif backend == "fsdp1":
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # rank0_only/offload_to_cpu would be cheaper but segfault on CPU hosts (shared/NOTES.md).
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+            full = model.state_dict()
+    elif backend == "zero3":
+        import deepspeed
+
+        params = dict(model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            full = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if acc.is_main_process else None
+    else:  # ddp, zero2: every rank already holds every weight
+        full = {n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()} if acc.is_main_process else None
+    if not acc.is_main_process or not full:
+        return None, 0
+    nbytes = sum(t.numel() * t.element_size() for t in full.values() if isinstance(t, torch.Tensor))
+    return {n: t for n, t in full.items() if "lora_" in n}, nbytes
+
+
+def _random_step(trainer, generator) -> None:
+    """Collective: one optimizer step on random tokens, so the LoRA weights (B included) are non-zero."""
+    import torch
+
+    ids = torch.randint(3, trainer.tokenizer.vocab_size, (4, 24), generator=generator)
+    logits = trainer.model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             ids[:, 1:].reshape(-1))
+    trainer.acc.backward(loss)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _same_tensors(gathered: dict, naive: dict, prefix_free) -> bool:
+    """The LoRA-only gather and the naive one agree, key for key (naive names mapped to PEFT's)."""
+    import torch
+
+    naive = prefix_free(naive)
+    return set(gathered) == set(naive) and all(torch.equal(gathered[k], naive[k].to(gathered[k].dtype)) for k in gathered)
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows[1:] or rows)
+
+
+def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict:
+    """Collective: ROUNDS x (step, gather, write, publish, naive gather) with a fresh publisher in `mode`."""
+    import torch.distributed as dist
+
+    from ..sync.gather import _clean_fsdp_name, _to_peft_keys, gather_lora_state
+    from ..sync.publish import AdapterPublisher
+
+    publisher = None
+    if trainer.main:
+        publisher = AdapterPublisher([trainer.client], f"{trainer.prefix}-{mode}", mode,
+                                     adapter_root=trainer.cfg.lora_adapter_path)
+        publisher.publish(0, version0)  # the version requests would be using when the first sync comes
+    peft_model = trainer.acc.unwrap_model(trainer.model)
+
+    def peft_keys(state):
+        return _to_peft_keys(peft_model, {_clean_fsdp_name(k).removeprefix("module."): v for k, v in state.items()})
+
+    rows = []
+    for _ in range(ROUNDS):
+        _random_step(trainer, generator)
+        dist.barrier()
+        step_end = time.perf_counter()
+        stats: dict = {}
+        tensors = gather_lora_state(trainer.acc, trainer.model, stats)
+        gathered = time.perf_counter()
+        row = {"gather_s": gathered - step_end, "gathered_bytes": stats.get("gathered_bytes", 0)}
+        if trainer.main:
+            trainer.version += 1
+            path = trainer.store.write(trainer.version, tensors, trainer.peft_config, base_model=trainer.model_path)
+            written = time.perf_counter()
+            timing = publisher.publish(trainer.version, path)
+            served = time.perf_counter()
+            publisher.retire(in_use=set())
+            row.update(write_s=written - gathered, load_s=timing.load_s, pause_s=timing.paused_s,
+                       step_end_to_served_s=served - step_end,
+                       adapter_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+        dist.barrier()
+        t0 = time.perf_counter()
+        naive, naive_bytes = _naive_gather(backend, trainer.acc, trainer.model)
+        row.update(naive_gather_s=time.perf_counter() - t0, naive_gathered_bytes=naive_bytes)
+        if trainer.main:
+            row["naive_matches"] = _same_tensors(tensors, naive, peft_keys)
+        rows.append(row)
+    if not trainer.main:
+        return {}
+    summary = {k: _median(rows, k) for k in ("gather_s", "naive_gather_s", "write_s", "load_s", "pause_s",
+                                             "step_end_to_served_s")}
+    summary.update(gathered_bytes=rows[-1]["gathered_bytes"], adapter_bytes=rows[-1]["adapter_bytes"],
+                   naive_gathered_bytes=rows[-1]["naive_gathered_bytes"],
+                   naive_matches=all(r["naive_matches"] for r in rows), rounds=len(rows),
+                   served_adapter=publisher.current_name)
+    summary["gathered_over_adapter_bytes"] = summary["gathered_bytes"] / summary["adapter_bytes"]
+    summary["naive_over_gather_s"] = summary["naive_gather_s"] / max(summary["gather_s"], 1e-9)
+    return summary
+
+
+def _policy_equivalence(trainer, adapter: str | None) -> float:
+    """Collective: max |served logprob - trainer logprob| over a few completions sampled from `adapter`."""
+    from ..distributed import broadcast_object
+
+    sequences = None
+    if trainer.main:
+        prompt = trainer.tokenizer.encode("61,16>")
+        done = trainer.client.complete(adapter, prompt, n=4, max_tokens=6, temperature=1.0)
+        sequences = [(prompt, c.token_ids, c.logprobs) for c in done]
+    sequences = broadcast_object(sequences)
+    mine = trainer.score([p for p, _, _ in sequences], [c for _, c, _ in sequences])
+    return max(abs(a - b) for row, (_, _, served) in zip(mine, sequences) for a, b in zip(row, served))
+
+
+def worker(argv: list[str]) -> None:
+    """Every rank (under `accelerate launch`): build the trainer's model, measure both sync modes."""
+    import torch
+
+    from ..config import AsyncGRPOConfig
+    from ..demo import default_config_path
+    from ..distributed import make_accelerator
+    from ..inference.client import InferenceClient
+    from ..sync.gather import backend_of, gather_lora_state
+    from ..sync.publish import AdapterStore
+    from ..trainer import AsyncGRPOTrainer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args, overrides = parser.parse_known_args(argv)
+    cfg = AsyncGRPOConfig.load(default_config_path(), ["--torch_num_threads", "1", "--ddp_timeout", "300", *overrides])
+    trainer = AsyncGRPOTrainer(cfg)
+    torch.set_num_threads(1)
+    trainer.acc = make_accelerator(cfg.ddp_timeout)
+    trainer.main = trainer.acc.is_main_process
+    trainer.model_path = cfg.model_name_or_path
+    trainer._build_model()  # exactly the trainer's model: dtype, LoRA config, FSDP wrapping, prepare
+    backend = backend_of(trainer.acc)
+    version0 = None
+    first = gather_lora_state(trainer.acc, trainer.model)  # version 0: LoRA B = 0
+    if trainer.main:
+        trainer.client = InferenceClient(cfg.server_urls[0], api_key=cfg.api_key)
+        trainer.client.wait_healthy(cfg.vllm_server_timeout)
+        trainer.prefix = f"bench-{os.getpid()}"
+        trainer.store = AdapterStore(Path(cfg.lora_adapter_path) / trainer.prefix)
+        version0 = trainer.store.write(0, first, trainer.peft_config, base_model=trainer.model_path)
+    generator = torch.Generator().manual_seed(0)
+    modes = {mode: _measure_mode(trainer, backend, mode, version0, generator) for mode in ("pause", "versioned")}
+    diff = _policy_equivalence(trainer, modes["versioned"].get("served_adapter"))
+    if trainer.main:
+        base_bytes = sum(p.numel() * p.element_size() for p in trainer.acc.unwrap_model(trainer.model).parameters())
+        result = {"backend_detected": backend, "world_size": trainer.acc.num_processes, "modes": modes,
+                  "max_abs_logprob_diff": diff, "torch_dtype": cfg.torch_dtype, "lora_r": cfg.lora_r,
+                  "local_param_bytes_rank0": base_bytes, "model": str(cfg.model_name_or_path)}
+        Path(args.out).write_text(json.dumps(result))
+    trainer.acc.wait_for_everyone()
+    trainer.acc.end_training()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2:])
