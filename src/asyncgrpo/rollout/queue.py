@@ -22,6 +22,7 @@ class Group:
     version: int  # policy version that was being served when the request was sent
     adapter: str  # adapter name that served the request
     finish_reasons: list[str] = field(default_factory=list)
+    index: int = -1  # the prompt's position in the producer's data stream (orders a batch; checkpoints resume after it)
 
     @property
     def n_completion_tokens(self) -> int:
@@ -73,9 +74,10 @@ class RolloutQueue:
                     raise self._error
                 self._drop_stale_locked(trainer_version)
                 if len(self._groups) >= n:
-                    # Oldest version first (stable): requests finish out of order, and a group that waits
-                    # behind newer ones may become too stale for the next batch.
-                    self._groups = deque(sorted(self._groups, key=lambda g: g.version))
+                    # Oldest version first: requests finish out of order, and a group that waits behind newer
+                    # ones may become too stale for the next batch. Then data order, so that a batch does not
+                    # depend on which request finished first (a resumed run trains the same batches).
+                    self._groups = deque(sorted(self._groups, key=lambda g: (g.version, g.index)))
                     out = [self._groups.popleft() for _ in range(n)]
                     self.batches_taken += 1
                     self.cond.notify_all()

@@ -1,0 +1,263 @@
+"""Checkpoints: an atomic save every `save_steps` optimizer steps, and resuming with `resume_from_checkpoint`.
+
+A checkpoint is the directory `<output_dir>/checkpoint-<step>/`:
+
+    adapter/adapter_model.safetensors   the LoRA weights at that step (PEFT format, for `PeftModel.from_pretrained`)
+    adapter/adapter_config.json
+    optimizer.pt                        the optimizer state (rank 0's: DDP replicates it, so one copy serves every rank)
+    rng-rank<r>.pt                      torch, python and numpy RNG states of rank r
+    manifest.json                       format version, step, policy version, data position, and every file's size
+                                        and sha256; written last
+
+Atomic: every file goes into a hidden `.tmp-checkpoint-<step>-<pid>` directory beside the target, is fsynced, and
+the directory is renamed into place, so a process killed mid-write never leaves a `checkpoint-<step>` behind (the
+temporary directory is removed by the next run). A checkpoint whose manifest is missing, or whose files differ from
+what the manifest lists (truncated, edited), is refused with a CheckpointError naming the path and the fix.
+
+Supported backends: DDP (also torchrun and a single process). FSDP and ZeRO shard the optimizer state and are
+refused with a clear error when `save_steps` or `resume_from_checkpoint` is set (see `check_backend`).
+The scheduler: asyncgrpo's learning rate is constant, so there is none to save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .distributed import broadcast_object
+from .errors import CheckpointError
+from .sync.gather import gather_lora_state, lora_parameters
+from .sync.publish import AdapterStore, fsync_path
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ADAPTER_DIR = "adapter"
+OPTIMIZER = "optimizer.pt"
+SUPPORTED_BACKENDS = ("ddp",)
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass
+class TrainerState:
+    """What the trainer needs besides tensors to continue exactly where a checkpoint was taken."""
+
+    step: int  # optimizer steps done
+    version: int  # policy version the trainer's weights were published as
+    data_position: int  # rank 0's PromptStream position: the next prompt a resumed producer sends
+    run_id: str  # the run that wrote it (its adapters may still be loaded on the servers)
+    backend: str = "ddp"
+    world_size: int = 1
+
+
+# ---- finding checkpoints -----------------------------------------------------------------------------------------
+def checkpoint_path(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """`checkpoint-<step>` directories in `output_dir`, oldest step first (temporary directories are not listed)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
+    """`latest` -> the newest checkpoint in `output_dir`; anything else is a checkpoint directory's path.
+    Like TRL, `latest` with no checkpoint is an error, not a silent fresh start."""
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise CheckpointError(f"resume_from_checkpoint is `latest` but {str(output_dir)!r} holds no "
+                                  f"checkpoint-<step> directory. Fix: drop --resume_from_checkpoint to start a fresh "
+                                  f"run, or set output_dir to the run you want to continue")
+        return found[-1][1]
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint {resume!r} is not a directory. Fix: pass a "
+                              f"<output_dir>/checkpoint-<step> directory, or `latest`")
+    return path
+
+
+def read_manifest(path: Path, verify_files: bool = True) -> dict:
+    """The checkpoint's manifest, after checking that it is complete and, with `verify_files`, that every file it
+    lists has the size and sha256 it had when saved. Any mismatch raises CheckpointError naming the file."""
+    fix = (f"Fix: delete {str(path)!r} and resume from an earlier checkpoint-<step> directory "
+           f"(`--resume_from_checkpoint PATH`), or start a fresh run")
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST} (a save that did not "
+                              f"finish, or not an asyncgrpo checkpoint). {fix}")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files, fmt = manifest["files"], manifest["format_version"]
+        TrainerState(**manifest["state"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable {MANIFEST} ({exc}). {fix}") from exc
+    if fmt != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format version {fmt}; this asyncgrpo reads version "
+                              f"{FORMAT_VERSION}. Fix: resume with the asyncgrpo version that wrote it")
+    for name, expected in files.items() if verify_files else ():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is missing {name}. {fix}")
+        size = file.stat().st_size
+        if size != expected["bytes"] or _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {name} is corrupt ({size} bytes, the manifest says "
+                                  f"{expected['bytes']}, or its sha256 differs). {fix}")
+    return manifest
+
+
+def check_backend(backend: str) -> None:
+    """Checkpoints are exact on DDP; the sharded backends keep optimizer state in shards this module does not
+    write yet, so they are refused up front instead of saving a checkpoint that cannot resume exactly."""
+    if backend not in SUPPORTED_BACKENDS:
+        raise CheckpointError(f"checkpoints (save_steps, resume_from_checkpoint) support the DDP backend only, and "
+                              f"this run uses {backend}. Fix: launch with launch/accelerate/ddp*.yaml or torchrun "
+                              f"(LoRA optimizer state is small), or set save_steps: 0 and unset "
+                              f"resume_from_checkpoint")
+
+
+# ---- saving --------------------------------------------------------------------------------------------------------
+def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: str | Path, peft_config,
+                    base_model: str, total_limit: int | None = None) -> Path | None:
+    """Collective: every rank joins the LoRA gather and writes its own RNG state; rank 0 writes the adapter, the
+    optimizer and, last, the manifest, then renames the directory into place. Returns the path on rank 0."""
+    tensors = gather_lora_state(acc, model)
+    final = checkpoint_path(output_dir, state.step)
+    tmp = None
+    if acc.is_main_process:
+        tmp = Path(output_dir) / f".tmp-checkpoint-{state.step}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    tmp = Path(broadcast_object(str(tmp) if tmp else None))  # output_dir must be shared by every node
+    _write_file(tmp / f"rng-rank{acc.process_index}.pt", lambda f: torch.save(rng_state(), f))
+    if acc.is_main_process:
+        _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
+        _write_file(tmp / OPTIMIZER, lambda f: torch.save(optimizer.state_dict(), f))
+    acc.wait_for_everyone()  # every rank's file is written and fsynced
+    if acc.is_main_process:
+        _commit(tmp, final, state)
+        prune_checkpoints(output_dir, total_limit)
+        log.info("saved checkpoint %s (step %d, policy version %d)", final, state.step, state.version)
+    acc.wait_for_everyone()
+    return final if acc.is_main_process else None
+
+
+def _write_file(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_adapter(directory: Path, tensors: dict[str, torch.Tensor], peft_config, base_model: str) -> None:
+    """The adapter as a PEFT directory, through the same atomic writer the published versions use."""
+    store = AdapterStore(directory.parent)
+    written = store.write(0, tensors, peft_config, base_model=base_model)
+    os.rename(written, directory)
+
+
+def _commit(tmp: Path, final: Path, state: TrainerState) -> None:
+    """Rank 0: the manifest (last), fsync, rename into place. An existing directory of the same step (a run that
+    resumed from an earlier checkpoint and got here again) is replaced."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {"format_version": FORMAT_VERSION, "state": asdict(state),
+                "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+    _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+    fsync_path(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_path(final.parent)
+
+
+def prune_checkpoints(output_dir: str | Path, total_limit: int | None) -> list[Path]:
+    """Keep the newest `total_limit` checkpoints (None: keep all); returns the removed ones."""
+    if not total_limit:
+        return []
+    removed = [p for _, p in list_checkpoints(output_dir)[:-total_limit]]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def clean_partial(output_dir: str | Path) -> list[Path]:
+    """Remove temporary directories left by a save that was killed; returns what was removed."""
+    root = Path(output_dir)
+    removed = [p for p in root.glob(".tmp-checkpoint-*") if p.is_dir()] if root.is_dir() else []
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+def load_checkpoint(path: Path, acc, model, optimizer) -> TrainerState:
+    """Every rank: check the checkpoint, copy its adapter into the model's LoRA parameters and its state into the
+    optimizer. RNG states are restored separately (`restore_rng`), last, once setup no longer draws numbers."""
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(path)
+    state = TrainerState(**manifest["state"])
+    peft_model = acc.unwrap_model(model)
+    marker = f".{peft_model.active_adapter}."
+    params = {name.replace(marker, ".", 1): p for name, p in lora_parameters(peft_model)}
+    tensors = load_file(str(path / ADAPTER_DIR / "adapter_model.safetensors"))
+    if set(tensors) != set(params) or any(tensors[k].shape != params[k].shape for k in params):
+        raise CheckpointError(f"the adapter in {str(path)!r} does not fit this model (different lora_r, "
+                              f"lora_target_modules or base model). Fix: resume with the config the checkpoint was "
+                              f"saved with ({str(path.parent / 'config.yaml')!r})")
+    with torch.no_grad():
+        for key, param in params.items():
+            param.copy_(tensors[key])
+    optimizer.load_state_dict(torch.load(path / OPTIMIZER, map_location="cpu", weights_only=False))
+    return state
+
+
+def rng_state() -> dict:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(path: Path, rank: int) -> None:
+    """This rank's RNG states as saved; a rank the checkpoint did not have (more ranks now) keeps its own."""
+    import numpy as np
+
+    file = path / f"rng-rank{rank}.pt"
+    if not file.is_file():
+        log.warning("%s has no RNG state for rank %d (saved with fewer ranks); keeping this rank's own", path, rank)
+        return
+    state = torch.load(file, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+

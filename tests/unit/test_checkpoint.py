@@ -1,0 +1,203 @@
+"""Checkpoints on one process: atomic save, exact round trip, refusal of incomplete or corrupt checkpoints."""
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+
+from asyncgrpo import checkpoint as ckpt
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.errors import CheckpointError, ConfigError
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(8, 8)
+        self.v_proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.v_proj(self.q_proj(x))
+
+
+def make_model(seed=0):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(Tiny(), config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, optimizer, config
+
+
+def train_one_step(model, optimizer):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+ACC = SimpleNamespace(is_main_process=True, process_index=0, distributed_type=DistributedType.NO,
+                      wait_for_everyone=lambda: None, unwrap_model=lambda m: m)
+
+
+def save(model, optimizer, config, out, step=3, limit=None):
+    state = ckpt.TrainerState(step=step, version=step, data_position=4 * step, run_id="abcd1234")
+    return ckpt.save_checkpoint(ACC, model, optimizer, state, output_dir=out, peft_config=config,
+                                base_model="tiny", total_limit=limit)
+
+
+def lora_state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_round_trip_restores_weights_optimizer_state_and_counters(tmp_path):
+    model, optimizer, config = make_model()
+    train_one_step(model, optimizer)
+    path = save(model, optimizer, config, tmp_path)
+    assert path == tmp_path / "checkpoint-3" and (path / "adapter" / "adapter_config.json").is_file()
+    expected_weights, expected_exp_avg = lora_state(model), [s["exp_avg"].clone() for s in optimizer.state.values()]
+
+    fresh, fresh_optimizer, _ = make_model()  # the same base; the LoRA moved away, the optimizer state empty
+    with torch.no_grad():
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    state = ckpt.load_checkpoint(ckpt.resolve_checkpoint("latest", tmp_path), ACC, fresh, fresh_optimizer)
+    assert (state.step, state.version, state.data_position, state.run_id) == (3, 3, 12, "abcd1234")
+    for name, tensor in lora_state(fresh).items():
+        assert torch.equal(tensor, expected_weights[name]), name
+    assert all(torch.equal(s["exp_avg"], e) for s, e in zip(fresh_optimizer.state.values(), expected_exp_avg))
+    # The same next step from both: the optimizer continues exactly.
+    torch.manual_seed(7)
+    train_one_step(model, optimizer)
+    torch.manual_seed(7)
+    train_one_step(fresh, fresh_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(lora_state(model).values(), lora_state(fresh).values()))
+
+
+def test_rng_states_are_restored(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    draws = (random.random(), torch.rand(3))
+    random.random(), torch.rand(5)  # move on
+    ckpt.restore_rng(path, rank=0)
+    again = (random.random(), torch.rand(3))
+    assert draws[0] == again[0] and torch.equal(draws[1], again[1])
+
+
+def test_a_save_killed_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
+    model, optimizer, config = make_model()
+    real_write = ckpt._write_file
+
+    def dies_on_optimizer(path, write):
+        if path.name == ckpt.OPTIMIZER:
+            path.write_bytes(b"half")  # what a killed writer leaves
+            raise KeyboardInterrupt("killed")
+        real_write(path, write)
+
+    monkeypatch.setattr(ckpt, "_write_file", dies_on_optimizer)
+    with pytest.raises(KeyboardInterrupt):
+        save(model, optimizer, config, tmp_path)
+    assert ckpt.list_checkpoints(tmp_path) == []
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-checkpoint-3-")
+    with pytest.raises(CheckpointError, match="holds no checkpoint-<step>"):
+        ckpt.resolve_checkpoint("latest", tmp_path)
+    assert [p.name for p in ckpt.clean_partial(tmp_path)] == leftovers
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_manifest_is_an_incomplete_checkpoint(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    (path / ckpt.MANIFEST).unlink()
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_checkpoint(path, ACC, *make_model()[:2])
+    assert str(path) in str(err.value) and "incomplete" in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_truncated_file_is_refused_by_name(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    data = (path / "optimizer.pt").read_bytes()
+    (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as err:
+        ckpt.read_manifest(path)
+    assert "optimizer.pt is corrupt" in str(err.value) and str(path) in str(err.value)
+
+
+def test_unknown_format_version_is_refused(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["format_version"] = 99
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="format version 99"):
+        ckpt.read_manifest(path)
+
+
+def test_adapter_of_another_shape_is_refused(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    other = get_peft_model(Tiny(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    other_opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad])
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        ckpt.load_checkpoint(path, ACC, other, other_opt)
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path):
+    model, optimizer, config = make_model()
+    for step in (2, 4, 6):
+        save(model, optimizer, config, tmp_path, step=step, limit=2)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 6]
+    assert ckpt.resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-6"
+
+
+def test_sharded_backends_are_refused_with_the_fix():
+    ckpt.check_backend("ddp")
+    with pytest.raises(CheckpointError) as err:
+        ckpt.check_backend("zero3")
+    assert "zero3" in str(err.value) and "save_steps: 0" in str(err.value)
+
+
+def test_resume_path_that_is_not_a_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        ckpt.resolve_checkpoint(str(tmp_path / "nope"), tmp_path)
+
+
+def test_save_steps_must_be_a_multiple_of_weight_sync_steps():
+    with pytest.raises(ConfigError) as err:
+        AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/a", "save_steps": 3, "weight_sync_steps": 2})
+    assert err.value.field == "save_steps"
+    cfg = AsyncGRPOConfig.load(None, ["--lora_adapter_path", "/tmp/a", "--resume_from_checkpoint", "latest",
+                                      "--save_steps", "4", "--save_total_limit", "2"])
+    assert (cfg.resume_from_checkpoint, cfg.save_steps, cfg.save_total_limit) == ("latest", 4, 2)
+
+
+@pytest.mark.parametrize("step,expected", [(2, False), (3, True), (6, True), (7, True), (5, False)])
+def test_saves_every_save_steps_and_at_the_last_step(step, expected):
+    from asyncgrpo.trainer import AsyncGRPOTrainer
+
+    cfg = SimpleNamespace(save_steps=3, max_steps=7, weight_sync_steps=1)
+    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=step)) is expected
+    cfg.weight_sync_steps, cfg.save_steps = 2, 4  # the last step (7) published nothing: no checkpoint there
+    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
+
+
+def test_a_batch_is_in_data_order_whatever_request_finished_first():
+    """A resumed run must train the same batches: the queue orders by (version, stream position), not arrival."""
+    from asyncgrpo.rollout.producer import request_seed
+    from asyncgrpo.rollout.queue import Group, RolloutQueue
+
+    queue = RolloutQueue(max_staleness=1)
+    for index, version in [(5, 1), (2, 1), (9, 0), (4, 1)]:
+        queue.put(Group(prompt="", prompt_ids=[1], completion_ids=[[2]], behaviour_logprobs=[[0.0]], rewards=[0.0],
+                        reward_parts={}, advantages=[0.0], version=version, adapter="a", index=index))
+    assert [g.index for g in queue.take(4, trainer_version=1, timeout_s=1)] == [9, 2, 4, 5]
+    # vLLM seeds completion i of a request with seed + i: consecutive prompts' seeds never overlap.
+    assert request_seed(0, 3, 8) - request_seed(0, 2, 8) == 8
