@@ -26,9 +26,19 @@ class InferenceServerError(AsyncGRPOError):
         super().__init__(message)
 
 
+class ServerUnreachableError(InferenceServerError):
+    """No HTTP answer came: the connection was refused or broke (the server is down or restarting).
+
+    The rollout producer and the publisher wait for such a server to come back (`vllm_server_timeout`)."""
+
+
 class RewardFunctionError(AsyncGRPOError):
     """A reward function raised or returned something that is not one float per completion."""
 
 
 class SyncError(AsyncGRPOError):
     """Publishing a new adapter version to the inference server failed; the previous version keeps serving."""
+
+
+class CheckpointError(AsyncGRPOError):
+    """A checkpoint cannot be saved or resumed from (missing, incomplete, corrupt, or an unsupported backend)."""

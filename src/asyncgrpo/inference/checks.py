@@ -1,34 +1,244 @@
-"""Start-up checks of an inference server against the trainer's needs; each failure names the flag to change."""
+"""Checks of an inference server against a config, one small function each, returning a CheckResult (pass, fail
+with the fix, or skip with the reason). `asyncgrpo doctor` prints them; `train` runs them before its first step
+(asyncgrpo/doctor.py runs the list). Each failure names the flag or key to change.
+
+- reachable (`/health`), vLLM version (`/version`, >= 0.10.2 for exact token ids);
+- LoRA enabled, `--max-lora-rank >= lora_r`, `--max-loras` enough for the sync mode (`/server_info`, dev mode);
+- runtime adapter updating allowed (`/v1/load_lora_adapter` exists: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True);
+- dev mode when `sync_mode: pause` (`/is_paused` exists: VLLM_SERVER_DEV_MODE=1);
+- the served base model is the trainer's (same directory, else equal config.json, else the same final name);
+- the server reads what we write: a probe adapter from `lora_adapter_path` loads, reads back and unloads.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import InferenceServerError
 
 log = logging.getLogger(__name__)
 
+MIN_VLLM = (0, 10, 2)  # `return_token_ids` in completions: exact sampled ids, no re-tokenizing
+SERVE_HINT = "launch/vllm/serve.sh and `python -m asyncgrpo.inference.server` set it"
+# config.json keys that do not change what the model computes
+_IGNORED_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
+
+
+@dataclass
+class CheckResult:
+    """One check's outcome: `ok` True (pass), False (fail: `fix` says what to do) or None (skipped: `detail` says
+    why it could not be checked)."""
+
+    name: str
+    ok: bool | None
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
+        text = f"{mark}  {self.name}: {self.detail}"
+        return f"{text}. Fix: {self.fix}" if self.ok is False and self.fix else text
+
+
+@dataclass
+class ServerContext:
+    """What the checks of one server share: the config, the client, the trainer's model, cached answers."""
+
+    cfg: object
+    client: object
+    model_path: str
+    probe_dir: Path | None = None  # a probe adapter written once for all servers (None: the directory is unusable)
+    cache: dict = field(default_factory=dict)
+
+    def server_config(self) -> dict | None:
+        if "server_config" not in self.cache:
+            self.cache["server_config"] = self.client.server_config()
+        return self.cache["server_config"]
+
+
+def adapters_needed(cfg) -> int:
+    """Adapter versions a run may hold loaded at once: the current one, those requests in flight still use (up to
+    max_staleness older), and the one being loaded."""
+    return cfg.max_staleness + 2
+
+
+# ---- server checks ---------------------------------------------------------------------------------------
+
+def check_reachable(ctx: ServerContext) -> CheckResult:
+    if ctx.client.health():
+        return CheckResult("reachable", True, f"{ctx.client.base_url}/health answers 200")
+    return CheckResult("reachable", False, f"no answer 200 from {ctx.client.base_url}/health",
+                       "start the server (launch/vllm/serve.sh) or fix vllm_server_base_url")
+
+
+def check_version(ctx: ServerContext) -> CheckResult:
+    version = ctx.client.version()
+    numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:3])
+    if numbers and numbers < MIN_VLLM:
+        return CheckResult("vLLM version", False, f"{version} is older than {'.'.join(map(str, MIN_VLLM))}",
+                           "upgrade vLLM on the inference node")
+    return CheckResult("vLLM version", True, version)
+
+
+def check_lora_enabled(ctx: ServerContext) -> CheckResult:
+    config = ctx.server_config()
+    if config is None:
+        return _no_server_info("LoRA enabled")
+    if not config.get("lora_config"):
+        return CheckResult("LoRA enabled", False, "the server serves no LoRA adapters",
+                           f"restart it with --enable-lora --max-lora-rank {max(8, ctx.cfg.lora_r)} "
+                           f"--max-loras {adapters_needed(ctx.cfg)}")
+    return CheckResult("LoRA enabled", True, "--enable-lora")
+
+
+def check_max_lora_rank(ctx: ServerContext) -> CheckResult:
+    lora = (ctx.server_config() or {}).get("lora_config")
+    if not lora:
+        return _no_server_info("max_lora_rank") if ctx.server_config() is None else \
+            CheckResult("max_lora_rank", None, "LoRA is not enabled")
+    rank = lora.get("max_lora_rank", 0)
+    if rank < ctx.cfg.lora_r:
+        return CheckResult("max_lora_rank", False, f"--max-lora-rank {rank} is below lora_r={ctx.cfg.lora_r}",
+                           f"restart it with --max-lora-rank {ctx.cfg.lora_r} (vLLM accepts 1, 8, 16, 32, 64, ...), "
+                           f"or lower lora_r")
+    return CheckResult("max_lora_rank", True, f"--max-lora-rank {rank} >= lora_r={ctx.cfg.lora_r}")
+
+
+def check_max_loras(ctx: ServerContext) -> CheckResult:
+    lora = (ctx.server_config() or {}).get("lora_config")
+    if not lora:
+        return _no_server_info("max_loras") if ctx.server_config() is None else \
+            CheckResult("max_loras", None, "LoRA is not enabled")
+    have, need = lora.get("max_loras", 0), adapters_needed(ctx.cfg)
+    if have < need:
+        return CheckResult("max_loras", False, f"--max-loras {have}, but this run may serve {need} adapter versions "
+                           f"at once (max_staleness + 2)",
+                           f"restart it with --max-loras {need}, or lower max_staleness")
+    return CheckResult("max_loras", True, f"--max-loras {have} >= {need} (max_staleness + 2)")
+
+
+def check_runtime_lora_updating(ctx: ServerContext) -> CheckResult:
+    if ctx.client.has_route("POST", "/v1/load_lora_adapter"):
+        return CheckResult("runtime LoRA updating", True, "/v1/load_lora_adapter exists")
+    return CheckResult("runtime LoRA updating", False, "the server has no /v1/load_lora_adapter route",
+                       f"start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora ({SERVE_HINT})")
+
+
+def check_dev_mode(ctx: ServerContext) -> CheckResult:
+    present = ctx.client.has_route("GET", "/is_paused")
+    if ctx.cfg.sync_mode != "pause":
+        state = "present" if present else "absent"
+        return CheckResult("dev mode", True, f"{state}; not needed with sync_mode: {ctx.cfg.sync_mode}")
+    if present:
+        return CheckResult("dev mode", True, "/pause, /resume, /is_paused exist (sync_mode: pause)")
+    return CheckResult("dev mode", False, "sync_mode: pause needs /pause and /resume, and the server has neither",
+                       f"start it with VLLM_SERVER_DEV_MODE=1 ({SERVE_HINT}), or set sync_mode: versioned")
+
+
+def check_base_model(ctx: ServerContext) -> CheckResult:
+    """Same directory; else (both readable here) equal config.json; else the same final name component."""
+    base = next((m for m in ctx.client.models() if m.get("parent") is None), None)
+    if base is None:
+        return CheckResult("base model", False, "/v1/models lists no base model", "check the server's --model")
+    served, mine = str(base.get("root") or base["id"]), ctx.model_path
+    if _same_dir(served, mine):
+        return CheckResult("base model", True, f"the server serves {served}, the trainer's model")
+    served_cfg, my_cfg = _read_config(served), _read_config(mine)
+    if served_cfg is not None and my_cfg is not None:
+        diff = sorted(k for k in (served_cfg.keys() | my_cfg.keys()) - _IGNORED_CONFIG_KEYS
+                      if served_cfg.get(k) != my_cfg.get(k))
+        if diff:
+            return CheckResult("base model", False, f"the server serves {served}, whose config.json differs from "
+                               f"{mine}'s in {', '.join(diff[:6])}", _MODEL_FIX)
+        return CheckResult("base model", True, f"{served} (server) and {mine} (trainer) have equal config.json")
+    if _name(served) == _name(mine):
+        return CheckResult("base model", True, f"the server serves {served}: same name as {mine} (config.json not "
+                           f"readable here, shapes not compared)")
+    return CheckResult("base model", False, f"the server serves {served}, the trainer loads {mine}", _MODEL_FIX)
+
+
+_MODEL_FIX = "serve the trainer's base model (vLLM --model) or set model_name_or_path to the served one"
+
+
+def check_probe_adapter(ctx: ServerContext) -> CheckResult:
+    """Load the probe adapter from `lora_adapter_path` under a unique name, read it back, unload it."""
+    if ctx.probe_dir is None:
+        return CheckResult("adapter readable by server", None,
+                           "not checked: no probe adapter (see the adapter directory checks)")
+    probe_name = f"asyncgrpo-doctor-{uuid.uuid4().hex[:8]}"
+    try:
+        ctx.client.load_adapter(probe_name, ctx.probe_dir)
+    except InferenceServerError as exc:
+        fix = (f"make {ctx.probe_dir.parent.parent} readable on the inference node at the same path (shared storage), "
+               f"or set lora_adapter_path to such a directory") if exc.status == 404 else \
+            "see the server's message; check lora_r and lora_target_modules against the served model"
+        return CheckResult("adapter readable by server", False, f"loading a probe adapter failed: {exc}", fix)
+    try:
+        served = ctx.client.adapter_paths().get(probe_name)
+    finally:
+        ctx.client.unload_adapter(probe_name)
+    if served is None or not _same_dir(served, str(ctx.probe_dir)):
+        return CheckResult("adapter readable by server", False, f"the server reports the probe at {served!r} after "
+                           f"loading {ctx.probe_dir}", "check that nothing else manages adapters on this server")
+    return CheckResult("adapter readable by server", True, f"a rank-{ctx.cfg.lora_r} probe adapter in "
+                       f"{ctx.probe_dir.parent.parent} loaded and unloaded")
+
+
+SERVER_CHECKS: list[Callable[[ServerContext], CheckResult]] = [
+    check_reachable, check_version, check_lora_enabled, check_max_lora_rank, check_max_loras,
+    check_runtime_lora_updating, check_dev_mode, check_base_model, check_probe_adapter,
+]
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+
+def _no_server_info(name: str) -> CheckResult:
+    return CheckResult(name, None, "not checked: the server has no /server_info (VLLM_SERVER_DEV_MODE unset)")
+
+
+def title(check) -> str:
+    """The name a check's results carry (for the skipped line of a check that did not run)."""
+    return {check_version: "vLLM version", check_lora_enabled: "LoRA enabled", check_max_lora_rank: "max_lora_rank",
+            check_max_loras: "max_loras", check_runtime_lora_updating: "runtime LoRA updating",
+            check_dev_mode: "dev mode", check_base_model: "base model",
+            check_probe_adapter: "adapter readable by server"}.get(check, check.__name__.removeprefix("check_"))
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _read_config(path: str) -> dict | None:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1].lower()
+
 
 def check_lora_serving(client, *, lora_r: int, adapters_needed: int) -> None:
-    """Fail before the first step if the server cannot serve this run's adapters.
+    """Raise InferenceServerError (naming the flag) if the server cannot serve `adapters_needed` adapters of rank
+    `lora_r`; a server without /server_info is only warned about."""
+    from types import SimpleNamespace
 
-    `adapters_needed`: versions that may be loaded at once (the current one, those requests in flight still
-    use, and the one being loaded). Reads the engine config from `/server_info` (a dev-mode route); a server
-    without it is only warned about, since versioned mode does not need dev mode."""
-    config = client.server_config()
-    if config is None:
-        log.warning("%s has no /server_info (VLLM_SERVER_DEV_MODE unset): cannot check its LoRA limits",
-                    client.base_url)
-        return
-    lora = config.get("lora_config")
-    if not lora:
-        raise InferenceServerError(f"{client.base_url} serves no LoRA adapters. Fix: start it with --enable-lora "
-                                   f"--max-lora-rank {max(8, lora_r)} --max-loras {adapters_needed}")
-    if lora.get("max_lora_rank", 0) < lora_r:
-        raise InferenceServerError(f"{client.base_url} was started with --max-lora-rank {lora.get('max_lora_rank')}, "
-                                   f"below lora_r={lora_r}. Fix: restart it with --max-lora-rank {lora_r} (vLLM "
-                                   f"accepts 1, 8, 16, 32, 64, ...), or lower lora_r")
-    if lora.get("max_loras", 0) < adapters_needed:
-        raise InferenceServerError(f"{client.base_url} was started with --max-loras {lora.get('max_loras')}, but "
-                                   f"this run may serve {adapters_needed} adapter versions at once (max_staleness "
-                                   f"+ 2). Fix: restart it with --max-loras {adapters_needed}, or lower max_staleness")
+    ctx = ServerContext(SimpleNamespace(lora_r=lora_r, max_staleness=adapters_needed - 2), client, model_path="")
+    for check in (check_lora_enabled, check_max_lora_rank, check_max_loras):
+        result = check(ctx)
+        if result.ok is False:
+            raise InferenceServerError(f"{client.base_url}: {result.line()}")
+        if result.ok is None:
+            log.warning("%s: %s", client.base_url, result.line())
+            return

@@ -23,7 +23,8 @@ from typing import Any
 import requests
 from urllib3.exceptions import NewConnectionError
 
-from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.config import API_KEY_ENV
+from asyncgrpo.errors import InferenceServerError, ServerUnreachableError
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,23 @@ class InferenceClient:
             if m.get("parent") is None:
                 return m["id"]
         raise InferenceServerError(f"models: {self.base_url}/v1/models lists no base model (every entry has a parent)")
+
+    def version(self) -> str:
+        """The server's vLLM version (`GET /version`), e.g. "0.32.0"."""
+        return str(self._json("version", self._request("version", "GET", "/version")).get("version", "unknown"))
+
+    def has_route(self, method: str, path: str) -> bool:
+        """Whether the server has the route at all: an empty body gets a validation error (4xx other than 404)
+        from a route that exists, and FastAPI's plain 404 `{"detail": "Not Found"}` from one that does not
+        (vLLM adds its adapter and dev-mode routes only when their environment variable is set)."""
+        try:
+            self._request(f"route {path}", method, path, body={} if method == "POST" else None)
+        except InferenceServerError as exc:
+            if exc.status == 404 and '"Not Found"' in (exc.body or ""):
+                return False
+            if exc.status is None or exc.status == 401:
+                raise
+        return True
 
     def server_config(self) -> dict[str, Any] | None:
         """The server's engine configuration (`GET /server_info`, a dev-mode route), or None where the route is
@@ -317,16 +335,19 @@ class InferenceClient:
                     f"{call}: {method} {url} got no answer within {read_timeout_s:g} s; the server is overloaded "
                     "or stuck (is it paused? see is_paused()). Raise the client's timeout_s for long generations"
                 ) from exc
-            except requests.ConnectionError as exc:
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
+                # ChunkedEncodingError: the server died while it was sending its answer
                 sent = not _never_connected(exc)
                 if sent and not idempotent:
                     raise self._error(
                         f"{call}: the connection to {url} broke after the request was sent ({_reason(exc)}); the "
-                        "server may or may not have applied it: read back with adapter_paths()"
+                        "server may or may not have applied it: read back with adapter_paths()",
+                        unreachable=True,
                     ) from exc
                 if attempt == attempts:
                     raise self._error(
-                        f"{call}: cannot reach {url} after {attempts} attempts ({_reason(exc)}). {START_HINT}"
+                        f"{call}: cannot reach {url} after {attempts} attempts ({_reason(exc)}). {START_HINT}",
+                        unreachable=True,
                     ) from exc
                 what = f"connection failed ({_reason(exc)})"
             except requests.RequestException as exc:
@@ -348,7 +369,10 @@ class InferenceClient:
         quoted = text if len(text) <= MAX_QUOTED_CHARS else f"{text[:MAX_QUOTED_CHARS]}... ({len(text)} chars)"
         message = f'{call}: {method} {url} answered HTTP {resp.status_code} {resp.reason}: "{quoted}"'
         if resp.status_code == 401:
-            message += ". The server wants an API key: pass the one it was started with (api_key)"
+            message += (f". The server wants an API key (vLLM --api-key / VLLM_API_KEY): set {API_KEY_ENV} to the "
+                        f"same key in the trainer's environment" if not self._api_key else
+                        f". The server refused the API key in {API_KEY_ENV}: set it to the key the server was "
+                        f"started with (vLLM --api-key / VLLM_API_KEY)")
         elif resp.status_code == 404 and call in FLAG_HINTS:
             message += f". {FLAG_HINTS[call]}"
         return self._error(message, status=resp.status_code, body=text)
@@ -363,12 +387,15 @@ class InferenceClient:
                 status=resp.status_code, body=resp.text,
             ) from exc  # fmt: skip
 
-    def _error(self, message: str, status: int | None = None, body: str | None = None) -> InferenceServerError:
-        """An InferenceServerError with the API key scrubbed from everything it carries."""
+    def _error(self, message: str, status: int | None = None, body: str | None = None,
+               unreachable: bool = False) -> InferenceServerError:
+        """An InferenceServerError (ServerUnreachableError when no answer came) with the API key scrubbed from
+        everything it carries."""
         if self._api_key:
             message = message.replace(self._api_key, "***")
             body = body.replace(self._api_key, "***") if body is not None else None
-        return InferenceServerError(message, status=status, body=body)
+        kind = ServerUnreachableError if unreachable else InferenceServerError
+        return kind(message, status=status, body=body)
 
 
 def _never_connected(exc: requests.ConnectionError) -> bool:

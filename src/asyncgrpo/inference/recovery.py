@@ -1,0 +1,126 @@
+"""Inference-node faults: wait for a server that stopped answering, and bring it back into service.
+
+When a call finds a server unreachable (ServerUnreachableError: it was killed, crashed or is restarting), the
+caller hands the server to `ServerRecovery.recover`. That marks it down (the rollout producer sends it nothing),
+polls `/health` with exponential backoff until `vllm_server_timeout` has passed, then re-registers the adapter
+version being served (`restore`; a restarted vLLM knows no adapters) before marking it up again. So no generation
+reaches a restarted server before the current adapter is loaded on it.
+
+Several threads may fail on the same server at once: the first one recovers it, the others wait for that recovery
+and return (or raise its error). A server that does not come back in time raises InferenceServerError naming the
+server and the fix, and stays failed: every later caller gets the same error at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ..errors import InferenceServerError
+
+log = logging.getLogger(__name__)
+
+FIRST_BACKOFF_S = 0.5  # first health poll after a failure: a restart on CPU takes ~30 s, a GPU node minutes
+MAX_BACKOFF_S = 5.0  # polls never get further apart than this, so a returning server is back within ~5 s
+
+
+def backoff_delays(timeout_s: float, first_s: float = FIRST_BACKOFF_S, max_s: float = MAX_BACKOFF_S) -> list[float]:
+    """The waits between health polls: doubling from `first_s`, capped at `max_s`, summing to `timeout_s`."""
+    delays, total, delay = [], 0.0, first_s
+    while total < timeout_s:
+        step = min(delay, max_s, timeout_s - total)
+        delays.append(step)
+        total += step
+        delay *= 2
+    return delays
+
+
+class ServerRecovery:
+    """Health state of every inference server, and the one place that recovers a server after a fault.
+
+    `restore(client)` puts back what the server must serve (the publisher's current adapter); `on_change()` is
+    called whenever a server goes down or up (the producer wakes its scheduler). `clock`/`sleep` are injectable for
+    unit tests of the backoff."""
+
+    def __init__(self, timeout_s: float, *, restore: Callable[[object], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        self.timeout_s = timeout_s
+        self.restore = restore
+        self.listeners: list[Callable[[], None]] = []
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()  # guards the dicts below
+        self._server_locks: dict[str, threading.Lock] = {}  # one recovery at a time per server
+        self._epoch: dict[str, int] = {}  # recoveries finished per server
+        self._down: set[str] = set()
+        self._failed: dict[str, InferenceServerError] = {}
+        self.recoveries = 0  # servers brought back (logged, and read by tests)
+
+    def epoch(self, client) -> int:
+        """Read before a call: `recover(client, epoch)` then knows whether someone recovered it since."""
+        with self._lock:
+            return self._epoch.get(client.base_url, 0)
+
+    def is_up(self, client) -> bool:
+        with self._lock:
+            return client.base_url not in self._down
+
+    def recover(self, client, seen_epoch: int, cause: BaseException | None = None) -> None:
+        """Block until `client`'s server answers again and serves the current adapter; raises InferenceServerError
+        if it does not within `timeout_s`. Returns at once if another thread recovered it after `seen_epoch`."""
+        url = client.base_url
+        with self._lock:
+            server_lock = self._server_locks.setdefault(url, threading.Lock())
+        with server_lock:
+            with self._lock:
+                if url in self._failed:
+                    raise self._failed[url]
+                if self._epoch.get(url, 0) != seen_epoch:
+                    return  # recovered by another thread while this one waited
+                self._down.add(url)
+            self._notify()
+            log.warning("inference server %s stopped answering (%s); waiting up to %g s (vllm_server_timeout) for it "
+                        "to come back", url, cause, self.timeout_s)
+            try:
+                waited = self._wait_healthy(client)
+                if self.restore is not None:
+                    self.restore(client)
+            except InferenceServerError as exc:
+                error = exc if isinstance(exc, ServerGoneError) else InferenceServerError(
+                    f"inference server {url} came back but the current adapter could not be re-registered on it: "
+                    f"{exc}")
+                with self._lock:
+                    self._failed[url] = error
+                raise error from exc
+            with self._lock:
+                self._epoch[url] = seen_epoch + 1
+                self._down.discard(url)
+                self.recoveries += 1
+            log.warning("inference server %s is back after %.1f s; the current adapter is registered on it", url,
+                        waited)
+            self._notify()
+
+    def _wait_healthy(self, client) -> float:
+        start = self._clock()
+        for delay in backoff_delays(self.timeout_s):
+            if client.health():
+                return self._clock() - start
+            if self._clock() - start >= self.timeout_s:
+                break
+            self._sleep(delay)
+        if client.health():
+            return self._clock() - start
+        raise ServerGoneError(
+            f"inference server {client.base_url} stopped answering and did not come back within {self.timeout_s:g} s "
+            f"(vllm_server_timeout). Fix: restart it on the same address with the same flags (launch/vllm/serve.sh), "
+            f"then start the run again from its last checkpoint in output_dir; or raise vllm_server_timeout if the "
+            f"node needs longer to restart")
+
+    def _notify(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+
+class ServerGoneError(InferenceServerError):
+    """A server that stopped answering did not come back within `vllm_server_timeout`."""
