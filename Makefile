@@ -20,3 +20,5 @@ test-unit: setup
 
 bench: setup
 	$(VENV)/bin/asyncgrpo bench policy_equivalence --json
+	$(VENV)/bin/asyncgrpo bench sync --backend all --json
+	$(VENV)/bin/asyncgrpo bench throughput --json --plot docs/throughput.png

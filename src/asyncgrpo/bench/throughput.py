@@ -1,0 +1,251 @@
+"""Does asynchrony pay off? The same toy workload and the same number of optimizer steps, trained with
+`max_staleness` 0 (synchronous), 1 and 2, one after another against one vLLM CPU server:
+
+    asyncgrpo bench throughput --json [--plot docs/throughput.png] [--max_steps 40] [--key value ...]
+
+Per run: optimizer steps/s and the speedup over the synchronous run; the trainer's idle fraction (time waiting
+on the rollout queue / wall time); the inference idle fraction (time with no generation request in flight /
+wall time); mean and max staleness of the trained groups; generated and trained tokens/s; the held-out reward
+of the final adapter (mean of 4 samples per held-out prompt at the training temperature, and greedy accuracy),
+measured after the timed window. The timelines (trainer waiting, server busy) go to `<workdir>/timelines.json`;
+`--plot` draws them.
+
+Cores: on a machine with >= 2 cores the server is pinned to core 0 (its engine worker through
+`VLLM_CPU_OMP_THREADS_BIND`, the whole process tree through the affinity it inherits), and this process, which
+runs the single trainer (torch with `torch_num_threads: 1`) and the rollout producer's threads, to core 1; so
+generation and training can really run at once. The output says which core got what.
+
+Balance: the workload is `configs/demo.yaml` with the overrides in `BALANCE` (32 prompts x 8 completions per
+step on one trainer process, a whole step's requests in flight, `sync_mode: versioned` so that activating a new
+adapter never pauses generation, `beta: 0.04`). `BALANCE_NOTE` (also in the output as `balance`) says what was
+measured: generation costs a few times training per step here, whatever the batch size or group size, so `beta`
+(a reference forward per micro-batch) is the existing knob that moves training closer. `cpu_s_per_step` shows
+the split per run in CPU seconds; `loadavg_*` says how busy the machine was (wall-clock figures need a quiet one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from ..timeline import complement, fraction
+
+STALENESS = (0, 1, 2)
+DEFAULT_WORKDIR = "runs/bench-throughput"
+WARMUP_STEPS = 2
+# The workload on top of configs/demo.yaml (overrides on the command line win): one trainer process of 32 prompts
+# x 8 completions per step, a whole step's requests in flight, adapters activated without pausing generation
+# (`sync_mode: versioned`), and the balancing knob `beta` (see BALANCE_NOTE).
+BALANCE = ["--max_steps", "40", "--per_device_train_batch_size", "256", "--torch_num_threads", "1",
+           "--max_inflight_requests", "32", "--sync_mode", "versioned", "--beta", "0.04"]
+BALANCE_NOTE = ("Generation-bound: per step the server generates 256 completions of ~3 tokens, overhead-bound "
+                "(scheduling, sampling, HTTP; ~0.6 CPU-s measured alone), the trainer needs ~0.2 CPU-s. Batch size, "
+                "num_generations and max_completion_length (answers are 3 tokens) move both sides alike; beta 0.04 "
+                "(a KL term: one reference forward per micro-batch) is the existing knob that moves the most towards "
+                "training (~+70% training CPU). A larger toy model (training grows with FLOPs, overhead-bound "
+                "generation barely) is the knob that would balance it. Server CPU-s include vLLM's spin-wait "
+                "(its shm queue busy-loops for 1 s after each read), so they overstate generation's cost.")
+
+
+def split_cores() -> dict:
+    """The cores the server and the trainer get: server core 0, trainer the rest (one core on a 2-core box)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {"server": cores, "trainer": cores, "note": "fewer than 2 cores: server and trainer share"}
+    return {"server": cores[:1], "trainer": cores[1:2],
+            "note": f"vLLM (API server + engine, worker bound by VLLM_CPU_OMP_THREADS_BIND={cores[0]}) on core "
+                    f"{cores[0]}; trainer process (torch 1 thread + rollout producer threads) on core {cores[1]}"}
+
+
+def run_summary(*, staleness: int, steps: int, t0: float, t1: float, waits: list, busy: list, history: list[dict],
+                generated_tokens: int) -> dict:
+    """The figures of one run from what it recorded (timelines as (start, end) monotonic seconds)."""
+    wall = t1 - t0
+    trained_tokens = sum(h.get("train/tokens", 0.0) for h in history)
+    stale_mean = [h["staleness/mean"] for h in history if "staleness/mean" in h]
+    stale_max = [h["staleness/max"] for h in history if "staleness/max" in h]
+    return {"max_staleness": staleness, "steps": steps, "wall_s": round(wall, 3),
+            "steps_per_s": round(steps / wall, 4) if wall > 0 else 0.0,
+            "trainer_idle_fraction": round(fraction(waits, t0, t1), 4),
+            "inference_idle_fraction": round(1.0 - fraction(busy, t0, t1), 4),
+            "staleness_mean": round(sum(stale_mean) / len(stale_mean), 4) if stale_mean else None,
+            "staleness_max": max(stale_max) if stale_max else None,
+            "generated_tokens_per_s": round(generated_tokens / wall, 1) if wall > 0 else 0.0,
+            "trained_tokens_per_s": round(trained_tokens / wall, 1) if wall > 0 else 0.0}
+
+
+def timeline_record(staleness: int, t0: float, t1: float, waits: list, busy: list) -> dict:
+    """One run's timelines relative to its start: trainer busy = the complement of its waits."""
+    rel = lambda items: [[round(s - t0, 4), round(e - t0, 4)] for s, e in items]  # noqa: E731
+    return {"max_staleness": staleness, "wall_s": round(t1 - t0, 4), "trainer_busy": rel(complement(waits, t0, t1)),
+            "trainer_idle": rel(waits), "server_busy": rel(busy), "server_idle": rel(complement(busy, t0, t1))}
+
+
+def plot_timelines(records: list[dict], path: str | Path, title: str = "") -> Path:
+    """Draw trainer and server busy intervals of each run as a broken-bar timeline; writes a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = len(records)
+    fig, axes = plt.subplots(rows, 1, figsize=(10, 1.2 + 1.1 * rows), squeeze=False, sharex=True)
+    longest = max((r["wall_s"] for r in records), default=1.0)
+    for ax, rec in zip(axes[:, 0], records):
+        for y, key, colour in ((1, "trainer_busy", "tab:blue"), (0, "server_busy", "tab:orange")):
+            bars = [(s, e - s) for s, e in rec[key]]
+            ax.broken_barh([(0, rec["wall_s"])], (y - 0.35, 0.7), facecolors="0.92")
+            ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=colour)
+        ax.set_yticks([0, 1], ["server", "trainer"])
+        ax.set_xlim(0, longest)
+        label = "synchronous" if rec["max_staleness"] == 0 else "asynchronous"
+        extra = f", {rec['steps_per_s']:.2f} steps/s" if "steps_per_s" in rec else ""
+        ax.set_title(f"max_staleness {rec['max_staleness']} ({label}{extra})", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("seconds (coloured = busy, grey = idle)")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def step_history(tensorboard_dir: Path, tags=("staleness/mean", "staleness/max", "train/tokens")) -> list[dict]:
+    """Per-step values of `tags` as the trainer logged them to TensorBoard (logging_steps 1), oldest step first."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps: dict[int, dict] = {}
+    for tag in tags:
+        if tag in acc.Tags().get("scalars", []):
+            for event in acc.Scalars(tag):
+                steps.setdefault(event.step, {})[tag] = event.value
+    return [steps[k] for k in sorted(steps)]
+
+
+def process_tree_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system) used so far by process `pid` and all its descendants; None without a pid."""
+    if pid is None:
+        return None
+    import psutil
+
+    total = 0.0
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+    return total
+
+
+def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, dict]:
+    """Train `cfg.max_steps` steps (timed), then measure the final adapter's held-out reward (not timed).
+    CPU seconds are recorded too: unlike wall time they hardly change when other work shares the cores, so
+    they show the generation/training balance even on a busy machine."""
+    from ..demo import heldout_rewards
+    from ..trainer import AsyncGRPOTrainer
+
+    trainer = AsyncGRPOTrainer(cfg)
+    try:
+        trainer.setup()
+        server_cpu0, proc_cpu0, thread_cpu0 = process_tree_cpu_s(server_pid), time.process_time(), time.thread_time()
+        t0 = time.monotonic()
+        trainer.train()
+        t1 = time.monotonic()
+        cpu = {"training_thread": time.thread_time() - thread_cpu0, "trainer_process": time.process_time() - proc_cpu0}
+        if server_pid is not None:
+            cpu["server"] = process_tree_cpu_s(server_pid) - server_cpu0
+        waits = trainer.wait_timeline.snapshot(t0, t1)
+        busy = trainer.producer.server_busy.snapshot(t0, t1)
+        generated = trainer.producer.generated_tokens
+        adapter = trainer.adapter_name
+    finally:
+        trainer.cleanup()
+    summary = run_summary(staleness=cfg.max_staleness, steps=trainer.step, t0=t0, t1=t1, waits=waits, busy=busy,
+                          history=step_history(Path(cfg.output_dir) / "tensorboard"), generated_tokens=generated)
+    rewards = heldout_rewards(cfg, client, adapter, world)
+    summary.update(heldout_reward=round(rewards["sampled"], 4), heldout_greedy_accuracy=round(rewards["greedy"], 4),
+                   groups_dropped_stale=trainer.queue.dropped_stale,
+                   cpu_s_per_step={k: round(v / max(trainer.step, 1), 4) for k, v in cpu.items()})
+    record = timeline_record(cfg.max_staleness, t0, t1, waits, busy) | {"steps_per_s": summary["steps_per_s"]}
+    return summary, record
+
+
+def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
+        stalenesses=STALENESS) -> dict:
+    """Build the toy world, start a pinned vLLM server unless `server_url` is given, run each staleness."""
+    from ..config import AsyncGRPOConfig
+    from ..data import toy_world
+    from ..demo import default_config_path
+    from ..inference.client import InferenceClient
+    from ..inference.server import VLLMServer, find_free_port
+    from ..trainer import AsyncGRPOTrainer
+
+    base = AsyncGRPOConfig.load(default_config_path(), [*BALANCE, *overrides])
+    world = toy_world(base)
+    cores = split_cores() if server_url is None else {"note": f"external server {server_url}: nothing pinned"}
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        work = Path(workdir or DEFAULT_WORKDIR)
+        work.mkdir(parents=True, exist_ok=True)
+        server_pid = None
+        if server_url is None:
+            env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores["server"][0])}
+            os.sched_setaffinity(0, cores["server"])  # the server inherits this affinity...
+            server = VLLMServer(world.model_dir, find_free_port(), max_loras=max(stalenesses) + 3, max_model_len=256,
+                                log_path=work / "vllm.log", env=env)
+            try:
+                server.start()
+            finally:
+                os.sched_setaffinity(0, cores["trainer"])  # ...and this process moves to the trainer's core
+            stack.callback(server.stop)
+            server.wait_ready()
+            server_url, server_pid = server.base_url, server.process.pid
+        client = InferenceClient(server_url, timeout_s=base.vllm_request_timeout)
+        def config(staleness: int, name: str, *extra: str):
+            return AsyncGRPOConfig.load(default_config_path(), [
+                *BALANCE, "--max_staleness", str(staleness), "--output_dir", str(work / name),
+                "--lora_adapter_path", str(work / name / "adapters"), "--vllm_server_base_url", server_url,
+                *overrides, *extra])
+
+        # Untimed warm-up: the server's first LoRA requests are slow (~2 s); no timed run should pay for them.
+        warm = AsyncGRPOTrainer(config(0, "warmup", "--max_steps", str(WARMUP_STEPS)))
+        try:
+            warm.setup()
+            warm.train()
+        finally:
+            warm.cleanup()
+        runs, records = [], []
+        for staleness in stalenesses:
+            shutil.rmtree(work / f"s{staleness}" / "tensorboard", ignore_errors=True)  # this run's steps only
+            summary, record = run_one(config(staleness, f"s{staleness}"), world, client, server_pid)
+            runs.append(summary)
+            records.append(record)
+        (work / "timelines.json").write_text(json.dumps(records))
+        sync = runs[0]["steps_per_s"] if runs and runs[0]["max_staleness"] == 0 else None
+        for r in runs:
+            r["speedup_over_sync"] = round(r["steps_per_s"] / sync, 3) if sync else None
+            if runs[0]["max_staleness"] == 0:
+                r["heldout_reward_minus_sync"] = round(r["heldout_reward"] - runs[0]["heldout_reward"], 4)
+        result = {"runs": runs, "cores": cores, "balance": BALANCE_NOTE,
+                  "config": dict(zip(BALANCE[::2], BALANCE[1::2])),
+                  "overrides": overrides, "loadavg_before": [round(x, 2) for x in load_before],
+                  "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                  "total_s": round(time.monotonic() - started, 1), "timelines": str(work / "timelines.json")}
+        if plot:
+            result["plot"] = str(plot_timelines(records, plot, title=_plot_title(result)))
+        return result
+
+
+def _plot_title(result: dict) -> str:
+    la = result["loadavg_before"][0]
+    return f"asyncgrpo bench throughput: {result['runs'][0]['steps']} steps per run, load average {la:.1f} before"
