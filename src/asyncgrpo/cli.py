@@ -1,4 +1,4 @@
-"""`asyncgrpo train | demo | bench`: parse, build, run, clean up."""
+"""`asyncgrpo train | doctor | demo | bench`: parse, build, run, clean up."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def cmd_demo(args, overrides: list[str]) -> int:
     return run_demo(args, overrides)
 
 
+def cmd_doctor(args, overrides: list[str]) -> int:
+    from .doctor import run_doctor
+
+    return run_doctor(args, overrides)
+
+
 def cmd_bench(args, overrides: list[str]) -> int:
     from .bench import run_bench
 
@@ -37,6 +43,8 @@ def cmd_bench(args, overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__)
+    # The `deepspeed` launcher puts --local_rank=N before the subcommand; each rank reads LOCAL_RANK instead.
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (run it under accelerate launch / torchrun for several ranks)")
     train.add_argument("--config", help="YAML config file; any `--key value` after it overrides a config key")
@@ -44,12 +52,20 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--config", default=None, help="default: configs/demo.yaml")
     demo.add_argument("--num_processes", type=int, default=2)
     demo.add_argument("--port", type=int, default=0, help="vLLM port (0 = a free one)")
+    doctor = sub.add_parser("doctor", help="check the inference server(s) and adapter directory against a config")
+    doctor.add_argument("--config", help="YAML config file; `--key value` after it overrides a config key")
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
-    bench.add_argument("name", choices=["policy_equivalence"])
+    bench.add_argument("name", choices=["policy_equivalence", "sync", "throughput"])
     bench.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     bench.add_argument("--server", default=None, help="use a running vLLM server at this URL instead of starting one")
+    bench.add_argument("--backend", default="fsdp2", choices=["ddp", "fsdp1", "fsdp2", "zero2", "zero3", "all"],
+                       help="sync: the sharding backend to launch (2 CPU ranks, launch/accelerate/<backend>_cpu.yaml)")
+    bench.add_argument("--model", default=None,
+                       help="sync: model directory to use instead of the built-in hidden-512, 4-layer bench model")
+    bench.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="throughput: draw the trainer/server busy timelines of each run into this PNG")
     args, overrides = parser.parse_known_args(argv)
-    handlers = {"train": cmd_train, "demo": cmd_demo, "bench": cmd_bench}
+    handlers = {"train": cmd_train, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor}
     try:
         return handlers[args.command](args, overrides)
     except AsyncGRPOError as exc:

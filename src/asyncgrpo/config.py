@@ -113,6 +113,11 @@ class AsyncGRPOConfig:
     """Nucleus sampling on the server. Keep 1.0: the loss assumes the full distribution."""
     max_inflight_requests: int = 8
     """HTTP generation requests (one prompt group each) the rollout producer keeps in flight."""
+    seeded_generation: bool = False
+    """Send every generation request a seed derived from `seed` and the prompt's position in the data stream, so
+    that a run (and a run resumed from a checkpoint) samples the same completions. On vLLM CPU, seeded requests crash
+    the engine when a prompt is chunk-prefilled: start the server with `--max-num-batched-tokens` >=
+    max_inflight_requests x num_generations x (prompt + completion tokens)."""
 
     # ---- optimisation ---------------------------------------------------------------------------
     per_device_train_batch_size: int = 64
@@ -167,7 +172,9 @@ class AsyncGRPOConfig:
     (YAML list, or comma-separated on the command line): rollout requests are spread over the servers and every
     sync reaches all of them."""
     vllm_server_timeout: float = 240.0
-    """Seconds to wait for the inference server to become healthy at start."""
+    """Seconds to wait for an inference server to become healthy: at start, and after it stops answering mid-run
+    (killed, crashed, restarting). Meanwhile rollouts go to the other servers and syncs wait; once it is back it gets
+    the current adapter re-registered before any generation. A server not back in time ends the run with an error."""
     vllm_request_timeout: float = 120.0
     """Seconds one HTTP request to the server may take before it is an error."""
 
@@ -176,6 +183,20 @@ class AsyncGRPOConfig:
     """Where TensorBoard logs and the final adapter go."""
     logging_steps: int = 1
     """Optimizer steps between TensorBoard scalar writes."""
+    save_steps: int = 0
+    """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (adapter in PEFT format,
+    optimizer, RNG states, data position, policy version, step; written atomically), and at the last step. 0 = never.
+    Must be a multiple of `weight_sync_steps`. DDP (and torchrun, single process) only for now."""
+    save_total_limit: int | None = None
+    """Keep only the newest this many checkpoints (older ones are deleted after each save). Unset = keep all."""
+    resume_from_checkpoint: str | None = None
+    """Continue a run: `latest` (the newest `checkpoint-<step>` in `output_dir`; an error when there is none) or a
+    checkpoint directory. Step numbers and policy versions continue; the adapter is re-published to every server
+    before generation starts."""
+    deepspeed: str | None = None
+    """A DeepSpeed JSON config (e.g. `launch/deepspeed/zero3.json`) for runs started by the `deepspeed` launcher
+    (or `torchrun`), which, unlike `accelerate launch --config_file ...`, tell the trainer nothing about DeepSpeed.
+    Ignored, with a warning, when `accelerate launch` already configured DeepSpeed."""
     ddp_timeout: int = 1800
     """Seconds a collective may wait for the other ranks before the run fails (lower in tests)."""
     torch_num_threads: int = 0
@@ -223,6 +244,7 @@ class AsyncGRPOConfig:
                               f"({self.num_generations}); groups cannot be split across ranks",
                               f"use a multiple of {self.num_generations}, e.g. "
                               f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}")
+        self._validate_checkpoints()
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}",
                               "use 0 for synchronous training or 1-4 for asynchronous")
@@ -237,6 +259,9 @@ class AsyncGRPOConfig:
             raise ConfigError("beta", f"must be >= 0, got {self.beta}", "use 0 (no KL) or a small value like 0.04")
         if self.torch_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16")
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise ConfigError("deepspeed", f"file {self.deepspeed!r} does not exist",
+                              "pass a DeepSpeed JSON such as launch/deepspeed/zero3.json (relative to where you launch)")
         if self.sync_mode not in ("pause", "versioned"):
             raise ConfigError("sync_mode", f"unknown mode {self.sync_mode!r}", "use pause or versioned")
         if self.sync_pause_mode not in ("keep", "wait", "abort"):
@@ -256,6 +281,19 @@ class AsyncGRPOConfig:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError("vllm_server_base_url", f"{url!r} is not an http(s) URL",
                                   "write e.g. http://10.0.0.5:8000")
+
+    def _validate_checkpoints(self) -> None:
+        if self.save_steps < 0:
+            raise ConfigError("save_steps", f"must be >= 0, got {self.save_steps}", "use 0 (never) or e.g. 100")
+        if self.save_steps and self.save_steps % self.weight_sync_steps:
+            raise ConfigError("save_steps", f"{self.save_steps} is not a multiple of weight_sync_steps "
+                              f"({self.weight_sync_steps}); a checkpoint must hold a published policy version",
+                              f"use a multiple of {self.weight_sync_steps}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError("save_total_limit", f"must be >= 1, got {self.save_total_limit}",
+                              "unset it to keep every checkpoint")
+        if self.resume_from_checkpoint == "":
+            raise ConfigError("resume_from_checkpoint", "is empty", "use `latest` or a checkpoint-<step> directory")
 
     def _validate_data(self) -> None:
         """Checks of the dataset, prompt and reward keys."""
@@ -302,7 +340,12 @@ class AsyncGRPOConfig:
             path = Path(path)
             if not path.is_file():
                 raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
-            loaded = yaml.safe_load(path.read_text()) or {}
+            try:
+                loaded = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError("--config", f"{str(path)!r} is not valid YAML ({_yaml_problem(exc)})",
+                                  "correct that line: one `key: value` per line, nested values indented under their key"
+                                  ) from None
             if not isinstance(loaded, dict):
                 raise ConfigError("--config", f"{str(path)!r} is not a mapping of key: value",
                                   "write one `key: value` per line")
@@ -335,8 +378,19 @@ def parse_overrides(args: list[str]) -> dict:
             i += 2
         else:
             raise ConfigError(key, "override has no value", f"write `--{key} VALUE`")
-        out[key] = yaml.safe_load(raw) if raw != "" else None
+        try:
+            out[key] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(key, f"override value {raw!r} is not valid YAML ({_yaml_problem(exc)})",
+                              f"quote it for the shell, e.g. --{key} '{{name: value}}' or --{key} '[a, b]'") from None
     return out
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: what is wrong and where (line and column, 1-based)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def _coerce(key: str, value, hint):

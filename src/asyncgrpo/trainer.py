@@ -17,12 +17,16 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint, resolve_checkpoint,
+                         restore_rng, save_checkpoint)
 from .config import AsyncGRPOConfig
-from .distributed import broadcast_object, dist_sum, make_accelerator, setup_logging
+from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator, setup_logging, without_zero3_init,
+                          wrap_lora_separately)
 from .loss import grpo_loss, token_logprobs
 from .rewards import reward_means
 from .rollout.queue import Group, RolloutQueue
-from .sync.gather import gather_lora_state, lora_parameters
+from .sync.gather import backend_of, gather_lora_state, lora_parameters
+from .timeline import Timeline, span
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,9 @@ class AsyncGRPOTrainer:
         self.cfg = cfg
         self.version = 0  # policy version the server serves (and the trainer's weights at the last sync)
         self.step = 0
+        self.data_position = 0  # rank 0: the data stream position after the last prompt trained on
+        self.resumed_from: Path | None = None  # the checkpoint this run continues, if any
+        self.wait_timeline = Timeline()  # rank 0: intervals spent waiting on the rollout queue
 
     @property
     def adapter_name(self) -> str:
@@ -56,7 +63,7 @@ class AsyncGRPOTrainer:
         if cfg.torch_num_threads:
             torch.set_num_threads(cfg.torch_num_threads)
         # The process group first: everything after may need collectives.
-        self.acc = make_accelerator(cfg.ddp_timeout)
+        self.acc = make_accelerator(cfg.ddp_timeout, cfg.deepspeed)
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.main = self.acc.is_main_process
         setup_logging(self.rank)
@@ -69,11 +76,16 @@ class AsyncGRPOTrainer:
         if not self.main:
             self.model_path = self._resolve_model()
         self._build_model()
+        self._resume()  # before rank 0's setup: the producer starts at the checkpoint's data position
         if self.main:
             self._setup_rank0()
         self.acc.wait_for_everyone()
-        # Version 0 is the untrained adapter (LoRA B = 0: the base policy); generation starts with it.
+        # Version 0 is the untrained adapter (LoRA B = 0: the base policy), or when resuming the checkpoint's
+        # version: it is published to every server before the producer sends its first request.
         self.sync(first=True)
+        self.start_step = self.step
+        if self.resumed_from is not None:
+            restore_rng(self.resumed_from, self.rank)  # last: nothing after it draws numbers before training
 
     def _resolve_model(self) -> str:
         from .data import resolve_model_path
@@ -87,7 +99,10 @@ class AsyncGRPOTrainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, cfg.torch_dtype))
+        # Loaded plainly, also under ZeRO-3: zero.Init would cast a bf16 base to fp32 (DeepSpeed's dtype), and the
+        # engine partitions the weights at prepare() anyway. The cost: each rank holds the whole base until then.
+        with without_zero3_init():
+            base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, cfg.torch_dtype))
         self.peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                       target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none")
         model = get_peft_model(base, self.peft_config)
@@ -97,6 +112,7 @@ class AsyncGRPOTrainer:
         params = [p for _, p in lora_parameters(model)]
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                       betas=(cfg.adam_beta1, cfg.adam_beta2))
+        wrap_lora_separately(self.acc, model)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
@@ -104,8 +120,9 @@ class AsyncGRPOTrainer:
         from torch.utils.tensorboard import SummaryWriter
 
         from .data import load_prompt_set, server_max_model_len
-        from .inference.checks import check_lora_serving
+        from .doctor import require_healthy_setup
         from .inference.client import InferenceClient
+        from .inference.recovery import ServerRecovery
         from .rewards import RewardScorer
         from .rollout.producer import RolloutProducer
         from .sync.publish import AdapterPublisher, AdapterStore
@@ -113,19 +130,25 @@ class AsyncGRPOTrainer:
         cfg = self.cfg
         self.out_dir = Path(cfg.output_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        clean_partial(self.out_dir)  # what a save killed midway left behind
         cfg.save(self.out_dir / "config.yaml")
         self.clients = [InferenceClient(url, api_key=cfg.api_key, timeout_s=cfg.vllm_request_timeout)
                         for url in cfg.server_urls]
-        for client in self.clients:  # fail now, naming the flag to change, not at the first sync
+        for client in self.clients:
             client.wait_healthy(cfg.vllm_server_timeout)
-            check_lora_serving(client, lora_r=cfg.lora_r, adapters_needed=cfg.max_staleness + 2)
+        require_healthy_setup(cfg, self.clients, self.model_path)  # `asyncgrpo doctor`: fail now, naming the fix
         self.client = self.clients[0]  # for what all servers share: the base model, max_model_len
         # Names must be unique for the server's lifetime (vLLM refuses to re-load one), and versions on disk are
         # immutable: each run gets an id, its adapters go to lora_adapter_path/<run id>/v<N>.
         self.run_id = uuid.uuid4().hex[:8]
         self.store = AdapterStore(Path(cfg.lora_adapter_path) / self.run_id)
+        # A server that stops answering is waited for (vllm_server_timeout), and gets the current adapter back
+        # before any generation goes to it; rollouts and syncs share this one view of which servers are up.
+        self.recovery = ServerRecovery(cfg.vllm_server_timeout)
         self.publisher = AdapterPublisher(self.clients, f"{cfg.lora_name}-{self.run_id}", cfg.sync_mode,
-                                          cfg.sync_pause_mode)
+                                          cfg.sync_pause_mode, recovery=self.recovery,
+                                          adapter_root=cfg.lora_adapter_path)  # paths sent never leave it
+        self.recovery.restore = self.publisher.restore
         self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
         # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted).
         prompts = load_prompt_set(cfg, self.tokenizer, model_path=self.model_path,
@@ -133,11 +156,17 @@ class AsyncGRPOTrainer:
         self.queue = RolloutQueue(cfg.max_staleness)
         self.producer = RolloutProducer(clients=self.clients, tokenizer=self.tokenizer, rows=prompts.rows,
                                         scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
-                                        cfg=cfg, response_template=prompts.response_template)
+                                        cfg=cfg, response_template=prompts.response_template,
+                                        start_position=self.data_position, recovery=self.recovery)
+        self.queue.batches_taken = self.step  # the producer schedules by batch index: one batch per step
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
         self._publishing = None
-        self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))
-        self.writer.add_scalar("data/prompts_skipped_too_long", prompts.skipped_too_long, 0)
+        # Resuming: hide what a killed run logged after its checkpoint (TensorBoard purges steps >= purge_step).
+        self.writer = SummaryWriter(str(self.out_dir / "tensorboard"),
+                                    purge_step=self.step + 1 if self.resumed_from is not None else None)
+        self.writer.add_scalar("data/prompts_skipped_too_long", prompts.skipped_too_long, self.step)
+        if self.resumed_from is not None:
+            self._unload_previous_run()
         self.producer.start()
 
     # ---- the loop -------------------------------------------------------------------------------------
@@ -151,6 +180,8 @@ class AsyncGRPOTrainer:
                 self.sync(stats)
             if self.main:
                 self._log(stats, bar)
+            if self._should_save():
+                self.save_checkpoint()
         if self.main:
             bar.close()
             self._wait_published()  # the run ends when its last version is served
@@ -169,7 +200,9 @@ class AsyncGRPOTrainer:
         shares = None
         if self.main:
             t0 = time.perf_counter()
-            groups = self.queue.take(self.groups_per_step, self.version, timeout_s=self.cfg.vllm_request_timeout * 4)
+            with span(self.wait_timeline):  # the trainer's idle time, for `asyncgrpo bench throughput`
+                groups = self.queue.take(self.groups_per_step, self.version,
+                                         timeout_s=self.cfg.vllm_request_timeout * 4 + self.cfg.vllm_server_timeout)
             staleness = [self.version - g.version for g in groups]
             assert max(staleness) <= self.cfg.max_staleness
             rewards = torch.tensor([r for g in groups for r in g.rewards])
@@ -183,6 +216,7 @@ class AsyncGRPOTrainer:
             for name, mean in reward_means([g.reward_parts for g in groups]).items():
                 if mean is not None:  # None: the function applied to no completion of this batch
                     stats.add(**{f"reward/{name}": mean})
+            self.data_position = max(self.data_position, 1 + max(g.index for g in groups))
             per_rank = len(groups) // self.world
             shares = [groups[i * per_rank:(i + 1) * per_rank] for i in range(self.world)]
         shares = broadcast_object(shares)
@@ -234,6 +268,7 @@ class AsyncGRPOTrainer:
         # The loss is a mean over the global batch's tokens; DDP averages gradients over ranks, so scale back.
         normaliser = n_tokens / self.world
         totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0}
+        max_abs_log_ratio = 0.0
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self.acc.no_sync(self.model) if not last else contextlib.nullcontext():
@@ -242,6 +277,7 @@ class AsyncGRPOTrainer:
             totals["clipped"] += float(terms.clipped_tokens)
             totals["kl"] += float(terms.kl_sum)
             totals["ratio"] += float(terms.ratio_sum)
+            max_abs_log_ratio = max(max_abs_log_ratio, float(terms.max_abs_log_ratio))
         if cfg.max_grad_norm > 0:
             grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             if grad_norm is not None:  # DeepSpeed clips inside its engine (gradient_clipping) and returns None
@@ -251,7 +287,9 @@ class AsyncGRPOTrainer:
         summed = {k: dist_sum(v) for k, v in totals.items()}
         stats.add(**{"train/loss": summed["loss"], "train/clip_fraction": summed["clipped"] / n_tokens,
                      "train/kl": summed["kl"] / n_tokens, "train/ratio_mean": summed["ratio"] / n_tokens,
-                     "train/tokens": n_tokens})
+                     "train/tokens": n_tokens,
+                     # Per token, trainer vs the server's behaviour logprobs: numerical noise when on-policy.
+                     "train/max_abs_log_ratio": dist_max(max_abs_log_ratio)})
 
     def _micro_step(self, batch, normaliser: float):
         ref = None
@@ -273,9 +311,10 @@ class AsyncGRPOTrainer:
         sync first waits for this one, so versions go live in order and a failed publish stops the run there.
         `wait=True` (and the first sync) return only once the server serves the new version."""
         t0 = time.perf_counter()
-        tensors = gather_lora_state(self.acc, self.model)
+        gather_stats: dict = {}
+        tensors = gather_lora_state(self.acc, self.model, gather_stats)
         gathered = time.perf_counter()
-        version = 0 if first else self.version + 1
+        version = self.version if first else self.version + 1
         if self.main:
             self._wait_published()  # raises here if the previous publish failed
             waited = time.perf_counter() - gathered
@@ -283,7 +322,8 @@ class AsyncGRPOTrainer:
             if first or wait or not self.cfg.publish_in_background:
                 self._wait_published()
             if stats is not None:
-                stats.add(**{"sync/gather_s": gathered - t0, "sync/wait_previous_publish_s": waited})
+                stats.add(**{"sync/gather_s": gathered - t0, "sync/wait_previous_publish_s": waited,
+                             "sync/gathered_bytes": gather_stats["gathered_bytes"]})
         self.acc.wait_for_everyone()
         self.version = version
 
@@ -298,7 +338,7 @@ class AsyncGRPOTrainer:
         self.publisher.retire(in_use=self.producer.adapters_in_use())
         self.store.prune(self.cfg.keep_adapter_versions, in_use=set(self.publisher.loaded.values()))
         for key, value in {"sync/write_s": written - t0, "sync/server_s": timing.server_s,
-                           "sync/paused_s": timing.paused_s}.items():
+                           "sync/paused_s": timing.paused_s, "sync/load_s": timing.load_s}.items():
             self.writer.add_scalar(key, value, step)
 
     def _wait_published(self) -> None:
@@ -307,11 +347,53 @@ class AsyncGRPOTrainer:
         if done is not None:
             done.result()
 
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """Collective: write `<output_dir>/checkpoint-<step>` atomically (checkpoint.py)."""
+        state = TrainerState(step=self.step, version=self.version, data_position=self.data_position,
+                             run_id=getattr(self, "run_id", ""), backend=backend_of(self.acc), world_size=self.world)
+        save_checkpoint(self.acc, self.model, self.optimizer, state, output_dir=self.cfg.output_dir,
+                        peft_config=self.peft_config, base_model=str(Path(self.model_path).resolve()),
+                        total_limit=self.cfg.save_total_limit)
+
+    def _should_save(self) -> bool:
+        """Every `save_steps`, and (as TRL does) at the last step, if that step published its weights."""
+        every, step = self.cfg.save_steps, self.step
+        return bool(every) and (step % every == 0 or (step == self.cfg.max_steps
+                                                      and step % self.cfg.weight_sync_steps == 0))
+
+    def _resume(self) -> None:
+        """Every rank: refuse a backend checkpoints do not support; when resuming, load the checkpoint
+        `resume_from_checkpoint` names into the model and the optimizer, and continue its step, policy version and
+        data position (output_dir is shared, so every rank finds the same checkpoint)."""
+        if self.cfg.save_steps or self.cfg.resume_from_checkpoint:
+            check_backend(backend_of(self.acc))
+        if not self.cfg.resume_from_checkpoint:
+            return
+        path = resolve_checkpoint(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
+        state = load_checkpoint(path, self.acc, self.model, self.optimizer)
+        self.step, self.version, self.data_position = state.step, state.version, state.data_position
+        self.resumed_from, self._previous_run_id = path, state.run_id
+        log.info("resuming from %s: step %d, policy version %d, data position %d", path, state.step, state.version,
+                 state.data_position)
+
+    def _unload_previous_run(self) -> None:
+        """Rank 0, resuming: the run that wrote the checkpoint may have left its adapters loaded on the servers
+        (it was killed); unload them so they do not hold the server's adapter slots. Best effort."""
+        prefix = f"{self.cfg.lora_name}-{self._previous_run_id}-v"
+        for client in self.clients:
+            try:
+                for name in [n for n in client.adapter_paths() if n.startswith(prefix)]:
+                    client.unload_adapter(name)
+            except Exception as exc:  # noqa: BLE001 - a leftover adapter costs a slot, not correctness
+                log.warning("could not unload the previous run's adapters from %s: %s", client.base_url, exc)
+
     # ---- logging and the end --------------------------------------------------------------------------
     def _progress_bar(self):
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.cfg.max_steps, desc="asyncgrpo", disable=not self.main, dynamic_ncols=True)
+        return tqdm(total=self.cfg.max_steps, initial=self.step, desc="asyncgrpo", disable=not self.main,
+                    dynamic_ncols=True)
 
     def _log(self, stats: StepStats, bar) -> None:
         elapsed = time.monotonic() - self.producer.started_at
@@ -331,10 +413,18 @@ class AsyncGRPOTrainer:
                        "adapter_path": str(self.store.path(self.version)), "model_path": str(self.model_path),
                        "train_seconds": seconds, "dropped_stale": self.queue.dropped_stale,
                        "lost_groups": self.producer.lost_groups,
-                       "tensorboard": str((self.out_dir / "tensorboard").resolve())}
+                       "tensorboard": str((self.out_dir / "tensorboard").resolve()),
+                       "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),
+                       "start_step": self.start_step,
+                       "resumed_from": str(self.resumed_from) if self.resumed_from is not None else None}
             (self.out_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
             log.info("done: %s", json.dumps(summary))
         return summary
+
+    def _base_dtype(self) -> str:
+        """The dtype the frozen base weights are held in after prepare() (what a backend did to `torch_dtype`)."""
+        frozen = next(p for p in self.acc.unwrap_model(self.model).parameters() if not p.requires_grad)
+        return str(getattr(frozen, "ds_tensor", frozen).dtype).removeprefix("torch.")
 
     def cleanup(self) -> None:
         """Stop the producer and close the logs; safe after a setup that failed part-way."""

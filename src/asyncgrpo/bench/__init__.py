@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 
 
 def run_bench(args, overrides: list[str]) -> int:
-    from .policy_equivalence import run
+    from . import policy_equivalence, throughput
 
-    benches = {"policy_equivalence": run}
-    result = benches[args.name](server_url=args.server, overrides=overrides)
+    # Libraries print banners to stdout on import (DeepSpeed's accelerator warning): keep stdout for the JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        if args.name == "sync":
+            from . import sync
+
+            result = sync.run(args.backend, server_url=args.server, overrides=overrides, model=args.model)
+        elif args.name == "throughput":
+            result = throughput.run(server_url=args.server, overrides=overrides, plot=args.plot)
+        else:
+            result = policy_equivalence.run(server_url=args.server, overrides=overrides)
     print(json.dumps(result))
     return 0

@@ -5,6 +5,10 @@ A request whose group will land in batch b is only sent once the server serves a
 and it is tagged with the version served when it was sent. So `max_staleness: 0` waits for every sync
 (synchronous on-policy GRPO) and `max_staleness: 1` generates batch k+1 while the trainer trains on batch k.
 The queue drops whatever still arrives too old (e.g. after an aborted request), and the producer refills.
+
+Faults: a request whose server stops answering loses its group (counted in `lost_groups`); the server is then
+recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`, re-register the current
+adapter) and gets no request until it is back. One that never returns fails the run with the server's name.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..data import PromptRow, PromptStream, parse_completions
+from ..errors import ServerUnreachableError
 from ..inference.client import InferenceClient
+from ..inference.recovery import ServerRecovery
 from ..loss import group_advantages
 from ..rewards import RewardScorer
+from ..timeline import Timeline
 from .queue import Group, RolloutQueue
 
 log = logging.getLogger(__name__)
@@ -43,19 +50,30 @@ def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = Tru
     return "".join(pieces)
 
 
+def request_seed(seed: int, index: int, n: int) -> int:
+    """The sampling seed of the request for the prompt at stream position `index`. vLLM seeds the i-th of the `n`
+    completions with seed + i, so seeds are spaced `n` apart: no two completions of a run share a random stream."""
+    return (seed * 1_000_003 + index * n) % 2**31
+
+
 class RolloutProducer:
     """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end."""
 
     def __init__(self, *, clients: list[InferenceClient], tokenizer, rows: list[PromptRow], scorer: RewardScorer,
-                 queue: RolloutQueue, groups_per_step: int, cfg, response_template: dict | None = None):
-        self._servers = itertools.cycle(clients)  # requests go round-robin over the inference servers
+                 queue: RolloutQueue, groups_per_step: int, cfg, response_template: dict | None = None,
+                 start_position: int = 0, recovery: ServerRecovery | None = None):
+        self._clients = list(clients)
+        self._servers = itertools.cycle(clients)  # requests go round-robin over the inference servers that are up
+        # A server that stops answering is recovered in the background (re-registered before it gets requests again)
+        self.recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
+        self.recovery.listeners.append(self._wake)
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.queue = queue
         self.groups_per_step = groups_per_step
         self.cfg = cfg
         self.response_template = response_template  # parse chat completions with it (data.response_template_for)
-        self.stream = PromptStream(rows, cfg.seed)  # its `position` is where a resumed run continues
+        self.stream = PromptStream(rows, cfg.seed, start=start_position)  # a resumed run starts where it stopped
         self._version = -1  # nothing served yet: no request is sent before the first set_policy()
         self._adapter = ""
         self._inflight = 0
@@ -67,6 +85,7 @@ class RolloutProducer:
         self.generated_tokens = 0
         self.lost_groups = 0
         self.started_at = time.monotonic()
+        self.server_busy = Timeline()  # intervals with at least one generation request in flight
 
     # ---- control ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -76,6 +95,11 @@ class RolloutProducer:
         """The server now serves `adapter` as policy `version`; requests sent from now on are tagged with it."""
         with self.queue.cond:
             self._version, self._adapter = version, adapter
+            self.queue.cond.notify_all()
+
+    def _wake(self) -> None:
+        """A server went down or came back: re-evaluate whether (and where) to send."""
+        with self.queue.cond:
             self.queue.cond.notify_all()
 
     def stop(self) -> None:
@@ -101,9 +125,19 @@ class RolloutProducer:
             return True
         if self._inflight >= self.cfg.max_inflight_requests or self._version < 0:
             return False
+        if not any(self.recovery.is_up(c) for c in self._clients):
+            return False  # every server is down: wait for one to be recovered
         batch = self.queue.batches_taken + (self.queue.queued_locked + self._inflight) // self.groups_per_step
         needed_version = batch // self.cfg.weight_sync_steps - self.cfg.max_staleness
         return self._version >= needed_version
+
+    def _pick_server(self) -> InferenceClient:
+        """The next server in round-robin order that is up (one went down just now: any, its request is lost)."""
+        for _ in range(len(self._clients)):
+            client = next(self._servers)
+            if self.recovery.is_up(client):
+                return client
+        return client
 
     def _run(self) -> None:
         try:
@@ -115,15 +149,21 @@ class RolloutProducer:
                     self._inflight += 1
                     version, adapter = self._version, self._adapter
                     self._inflight_by_adapter[adapter] += 1
-                    client = next(self._servers)
-                self._pool.submit(self._make_group, client, next(self.stream), version, adapter)
+                    client = self._pick_server()
+                index = self.stream.position  # the prompt's place in the data order: its group's `index`
+                self._pool.submit(self._make_group, client, next(self.stream), version, adapter, index)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which re-raises it
             self.queue.fail(exc)
 
     # ---- one request ----------------------------------------------------------------------------------
-    def _make_group(self, client: InferenceClient, row: PromptRow, version: int, adapter: str) -> None:
+    def _make_group(self, client: InferenceClient, row: PromptRow, version: int, adapter: str, index: int) -> None:
         try:
-            group = self._generate(client, row, version, adapter)
+            seen = self.recovery.epoch(client)
+            try:
+                group = self._generate(client, row, version, adapter, index)
+            except ServerUnreachableError as exc:
+                self._lose_group(client, seen, exc)
+                return
             if group is not None:
                 self.queue.put(group)
         except BaseException as exc:  # noqa: BLE001
@@ -136,13 +176,39 @@ class RolloutProducer:
                 self._inflight_by_adapter[adapter] -= 1
                 self.queue.cond.notify_all()
 
-    def _generate(self, client: InferenceClient, row: PromptRow, version: int, adapter: str) -> Group | None:
+    def _lose_group(self, client: InferenceClient, seen_epoch: int, exc: ServerUnreachableError) -> None:
+        """The server died (or restarted) under this request: count its group lost and recover the server in the
+        background, so the other servers keep generating meanwhile."""
+        with self.queue.cond:
+            self.lost_groups += 1
+        if self._stop:
+            return
+        log.warning("rollout request to %s lost (%d groups lost so far): %s", client.base_url, self.lost_groups, exc)
+        threading.Thread(target=self._recover, args=(client, seen_epoch, exc), name="recover-server",
+                         daemon=True).start()
+
+    def _recover(self, client: InferenceClient, seen_epoch: int, exc: BaseException) -> None:
+        try:
+            self.recovery.recover(client, seen_epoch, cause=exc)
+        except BaseException as error:  # noqa: BLE001 - the server is gone: the trainer re-raises it
+            if not self._stop:
+                log.error("%s", error)
+                self.queue.fail(error)
+
+    def _generate(self, client: InferenceClient, row: PromptRow, version: int, adapter: str,
+                  index: int) -> Group | None:
         cfg = self.cfg
-        completions = client.complete(adapter, row.prompt_ids, n=cfg.num_generations,
-                                           max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                           top_p=cfg.top_p)
+        seed = request_seed(cfg.seed, index, cfg.num_generations) if cfg.seeded_generation else None
+        self.server_busy.enter()
+        try:
+            completions = client.complete(adapter, row.prompt_ids, n=cfg.num_generations,
+                                          max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                          top_p=cfg.top_p, seed=seed)
+        finally:
+            self.server_busy.exit()
         if any(c.finish_reason == "abort" for c in completions):
-            self.lost_groups += 1  # aborted by a sync with sync_pause_mode: abort
+            with self.queue.cond:
+                self.lost_groups += 1  # aborted by a sync with sync_pause_mode: abort
             return None
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         ids = [c.token_ids for c in completions]
@@ -155,7 +221,7 @@ class RolloutProducer:
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],
                      rewards=rewards, reward_parts=parts, advantages=advantages, version=version, adapter=adapter,
-                     finish_reasons=[c.finish_reason for c in completions])
+                     finish_reasons=[c.finish_reason for c in completions], index=index)
 
     def _reward_inputs(self, row: PromptRow, ids: list[list[int]]) -> tuple[list, list | None]:
         """(completions, parsed) as reward functions get them: text for a text prompt; for a chat prompt TRL's

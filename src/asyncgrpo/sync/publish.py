@@ -7,6 +7,10 @@ Never a half-written adapter: files go into a hidden temporary directory beside 
 directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory.
 
 Never a paused server left behind: `/resume` runs in `finally`, and every answer is checked.
+
+A server found unreachable during a sync is waited for (inference/recovery.py, up to `vllm_server_timeout`); once
+back it gets the current version re-registered and then the new one. All or nothing still holds: if it never
+returns, the servers that got the new version drop it and the sync fails.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import AsyncGRPOError, SyncError
+from ..errors import AsyncGRPOError, InferenceServerError, ServerUnreachableError, SyncError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,8 @@ CONFIG_NAME = "adapter_config.json"
 _VERSION_DIR = re.compile(r"^v(\d{6})$")
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so that a rename into it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -82,11 +87,11 @@ class AdapterStore:
         try:
             weights = {k: v.detach().contiguous() for k, v in tensors.items()}
             save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-            _fsync(tmp / WEIGHTS_NAME)
+            fsync_path(tmp / WEIGHTS_NAME)
             self._write_config(tmp, peft_config, base_model)  # last: a partial directory has no config
-            _fsync(tmp)
+            fsync_path(tmp)
             os.rename(tmp, final)
-            _fsync(self.root)
+            fsync_path(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -115,9 +120,23 @@ class AdapterStore:
 class PublishTiming:
     server_s: float = 0.0  # pause -> load -> reset -> resume, summed over servers
     paused_s: float = 0.0  # time the server(s) spent paused
+    load_s: float = 0.0  # the load calls themselves (POST /v1/load_lora_adapter), summed over servers
 
 
 SYNC_MODES = ("pause", "versioned")
+
+
+def contained_adapter_path(path: str | Path, root: Path | None) -> Path:
+    """`path` resolved (symlinks and `..` followed); a SyncError if it lies outside `root` (`lora_adapter_path`).
+
+    The server loads whatever directory it is told to, and its adapter routes may be reachable by others on its
+    network: asyncgrpo itself never asks it to read anything outside the adapter directory."""
+    resolved = Path(path).resolve()
+    if root is not None and not resolved.is_relative_to(root):
+        raise SyncError(f"adapter path {str(path)!r} resolves to {str(resolved)!r}, outside lora_adapter_path "
+                        f"{str(root)!r}; refusing to send it to the inference server. Fix: publish only adapters "
+                        f"written under lora_adapter_path (and do not symlink out of it)")
+    return resolved
 
 
 class AdapterPublisher:
@@ -132,8 +151,12 @@ class AdapterPublisher:
     costs throughput, and a deleted directory kills the engine). `retire` unloads old versions no request uses.
     """
 
-    def __init__(self, clients, prefix: str, sync_mode: str = "pause", pause_mode: str = "keep"):
+    def __init__(self, clients, prefix: str, sync_mode: str = "pause", pause_mode: str = "keep", recovery=None,
+                 adapter_root: str | Path | None = None):
         assert sync_mode in SYNC_MODES, sync_mode
+        # Every path sent to a server must resolve inside this directory (`lora_adapter_path`); None: no check.
+        self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
+        self.recovery = recovery  # a ServerRecovery: wait for a server that went away (None: fail at once)
         self.clients = list(clients)
         self.prefix = prefix
         self.sync_mode = sync_mode
@@ -147,13 +170,14 @@ class AdapterPublisher:
     def publish(self, version: int, path: Path) -> PublishTiming:
         """Serve the adapter in `path` as version `version` on every server. On failure every server is
         resumed and still serves the previous version, and a SyncError says which server failed and why."""
+        path = contained_adapter_path(path, self.adapter_root)
         name = self.name(version)
         timing = PublishTiming()
         t0 = time.perf_counter()
         done = []
         for client in self.clients:
             try:
-                timing.paused_s += self._activate(client, name, path)
+                timing.paused_s += self._activate_recovering(client, name, path, timing)
                 done.append(client)
             except Exception as exc:
                 for other in done:  # all servers or none: take the new version off those that got it
@@ -165,10 +189,45 @@ class AdapterPublisher:
         timing.server_s = time.perf_counter() - t0
         return timing
 
-    def _activate(self, client, name: str, path: Path) -> float:
+    def restore(self, client) -> None:
+        """Re-register the current version on a server that lost it (a restarted vLLM knows no adapters)."""
+        name = self.current_name
+        path = self.loaded.get(name) if name is not None else None
+        if path is None:
+            return  # nothing published yet
+        served = client.adapter_paths().get(name)
+        if served is not None and Path(served).resolve() == path.resolve():
+            return  # still loaded: the server did not restart (a network fault)
+        client.load_adapter(name, str(path))
+        self._check_served(client, name, path)
+        log.warning("re-registered %s (%s) on %s", name, path, client.base_url)
+
+    def _activate_recovering(self, client, name: str, path: Path, timing: PublishTiming | None = None) -> float:
+        """`_activate`; if the server is unreachable, wait for it to come back (and get the current version
+        back), then once more."""
+        seen = self.recovery.epoch(client) if self.recovery is not None else 0
+        try:
+            return self._activate(client, name, path, timing)
+        except ServerUnreachableError as exc:
+            if self.recovery is None:
+                raise
+            self.recovery.recover(client, seen, cause=exc)
+        if client.adapter_paths().get(name) is not None:  # the load went through before the connection broke
+            self._check_served(client, name, path)
+            return 0.0
+        return self._activate(client, name, path, timing)
+
+    @staticmethod
+    def _load(client, name: str, path: Path, timing: PublishTiming | None) -> None:
+        t0 = time.perf_counter()
+        client.load_adapter(name, str(path))
+        if timing is not None:
+            timing.load_s += time.perf_counter() - t0
+
+    def _activate(self, client, name: str, path: Path, timing: PublishTiming | None = None) -> float:
         if self.current_name is None or self.sync_mode == "versioned":
             # The first version (nothing is generating yet), or versioned mode: load beside the old versions.
-            client.load_adapter(name, str(path))
+            self._load(client, name, path, timing)
             try:
                 self._check_served(client, name, path)
             except BaseException:
@@ -178,23 +237,35 @@ class AdapterPublisher:
         client.pause(mode=self.pause_mode)
         paused_at = time.perf_counter()
         try:
-            client.load_adapter(name, str(path))  # a failed load leaves nothing loaded under `name`
+            self._load(client, name, path, timing)  # a failed load leaves nothing loaded under `name`
             try:
                 client.reset_prefix_cache()
-                self._check_served(client, name, path)
             except BaseException:
                 self._unload_quietly(client, name)
                 raise
         finally:
             client.resume()  # always: a paused server stalls every rollout
             paused_s = time.perf_counter() - paused_at
+        # Read back after resuming: no request uses `name` before publish() returns, so the check need not hold
+        # up generation, and a failed check still takes the new version off before anyone sees it.
+        try:
+            self._check_served(client, name, path)
+        except BaseException:
+            self._unload_quietly(client, name)
+            raise
         return paused_s
 
     def retire(self, in_use: set[str]) -> None:
         """Unload every version but the current one that no request uses any more."""
         for name in [n for n in self.loaded if n != self.current_name and n not in in_use]:
             for client in self.clients:
-                client.unload_adapter(name)
+                try:
+                    client.unload_adapter(name)
+                except InferenceServerError as exc:
+                    if exc.status != 404 and not isinstance(exc, ServerUnreachableError):
+                        raise
+                    # 404: a restarted server never had it; unreachable: it is being recovered without it
+                    log.warning("%s was not unloaded from %s: %s", name, client.base_url, exc)
             del self.loaded[name]
 
     @staticmethod
