@@ -14,8 +14,11 @@ the directory is renamed into place, so a process killed mid-write never leaves 
 temporary directory is removed by the next run). A checkpoint whose manifest is missing, or whose files differ from
 what the manifest lists (truncated, edited), is refused with a CheckpointError naming the path and the fix.
 
-Supported backends: DDP (also torchrun and a single process). FSDP and ZeRO shard the optimizer state and are
-refused with a clear error when `save_steps` or `resume_from_checkpoint` is set (see `check_backend`).
+Supported backends: DDP (also torchrun and a single process), FSDP1 and FSDP2. On FSDP the optimizer state of the
+LoRA parameters is gathered whole to rank 0 (torch.distributed.checkpoint's state-dict API: only trainable
+parameters have optimizer state, so this is adapter-sized) and every rank re-shards it on resume. ZeRO-2/3 keep
+optimizer state in DeepSpeed's own partitions and are refused with a clear error when `save_steps` or
+`resume_from_checkpoint` is set (see `check_backend`).
 The scheduler: asyncgrpo's learning rate is constant, so there is none to save.
 """
 
@@ -35,7 +38,7 @@ import torch
 
 from .distributed import broadcast_object
 from .errors import CheckpointError
-from .sync.gather import gather_lora_state, lora_parameters
+from .sync.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
 from .sync.publish import AdapterStore, fsync_path
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ADAPTER_DIR = "adapter"
 OPTIMIZER = "optimizer.pt"
-SUPPORTED_BACKENDS = ("ddp",)
+SUPPORTED_BACKENDS = ("ddp", "fsdp1", "fsdp2")
+SHARDED = ("fsdp1", "fsdp2")  # optimizer state and LoRA weights go through torch's distributed state-dict API
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _HASH_CHUNK = 1 << 20
 
@@ -125,9 +129,9 @@ def check_backend(backend: str) -> None:
     """Checkpoints are exact on DDP; the sharded backends keep optimizer state in shards this module does not
     write yet, so they are refused up front instead of saving a checkpoint that cannot resume exactly."""
     if backend not in SUPPORTED_BACKENDS:
-        raise CheckpointError(f"checkpoints (save_steps, resume_from_checkpoint) support the DDP backend only, and "
-                              f"this run uses {backend}. Fix: launch with launch/accelerate/ddp*.yaml or torchrun "
-                              f"(LoRA optimizer state is small), or set save_steps: 0 and unset "
+        raise CheckpointError(f"checkpoints (save_steps, resume_from_checkpoint) support DDP, FSDP1 and FSDP2, and "
+                              f"this run uses {backend}. Fix: launch with launch/accelerate/fsdp2*.yaml, ddp*.yaml or "
+                              f"torchrun (LoRA optimizer state is small), or set save_steps: 0 and unset "
                               f"resume_from_checkpoint")
 
 
@@ -137,6 +141,7 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
     """Collective: every rank joins the LoRA gather and writes its own RNG state; rank 0 writes the adapter, the
     optimizer and, last, the manifest, then renames the directory into place. Returns the path on rank 0."""
     tensors = gather_lora_state(acc, model)
+    optim_state = _optimizer_state(acc, model, optimizer, state.backend)  # collective on FSDP
     final = checkpoint_path(output_dir, state.step)
     tmp = None
     if acc.is_main_process:
@@ -147,7 +152,7 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
     _write_file(tmp / f"rng-rank{acc.process_index}.pt", lambda f: torch.save(rng_state(), f))
     if acc.is_main_process:
         _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
-        _write_file(tmp / OPTIMIZER, lambda f: torch.save(optimizer.state_dict(), f))
+        _write_file(tmp / OPTIMIZER, lambda f: torch.save(optim_state, f))
     acc.wait_for_everyone()  # every rank's file is written and fsynced
     if acc.is_main_process:
         _commit(tmp, final, state)
@@ -155,6 +160,24 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
         log.info("saved checkpoint %s (step %d, policy version %d)", final, state.step, state.version)
     acc.wait_for_everyone()
     return final if acc.is_main_process else None
+
+
+def _state_dict_options(backend: str, **kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # No CPU offload on FSDP1: a full gather with offload_to_cpu segfaults rank 0 on CPU hosts (shared/NOTES.md).
+    return StateDictOptions(full_state_dict=True, cpu_offload=backend != "fsdp1", **kw)
+
+
+def _optimizer_state(acc, model, optimizer, backend: str) -> dict | None:
+    """Collective on FSDP: the whole optimizer state (rank 0), keyed by parameter names; DDP: rank 0's replica."""
+    if backend not in SHARDED:
+        return optimizer.state_dict() if acc.is_main_process else None
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> the torch optimizer
+    full = get_optimizer_state_dict(model, inner, options=_state_dict_options(backend))
+    return full if acc.is_main_process else None
 
 
 def _write_file(path: Path, write) -> None:
@@ -214,17 +237,41 @@ def load_checkpoint(path: Path, acc, model, optimizer) -> TrainerState:
     state = TrainerState(**manifest["state"])
     peft_model = acc.unwrap_model(model)
     marker = f".{peft_model.active_adapter}."
-    params = {name.replace(marker, ".", 1): p for name, p in lora_parameters(peft_model)}
+    params = {clean_fsdp_name(name).replace(marker, ".", 1): p for name, p in lora_parameters(peft_model)}
+    current = backend_of(acc)
+    # Full shapes (FSDP2's DTensors report them); an FSDP1 parameter is a flat view of this rank's slice: names only.
+    shapes = {k: None if current == "fsdp1" else p.shape for k, p in params.items()}
     tensors = load_file(str(path / ADAPTER_DIR / "adapter_model.safetensors"))
-    if set(tensors) != set(params) or any(tensors[k].shape != params[k].shape for k in params):
+    if set(tensors) != set(params) or any(shape is not None and tensors[k].shape != shape for k, shape in shapes.items()):
         raise CheckpointError(f"the adapter in {str(path)!r} does not fit this model (different lora_r, "
                               f"lora_target_modules or base model). Fix: resume with the config the checkpoint was "
                               f"saved with ({str(path.parent / 'config.yaml')!r})")
+    if (current in SHARDED) != (state.backend in SHARDED):  # the optimizer files differ in layout
+        raise CheckpointError(f"{str(path)!r} was saved by a {state.backend} run and this run uses {current}. "
+                              f"Fix: resume with the launch config the checkpoint was saved with (DDP and FSDP "
+                              f"checkpoints do not mix; FSDP1 and FSDP2 do)")
+    optim_state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=False)
+    if state.backend in SHARDED:  # every rank reads the whole (adapter-sized) state and keeps its own shard
+        _load_sharded(acc, model, optimizer, current, tensors, marker, optim_state)
+        return state
     with torch.no_grad():
         for key, param in params.items():
             param.copy_(tensors[key])
-    optimizer.load_state_dict(torch.load(path / OPTIMIZER, map_location="cpu", weights_only=False))
+    optimizer.load_state_dict(optim_state)
     return state
+
+
+def _load_sharded(acc, model, optimizer, backend: str, tensors, marker: str, optim_state: dict) -> None:
+    """Collective: load LoRA weights and optimizer state saved whole into an FSDP-sharded model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    weights = {}
+    for key, tensor in tensors.items():  # PEFT's saved keys -> the model's parameter names (adapter name back in)
+        module, _, leaf = key.rpartition(".lora_")
+        weights[f"{module}.lora_{leaf.split('.', 1)[0]}{marker}{leaf.split('.', 1)[1]}"] = tensor
+    set_model_state_dict(model, weights, options=_state_dict_options(backend, strict=False))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    set_optimizer_state_dict(model, inner, optim_state, options=_state_dict_options(backend))
 
 
 def rng_state() -> dict:

@@ -186,7 +186,7 @@ class AsyncGRPOConfig:
     save_steps: int = 0
     """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (adapter in PEFT format,
     optimizer, RNG states, data position, policy version, step; written atomically), and at the last step. 0 = never.
-    Must be a multiple of `weight_sync_steps`. DDP (and torchrun, single process) only for now."""
+    Must be a multiple of `weight_sync_steps`. DDP (also torchrun, one process), FSDP1 and FSDP2; not ZeRO yet."""
     save_total_limit: int | None = None
     """Keep only the newest this many checkpoints (older ones are deleted after each save). Unset = keep all."""
     resume_from_checkpoint: str | None = None

@@ -158,8 +158,9 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
     assert ckpt.resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-6"
 
 
-def test_sharded_backends_are_refused_with_the_fix():
-    ckpt.check_backend("ddp")
+def test_zero_backends_are_refused_with_the_fix():
+    for backend in ("ddp", "fsdp1", "fsdp2"):
+        ckpt.check_backend(backend)
     with pytest.raises(CheckpointError) as err:
         ckpt.check_backend("zero3")
     assert "zero3" in str(err.value) and "save_steps: 0" in str(err.value)

@@ -187,7 +187,7 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
     """Collective: ROUNDS x (step, gather, write, publish, naive gather) with a fresh publisher in `mode`."""
     import torch.distributed as dist
 
-    from ..sync.gather import _clean_fsdp_name, _to_peft_keys, gather_lora_state
+    from ..sync.gather import clean_fsdp_name, _to_peft_keys, gather_lora_state
     from ..sync.publish import AdapterPublisher
 
     publisher = None
@@ -198,7 +198,7 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
     peft_model = trainer.acc.unwrap_model(trainer.model)
 
     def peft_keys(state):
-        return _to_peft_keys(peft_model, {_clean_fsdp_name(k).removeprefix("module."): v for k, v in state.items()})
+        return _to_peft_keys(peft_model, {clean_fsdp_name(k).removeprefix("module."): v for k, v in state.items()})
 
     rows = []
     for _ in range(ROUNDS):

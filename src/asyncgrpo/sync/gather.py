@@ -156,11 +156,11 @@ def _fsdp1_local_slices(model, rank: int) -> list[tuple[str, tuple[int, ...], in
             if not (param.requires_grad and "lora_" in name) or not info.in_shard:
                 continue
             local = flat.detach()[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
-            slices.append((_clean_fsdp_name(name), tuple(shape), info.intra_param_start_idx, local.to("cpu", copy=True)))
+            slices.append((clean_fsdp_name(name), tuple(shape), info.intra_param_start_idx, local.to("cpu", copy=True)))
     return slices
 
 
-def _clean_fsdp_name(name: str) -> str:
+def clean_fsdp_name(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
@@ -178,7 +178,7 @@ def gather_fsdp1(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
     if not accelerator.is_main_process:
         return None, 0
     peft_model = accelerator.unwrap_model(model)
-    expected = {_clean_fsdp_name(n): p for n, p in lora_parameters(peft_model)}
+    expected = {clean_fsdp_name(n): p for n, p in lora_parameters(peft_model)}
     flat, covered, shapes, nbytes = {}, {}, {}, 0
     for name, shape, start, piece in (s for rank_slices in received for s in rank_slices):
         numel = math.prod(shape)
