@@ -2,7 +2,7 @@
 
 A real vLLM server with `--api-key` checks the key only on `/v1/*`, so it cannot show whether `/pause`, `/resume`,
 `/reset_prefix_cache` or `/health` got the header: an in-process HTTP stub that records each request's headers
-stands in for it (http.server on 127.0.0.1 in a thread). A real server started with a key is exercised by
+stands in for it (the stub server of conftest.py, on 127.0.0.1). A real server started with a key is exercised by
 tests/integration/test_security.py.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -32,35 +31,19 @@ ANSWERS = {  # path -> JSON body; anything else answers 200 "Success" in plain t
 }
 
 
+def answer(stub, handler):
+    """Every route answers 200: a JSON body from ANSWERS, or vLLM's plain-text "Success"."""
+    body = ANSWERS.get(handler.path.split("?")[0], "Success")
+    if isinstance(body, str):
+        return 200, "text/plain", body
+    return 200, "application/json", json.dumps(body)
+
+
 @pytest.fixture
-def recorder():
-    seen: list[tuple[str, str | None]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def _handle(self):
-            length = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(length)
-            path = self.path.split("?")[0]
-            seen.append((path, self.headers.get("Authorization")))
-            answer = ANSWERS.get(path, "Success")
-            data = (answer if isinstance(answer, str) else json.dumps(answer)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain" if isinstance(answer, str) else "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_POST = _handle
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    server.shutdown()
-    server.server_close()
+def recorder(stubs):
+    """(url, seen): `seen()` lists (path, Authorization header) of every request the stub got so far."""
+    stub = stubs(answer)
+    return stub.url, lambda: [(r["path"].split("?")[0], r["headers"].get("Authorization")) for r in stub.requests]
 
 
 def test_every_call_sends_the_bearer_token(recorder):
@@ -86,11 +69,11 @@ def test_every_call_sends_the_bearer_token(recorder):
         worker.start()
         worker.join()
 
-    paths = {path for path, _ in seen}
+    paths = {path for path, _ in seen()}
     assert paths >= {"/health", "/version", "/v1/models", "/server_info", "/v1/load_lora_adapter",
                      "/v1/completions", "/pause", "/resume", "/is_paused", "/reset_prefix_cache",
                      "/v1/unload_lora_adapter"}
-    missing = [path for path, header in seen if header != f"Bearer {API_KEY}"]
+    missing = [path for path, header in seen() if header != f"Bearer {API_KEY}"]
     assert missing == []
 
 
@@ -99,4 +82,4 @@ def test_no_key_sends_no_authorization_header(recorder):
     with InferenceClient(url) as client:
         client.models()
         client.pause("keep")
-    assert [header for _, header in seen] == [None, None]
+    assert [header for _, header in seen()] == [None, None]
