@@ -60,12 +60,19 @@ def test_server_errors_quote_the_server_and_say_what_to_check(client, tmp_path):
 
 
 def test_start_up_check_names_the_server_flag_to_change(client):
-    from asyncgrpo.inference.checks import check_lora_serving
+    from types import SimpleNamespace
+
+    from asyncgrpo.inference.checks import ServerContext, check_lora_enabled, check_max_lora_rank, check_max_loras
+
+    def lora_checks(lora_r: int, max_staleness: int) -> dict:
+        ctx = ServerContext(SimpleNamespace(lora_r=lora_r, max_staleness=max_staleness), client, model_path="")
+        return {r.name: r for r in (c(ctx) for c in (check_lora_enabled, check_max_lora_rank, check_max_loras))}
 
     config = client.server_config()
     assert config["lora_config"]["max_loras"] == 4 and config["lora_config"]["max_lora_rank"] == 8
-    check_lora_serving(client, lora_r=8, adapters_needed=4)  # what the session server was started for
-    with pytest.raises(InferenceServerError, match="restart it with --max-lora-rank 16"):
-        check_lora_serving(client, lora_r=16, adapters_needed=3)
-    with pytest.raises(InferenceServerError, match="restart it with --max-loras 5"):
-        check_lora_serving(client, lora_r=8, adapters_needed=5)
+    # What the session server was started for: rank 8, max_staleness 2 (2 + 2 adapters at once).
+    assert all(r.ok is True for r in lora_checks(lora_r=8, max_staleness=2).values())
+    rank = lora_checks(lora_r=16, max_staleness=1)["max_lora_rank"]
+    assert rank.ok is False and "restart it with --max-lora-rank 16" in rank.line()
+    loras = lora_checks(lora_r=8, max_staleness=3)["max_loras"]
+    assert loras.ok is False and "restart it with --max-loras 5" in loras.line()

@@ -227,18 +227,3 @@ def _read_config(path: str) -> dict | None:
 
 def _name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1].lower()
-
-
-def check_lora_serving(client, *, lora_r: int, adapters_needed: int) -> None:
-    """Raise InferenceServerError (naming the flag) if the server cannot serve `adapters_needed` adapters of rank
-    `lora_r`; a server without /server_info is only warned about."""
-    from types import SimpleNamespace
-
-    ctx = ServerContext(SimpleNamespace(lora_r=lora_r, max_staleness=adapters_needed - 2), client, model_path="")
-    for check in (check_lora_enabled, check_max_lora_rank, check_max_loras):
-        result = check(ctx)
-        if result.ok is False:
-            raise InferenceServerError(f"{client.base_url}: {result.line()}")
-        if result.ok is None:
-            log.warning("%s: %s", client.base_url, result.line())
-            return
