@@ -81,22 +81,22 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def dist_sum(value: float) -> float:
-    """Collective: the sum of `value` over all ranks."""
+def _all_reduce(value: float, op) -> float:
     if not is_distributed():
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=op)
     return float(t.item())
+
+
+def dist_sum(value: float) -> float:
+    """Collective: the sum of `value` over all ranks."""
+    return _all_reduce(value, dist.ReduceOp.SUM)
 
 
 def dist_max(value: float) -> float:
     """Collective: the maximum of `value` over all ranks."""
-    if not is_distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return _all_reduce(value, dist.ReduceOp.MAX)
 
 
 def setup_logging(rank: int) -> None:

@@ -17,7 +17,6 @@ list on rank 0 before its first step (`require_healthy_setup`) and stops with ev
 
 from __future__ import annotations
 
-
 import logging
 import shutil
 import tempfile
