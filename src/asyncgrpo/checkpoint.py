@@ -47,8 +47,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ADAPTER_DIR = "adapter"
 OPTIMIZER = "optimizer.pt"
-SUPPORTED_BACKENDS = ("ddp", "fsdp1", "fsdp2")
 SHARDED = ("fsdp1", "fsdp2")  # optimizer state and LoRA weights go through torch's distributed state-dict API
+SUPPORTED_BACKENDS = ("ddp", *SHARDED)
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _HASH_CHUNK = 1 << 20
 
@@ -305,6 +305,3 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-
