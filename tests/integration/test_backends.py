@@ -15,19 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from asyncgrpo.bench.sync import BACKEND_ENV  # the environment each backend needs on a CPU host
 from asyncgrpo.inference.server import find_free_port
 
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3 + b for b in b"61,16>"]
-# Environment per backend, as measured in shared/NOTES.md: accelerate needs ACCELERATE_USE_CPU for DDP/FSDP on a
-# CPU host but must not see it for DeepSpeed, which needs DS_ACCELERATOR=cpu instead.
-BACKEND_ENV = {
-    "fsdp1": {"ACCELERATE_USE_CPU": "true", "ACCELERATE_TORCH_DEVICE": "cpu"},
-    "fsdp2": {"ACCELERATE_USE_CPU": "true"},
-    "zero2": {"DS_ACCELERATOR": "cpu"},
-    "zero3": {"DS_ACCELERATOR": "cpu"},
-}
+SHARDED_BACKENDS = ["fsdp1", "fsdp2", "zero2", "zero3"]  # DDP runs in test_training.py and the torchrun test
 # Per-token |trainer logprob - server logprob| on-policy. fp32 on both sides: numerical noise (measured ~1e-6).
 # A bf16 trainer base against the fp32 server: bf16 rounding of the base weights, measured 2e-2 to 4e-2 on this
 # model; the documented bound is 0.1 (README, "bf16 base").
@@ -76,7 +70,7 @@ def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_lo
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("backend", sorted(BACKEND_ENV))
+@pytest.mark.parametrize("backend", SHARDED_BACKENDS)
 def test_sharded_training_publishes_the_trained_adapter(backend, dtype, vllm_server, client, peft_logprobs,
                                                          tb_scalars, tmp_path):
     proc = launch(backend, tmp_path, vllm_server.base_url, dtype)

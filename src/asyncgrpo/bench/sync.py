@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-BACKENDS = ("ddp", "fsdp1", "fsdp2", "zero2", "zero3")
 # The environment each backend needs on a CPU host (shared/NOTES.md): accelerate needs ACCELERATE_USE_CPU for
 # DDP/FSDP but must not see it for DeepSpeed, which needs DS_ACCELERATOR=cpu instead.
 BACKEND_ENV = {"ddp": {"ACCELERATE_USE_CPU": "true"},
@@ -35,6 +34,7 @@ BACKEND_ENV = {"ddp": {"ACCELERATE_USE_CPU": "true"},
                "fsdp2": {"ACCELERATE_USE_CPU": "true"},
                "zero2": {"DS_ACCELERATOR": "cpu"},
                "zero3": {"DS_ACCELERATOR": "cpu"}}
+BACKENDS = tuple(BACKEND_ENV)
 LORA_TARGETS = "[q_proj,k_proj,v_proj,o_proj]"
 ROUNDS = 4  # per sync mode; the first is warm-up
 
