@@ -111,8 +111,11 @@ class AsyncGRPOConfig:
     """Sampling temperature on the inference server; the trainer scales its logits by the same value."""
     top_p: float = 1.0
     """Nucleus sampling on the server. Keep 1.0: the loss assumes the full distribution."""
-    max_inflight_requests: int = 8
-    """HTTP generation requests (one prompt group each) the rollout producer keeps in flight."""
+    max_inflight_requests: int | None = None
+    """HTTP generation requests (one prompt group each) the rollout producer keeps in flight. Unset: sized from the
+    batch, the staleness and the servers: a whole step's groups, two steps' worth when
+    `max_staleness` >= 1 (the next batch starts while the last requests of this one finish), and at least 2 per
+    server. The staleness bound still decides when each request may be sent."""
     seeded_generation: bool = False
     """Send every generation request a seed derived from `seed` and the prompt's position in the data stream, so
     that a run (and a run resumed from a checkpoint) samples the same completions. On vLLM CPU, seeded requests crash
@@ -137,6 +140,14 @@ class AsyncGRPOConfig:
     """Gradient clipping norm; 0 disables clipping."""
     max_steps: int = 100
     """Optimizer steps to run."""
+    num_iterations: int = 1
+    """Optimizer steps taken on each generated batch (TRL's `num_iterations`, the GRPO paper's mu): a batch is taken
+    from the rollout queue once, collated once (and its reference logprobs computed once when `beta` > 0), and
+    trained on this many times, the clipped importance ratio against the server's behaviour logprobs keeping the
+    later passes close. More iterations = less generation per optimizer step: the knob that balances generation
+    against training. Set `weight_sync_steps` to it to publish once per batch, as TRL does: staleness counts
+    published versions, so with `weight_sync_steps: 1` a batch's later passes lag the trainer by more versions and
+    `max_staleness` 1 overlaps generation with only the last pass of a batch."""
     epsilon: float = 0.2
     """Lower clip range of the importance ratio: ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float | None = None
@@ -150,7 +161,8 @@ class AsyncGRPOConfig:
 
     # ---- asynchrony and weight sync -------------------------------------------------------------
     max_staleness: int = 1
-    """Most policy versions a trained group may lag the trainer. 0 = fully synchronous on-policy training."""
+    """Most policy versions a group may lag the trainer when its batch is taken from the queue. 0 = fully synchronous
+    on-policy training. (With `num_iterations` > 1 a batch's later passes also count the versions published since.)"""
     weight_sync_steps: int = 1
     """Optimizer steps between adapter publications to the inference server."""
     publish_in_background: bool = True
@@ -221,6 +233,14 @@ class AsyncGRPOConfig:
         """The server API key, read from the environment only, so it never lands in a saved config."""
         return os.environ.get(API_KEY_ENV) or None
 
+    def inflight_requests(self, groups_per_step: int) -> int:
+        """Generation requests the producer keeps in flight: `max_inflight_requests`, or when unset a whole step's
+        groups (two steps' worth when generation may run ahead), at least 2 per server."""
+        if self.max_inflight_requests is not None:
+            return self.max_inflight_requests
+        steps_ahead = min(self.max_staleness + 1, 2)
+        return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
+
     def validate(self) -> None:
         """Cross-field checks; each error names the key to change."""
         if self.use_lora and not self.lora_adapter_path:
@@ -230,10 +250,10 @@ class AsyncGRPOConfig:
         if not self.use_lora:
             raise ConfigError("use_lora", "false is not supported yet", "set `use_lora: true`")
         positive = ["num_generations", "max_completion_length", "per_device_train_batch_size",
-                    "gradient_accumulation_steps", "max_steps", "weight_sync_steps", "lora_r",
+                    "gradient_accumulation_steps", "max_steps", "num_iterations", "weight_sync_steps", "lora_r",
                     "max_inflight_requests", "logging_steps", "keep_adapter_versions"]
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}", f"set {name} to 1 or more")
         if self.num_generations < 2:
             raise ConfigError("num_generations", f"must be >= 2 for group-relative advantages, got "
@@ -289,6 +309,10 @@ class AsyncGRPOConfig:
             raise ConfigError("save_steps", f"{self.save_steps} is not a multiple of weight_sync_steps "
                               f"({self.weight_sync_steps}); a checkpoint must hold a published policy version",
                               f"use a multiple of {self.weight_sync_steps}")
+        if self.save_steps and self.save_steps % self.num_iterations:
+            raise ConfigError("save_steps", f"{self.save_steps} is not a multiple of num_iterations "
+                              f"({self.num_iterations}); a checkpoint must fall between two generated batches",
+                              f"use a multiple of {self.num_iterations}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError("save_total_limit", f"must be >= 1, got {self.save_total_limit}",
                               "unset it to keep every checkpoint")

@@ -24,7 +24,7 @@ from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator
                           wrap_lora_separately)
 from .loss import grpo_loss, token_logprobs
 from .rewards import reward_means
-from .rollout.queue import Group, RolloutQueue
+from .rollout.queue import Group, RolloutQueue, split_by_tokens
 from .sync.gather import backend_of, gather_lora_state, lora_parameters
 from .timeline import Timeline, span
 
@@ -41,6 +41,15 @@ class StepStats:
         self.values.update({k: float(v) for k, v in kw.items()})
 
 
+@dataclass
+class TrainBatch:
+    """One generated batch as the trainer holds it for its `num_iterations` steps: the groups (rank 0 only, for
+    logging) and this rank's share, collated into micro-batches once."""
+
+    groups: list[Group]
+    micro_batches: list[dict[str, torch.Tensor]]
+
+
 class AsyncGRPOTrainer:
     """One run: `setup()`, `train()`, `cleanup()`. Rank 0 also owns the producer, the store and the publisher."""
 
@@ -51,6 +60,7 @@ class AsyncGRPOTrainer:
         self.data_position = 0  # rank 0: the data stream position after the last prompt trained on
         self.resumed_from: Path | None = None  # the checkpoint this run continues, if any
         self.wait_timeline = Timeline()  # rank 0: intervals spent waiting on the rollout queue
+        self._batch: TrainBatch | None = None  # the batch being trained on (num_iterations steps)
 
     @property
     def adapter_name(self) -> str:
@@ -158,7 +168,7 @@ class AsyncGRPOTrainer:
                                         scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
                                         cfg=cfg, response_template=prompts.response_template,
                                         start_position=self.data_position, recovery=self.recovery)
-        self.queue.batches_taken = self.step  # the producer schedules by batch index: one batch per step
+        self.queue.batches_taken = self.step // cfg.num_iterations  # the producer schedules by batch index
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
         self._publishing = None
         # Resuming: hide what a killed run logged after its checkpoint (TensorBoard purges steps >= purge_step).
@@ -188,39 +198,47 @@ class AsyncGRPOTrainer:
         return self._finish(time.perf_counter() - started)
 
     def train_step(self) -> StepStats:
-        """Collective: one optimizer step on the next batch from the queue (no weight sync)."""
+        """Collective: one optimizer step (no weight sync) on the next batch from the queue, or, for the
+        `num_iterations` - 1 steps after it, on that same batch again."""
         stats = StepStats()
-        groups = self._next_batch(stats)  # rank 0 waits on the queue; all ranks get their share
-        self._optimise(groups, stats)
+        if self._batch is None or self.step % self.cfg.num_iterations == 0:
+            self._batch = self._next_batch(stats)  # rank 0 waits on the queue; all ranks get their share
+        elif self.main:
+            self._batch_stats(self._batch.groups, stats, waited_s=0.0)
+        self._optimise(self._batch.micro_batches, stats)
         self.step += 1
         return stats
 
-    def _next_batch(self, stats: StepStats) -> list[Group]:
-        """Collective: rank 0 takes one global batch of groups and sends each rank its share."""
-        shares = None
+    def _next_batch(self, stats: StepStats) -> TrainBatch:
+        """Collective: rank 0 takes one global batch of groups and sends each rank its share (equal numbers of
+        groups, about equal numbers of tokens); every rank collates its share into micro-batches once."""
+        groups, shares = [], None
         if self.main:
             t0 = time.perf_counter()
             with span(self.wait_timeline):  # the trainer's idle time, for `asyncgrpo bench throughput`
                 groups = self.queue.take(self.groups_per_step, self.version,
                                          timeout_s=self.cfg.vllm_request_timeout * 4 + self.cfg.vllm_server_timeout)
-            staleness = [self.version - g.version for g in groups]
-            assert max(staleness) <= self.cfg.max_staleness
-            rewards = torch.tensor([r for g in groups for r in g.rewards])
-            stats.add(**{"time/wait_for_data_s": time.perf_counter() - t0,
-                         "reward/mean": rewards.mean(), "reward/std": rewards.std(),
-                         "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
-                         "queue/dropped_stale_total": self.queue.dropped_stale, "queue/depth": len(self.queue),
-                         "queue/inflight_requests": self.producer.inflight,
-                         "completion/mean_length": sum(g.n_completion_tokens for g in groups)
-                         / (len(groups) * self.cfg.num_generations)})
-            for name, mean in reward_means([g.reward_parts for g in groups]).items():
-                if mean is not None:  # None: the function applied to no completion of this batch
-                    stats.add(**{f"reward/{name}": mean})
+            assert max(self.version - g.version for g in groups) <= self.cfg.max_staleness
+            self._batch_stats(groups, stats, waited_s=time.perf_counter() - t0)
             self.data_position = max(self.data_position, 1 + max(g.index for g in groups))
-            per_rank = len(groups) // self.world
-            shares = [groups[i * per_rank:(i + 1) * per_rank] for i in range(self.world)]
-        shares = broadcast_object(shares)
-        return shares[self.rank]
+            shares = split_by_tokens(groups, self.world)
+        share = broadcast_object(shares)[self.rank]
+        per_micro = self.cfg.per_device_train_batch_size // self.cfg.num_generations
+        return TrainBatch(groups, [self._collate(share[i:i + per_micro]) for i in range(0, len(share), per_micro)])
+
+    def _batch_stats(self, groups: list[Group], stats: StepStats, waited_s: float) -> None:
+        """Rank 0: what this step's batch holds (rewards, staleness against the trainer's version now)."""
+        staleness = [self.version - g.version for g in groups]
+        rewards = torch.tensor([r for g in groups for r in g.rewards])
+        stats.add(**{"time/wait_for_data_s": waited_s, "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+                     "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+                     "queue/dropped_stale_total": self.queue.dropped_stale, "queue/depth": len(self.queue),
+                     "queue/inflight_requests": self.producer.inflight,
+                     "completion/mean_length": sum(g.n_completion_tokens for g in groups)
+                     / (len(groups) * self.cfg.num_generations)})
+        for name, mean in reward_means([g.reward_parts for g in groups]).items():
+            if mean is not None:  # None: the function applied to no completion of this batch
+                stats.add(**{f"reward/{name}": mean})
 
     def _collate(self, groups: list[Group]) -> dict[str, torch.Tensor]:
         """Groups -> padded tensors. Position t of `logp_*`/`mask` scores token t+1 of the sequence."""
@@ -259,11 +277,9 @@ class AsyncGRPOTrainer:
         logprobs = self.policy_logprobs(batch)
         return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
 
-    def _optimise(self, groups: list[Group], stats: StepStats) -> None:
-        """Collective: GRPO loss over this rank's groups in micro-batches, backward, clip, optimizer step."""
+    def _optimise(self, micro_batches: list[dict[str, torch.Tensor]], stats: StepStats) -> None:
+        """Collective: GRPO loss over this rank's micro-batches, backward, clip, optimizer step."""
         cfg = self.cfg
-        per_micro = cfg.per_device_train_batch_size // cfg.num_generations
-        micro_batches = [self._collate(groups[i:i + per_micro]) for i in range(0, len(groups), per_micro)]
         n_tokens = dist_sum(sum(float(b["mask"].sum()) for b in micro_batches))
         # The loss is a mean over the global batch's tokens; DDP averages gradients over ranks, so scale back.
         normaliser = n_tokens / self.world
@@ -292,11 +308,12 @@ class AsyncGRPOTrainer:
                      "train/max_abs_log_ratio": dist_max(max_abs_log_ratio)})
 
     def _micro_step(self, batch, normaliser: float):
-        ref = None
-        if self.cfg.beta > 0:
-            # The reference is the same (possibly sharded) model with the adapter switched off: no second copy.
+        ref = batch.get("ref")
+        if self.cfg.beta > 0 and ref is None:
+            # The reference is the same (possibly sharded) model with the adapter switched off: no second copy. It
+            # never changes, so a batch trained on again (num_iterations) keeps it.
             with torch.no_grad(), self.acc.unwrap_model(self.model).disable_adapter():
-                ref = self.policy_logprobs(batch)
+                ref = batch["ref"] = self.policy_logprobs(batch)
         logprobs = self.policy_logprobs(batch)
         terms = grpo_loss(logprobs, batch["behaviour"], batch["advantages"], batch["mask"],
                           epsilon_low=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_upper,
@@ -357,10 +374,12 @@ class AsyncGRPOTrainer:
                         total_limit=self.cfg.save_total_limit)
 
     def _should_save(self) -> bool:
-        """Every `save_steps`, and (as TRL does) at the last step, if that step published its weights."""
+        """Every `save_steps`, and (as TRL does) at the last step, if that step published its weights and finished its
+        batch's `num_iterations` passes."""
         every, step = self.cfg.save_steps, self.step
         return bool(every) and (step % every == 0 or (step == self.cfg.max_steps
-                                                      and step % self.cfg.weight_sync_steps == 0))
+                                                      and step % self.cfg.weight_sync_steps == 0
+                                                      and step % self.cfg.num_iterations == 0))
 
     def _resume(self) -> None:
         """Every rank: refuse a backend checkpoints do not support; when resuming, load the checkpoint

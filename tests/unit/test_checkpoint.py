@@ -184,9 +184,11 @@ def test_save_steps_must_be_a_multiple_of_weight_sync_steps():
 def test_saves_every_save_steps_and_at_the_last_step(step, expected):
     from asyncgrpo.trainer import AsyncGRPOTrainer
 
-    cfg = SimpleNamespace(save_steps=3, max_steps=7, weight_sync_steps=1)
+    cfg = SimpleNamespace(save_steps=3, max_steps=7, weight_sync_steps=1, num_iterations=1)
     assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=step)) is expected
     cfg.weight_sync_steps, cfg.save_steps = 2, 4  # the last step (7) published nothing: no checkpoint there
+    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
+    cfg.weight_sync_steps, cfg.num_iterations, cfg.save_steps = 1, 2, 4  # step 7 is mid-batch: none there either
     assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
 
 

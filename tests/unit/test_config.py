@@ -100,3 +100,26 @@ def test_readme_documents_every_config_key():
 
     readme = (REPO / "README.md").read_text()
     assert reference_markdown() in readme  # regenerate: python scripts/update_readme_config.py
+
+
+def test_num_iterations_must_be_positive_and_checkpoints_fall_between_batches():
+    with pytest.raises(ConfigError) as err:
+        make(num_iterations=0)
+    assert err.value.field == "num_iterations"
+    with pytest.raises(ConfigError) as err:
+        make(num_iterations=3, save_steps=4)
+    assert err.value.field == "save_steps"
+    assert "not a multiple of num_iterations (3)" in str(err.value) and "use a multiple of 3" in str(err.value)
+    assert make(num_iterations=3, weight_sync_steps=3, save_steps=6).save_steps == 6
+
+
+def test_unset_max_inflight_requests_is_sized_from_batch_staleness_and_servers():
+    assert make(max_staleness=0).inflight_requests(groups_per_step=32) == 32  # one step: nothing may run ahead
+    assert make(max_staleness=1).inflight_requests(groups_per_step=32) == 64  # the next step's groups too
+    assert make(max_staleness=3).inflight_requests(groups_per_step=32) == 64  # never more than two steps' worth
+    servers = ",".join(f"http://10.0.0.{i}:8000" for i in range(1, 5))
+    assert make(max_staleness=0, vllm_server_base_url=servers).inflight_requests(groups_per_step=2) == 8  # 2 each
+    assert make(max_inflight_requests=5).inflight_requests(groups_per_step=32) == 5  # set: taken as it is
+    with pytest.raises(ConfigError) as err:
+        make(max_inflight_requests=0)
+    assert err.value.field == "max_inflight_requests"

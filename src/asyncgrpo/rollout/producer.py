@@ -1,6 +1,7 @@
 """RolloutProducer: on rank 0, in the background, keeps generation requests in flight and fills the queue.
 
-Scheduling (why staleness stays bounded): batch k is trained at trainer version V(k) = k // weight_sync_steps.
+Scheduling (why staleness stays bounded): batch k is first trained at step k * num_iterations, at trainer version
+V(k) = k * num_iterations // weight_sync_steps.
 A request whose group will land in batch b is only sent once the server serves a version >= V(b) - max_staleness,
 and it is tagged with the version served when it was sent. So `max_staleness: 0` waits for every sync
 (synchronous on-policy GRPO) and `max_staleness: 1` generates batch k+1 while the trainer trains on batch k.
@@ -56,6 +57,12 @@ def request_seed(seed: int, index: int, n: int) -> int:
     return (seed * 1_000_003 + index * n) % 2**31
 
 
+def version_needed(batch: int, cfg) -> int:
+    """The policy version a server must serve before requests for batch `batch` (0-based) may be sent: the trainer's
+    version when it first trains on that batch (step batch * num_iterations), less `max_staleness`."""
+    return batch * cfg.num_iterations // cfg.weight_sync_steps - cfg.max_staleness
+
+
 class RolloutProducer:
     """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end."""
 
@@ -80,7 +87,8 @@ class RolloutProducer:
         self._inflight_by_adapter: Counter[str] = Counter()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
-        self._pool = ThreadPoolExecutor(max_workers=cfg.max_inflight_requests, thread_name_prefix="rollout")
+        self.max_inflight = cfg.inflight_requests(groups_per_step)
+        self._pool = ThreadPoolExecutor(max_workers=self.max_inflight, thread_name_prefix="rollout")
         # statistics, read by the trainer for logging
         self.generated_tokens = 0
         self.lost_groups = 0
@@ -123,13 +131,12 @@ class RolloutProducer:
         """Under the queue lock: is there room for one more request, and is its batch's version served?"""
         if self._stop:
             return True
-        if self._inflight >= self.cfg.max_inflight_requests or self._version < 0:
+        if self._inflight >= self.max_inflight or self._version < 0:
             return False
         if not any(self.recovery.is_up(c) for c in self._clients):
             return False  # every server is down: wait for one to be recovered
         batch = self.queue.batches_taken + (self.queue.queued_locked + self._inflight) // self.groups_per_step
-        needed_version = batch // self.cfg.weight_sync_steps - self.cfg.max_staleness
-        return self._version >= needed_version
+        return self._version >= version_needed(batch, self.cfg)
 
     def _pick_server(self) -> InferenceClient:
         """The next server in round-robin order that is up (one went down just now: any, its request is lost)."""

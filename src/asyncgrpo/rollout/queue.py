@@ -29,6 +29,22 @@ class Group:
         return sum(len(c) for c in self.completion_ids)
 
 
+def split_by_tokens(groups: list[Group], parts: int) -> list[list[Group]]:
+    """Deal `groups` to `parts` ranks: the same number each (every rank runs the same micro-steps and collectives)
+    and about the same number of tokens (prompt + completion, what a forward costs). Largest groups first, each to
+    the least-loaded rank with room; each share keeps the batch's order."""
+    if len(groups) % parts:
+        raise ValueError(f"{len(groups)} groups do not split evenly over {parts} ranks")
+    room = len(groups) // parts
+    cost = [sum(len(g.prompt_ids) + len(c) for c in g.completion_ids) for g in groups]
+    load, members = [0] * parts, [[] for _ in range(parts)]
+    for i in sorted(range(len(groups)), key=lambda i: -cost[i]):
+        rank = min((r for r in range(parts) if len(members[r]) < room), key=lambda r: load[r])
+        load[rank] += cost[i]
+        members[rank].append(i)
+    return [[groups[i] for i in sorted(m)] for m in members]
+
+
 class RolloutQueue:
     """Thread-safe queue of groups, taken oldest policy version first. `take` never returns a group more than `max_staleness` versions older
     than the trainer; such groups are discarded and counted in `dropped_stale`."""

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from asyncgrpo.rollout.queue import Group, RolloutQueue
+from asyncgrpo.rollout.queue import Group, RolloutQueue, split_by_tokens
 
 
 def group(version: int, tag: str = "") -> Group:
@@ -57,3 +57,24 @@ def test_take_serves_the_oldest_version_first_so_late_groups_are_not_wasted():
     q.put(group(2, "late-but-still-fresh"))
     assert [g.prompt for g in q.take(1, trainer_version=3, timeout_s=1)] == ["late-but-still-fresh"]
     assert q.dropped_stale == 0
+
+
+def sized(index: int, prompt_len: int, completion_lens: list[int]) -> Group:
+    return Group(prompt=f"p{index}", prompt_ids=[1] * prompt_len, completion_ids=[[2] * n for n in completion_lens],
+                 behaviour_logprobs=[[-1.0] * n for n in completion_lens], rewards=[0.0] * len(completion_lens),
+                 reward_parts={}, advantages=[0.0] * len(completion_lens), version=0, adapter="a", index=index)
+
+
+def test_split_by_tokens_gives_each_rank_as_many_groups_and_about_as_many_tokens():
+    # A sequence is prompt + completion: long groups cost 2 x (4 + 50) = 108, short ones 2 x (2 + 5) = 14.
+    # Contiguous halves would give rank 0 all four long groups (432 tokens) and rank 1 the short ones (56).
+    groups = [sized(i, 4, [50, 50]) for i in range(4)] + [sized(i, 2, [5, 5]) for i in range(4, 8)]
+    shares = split_by_tokens(groups, 2)
+    tokens = [sum(len(g.prompt_ids) + len(c) for g in share for c in g.completion_ids) for share in shares]
+    assert [len(s) for s in shares] == [4, 4]
+    assert tokens == [244, 244]
+    assert sorted(g.index for s in shares for g in s) == list(range(8))  # every group exactly once
+    assert all([g.index for g in s] == sorted(g.index for g in s) for s in shares)  # batch order kept
+    assert split_by_tokens(groups, 1) == [groups]
+    with pytest.raises(ValueError, match="8 groups do not split evenly over 3 ranks"):
+        split_by_tokens(groups, 3)
