@@ -85,6 +85,7 @@ class VLLMServer:
         dtype: str = "float32",
         kv_cache_gib: int = 1,
         max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = 256,
         api_key: str | None = None,
         extra_args: Sequence[str] = (),
         log_path: Path | None = None,
@@ -99,6 +100,7 @@ class VLLMServer:
         self.dtype = dtype
         self.kv_cache_gib = kv_cache_gib
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.api_key = api_key
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path is not None else None
@@ -130,6 +132,10 @@ class VLLMServer:
             # Requests that carry their own seed crash the CPU engine when their prompt is chunk-prefilled:
             # keep this >= (requests in flight) x (prompt + completion tokens) when seeding (NOTES.md).
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.max_num_seqs is not None:
+            # vLLM's CPU build schedules at most 128 sequences per engine step behind its API server (256 on GPU):
+            # a GRPO step of 32 prompts x 8 completions would run in two waves. None: vLLM's default.
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -256,6 +262,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="model dtype (float32 on CPU)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU, GiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences per engine step; keep >= requests in flight x num_generations (vLLM's CPU default "
+                        "is 128)")
     p.add_argument("--log-path", type=Path, default=None, help="server log file (default: a temporary file)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for /health")
     p.add_argument("extra_args", nargs=argparse.REMAINDER, help="-- then extra vLLM arguments")
@@ -274,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model, args.port or find_free_port(args.host), host=args.host, max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
-        extra_args=args.extra_args, log_path=args.log_path,
+        max_num_seqs=args.max_num_seqs, extra_args=args.extra_args, log_path=args.log_path,
     )  # fmt: skip
 
     def on_signal(signum, frame):

@@ -46,7 +46,9 @@ def test_command_defaults_batched_tokens_and_extra_args():
     assert (flag(cmd, "--max-lora-rank"), flag(cmd, "--max-loras")) == ("8", "4")
     assert (flag(cmd, "--dtype"), flag(cmd, "--max-model-len")) == ("float32", "512")
     assert flag(cmd, "--max-num-batched-tokens") == "8192"
+    assert flag(cmd, "--max-num-seqs") == "256"  # not vLLM CPU's 128: a 32 x 8 GRPO step in one wave
     assert cmd[-2:] == ["--seed", "1"]
+    assert "--max-num-seqs" not in VLLMServer(Path("/m"), 9000, max_num_seqs=None).command()  # vLLM's own default
 
 
 def test_environment_enables_adapter_and_dev_endpoints():
