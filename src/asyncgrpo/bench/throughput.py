@@ -1,7 +1,7 @@
 """Does asynchrony pay off? The same toy workload and the same number of optimizer steps, trained with
 `max_staleness` 0 (synchronous), 1 and 2, one after another against one vLLM CPU server:
 
-    asyncgrpo bench throughput --json [--plot docs/throughput.png] [--max_steps 40] [--key value ...]
+    asyncgrpo bench throughput --json [--plot docs/throughput.png] [--max_steps 120] [--key value ...]
 
 Per run: optimizer steps/s and the speedup over the synchronous run; the trainer's idle fraction (time waiting
 on the rollout queue / wall time); the inference idle fraction (time with no generation request in flight /
@@ -16,16 +16,19 @@ runs the single trainer (torch with `torch_num_threads: 1`) and the rollout prod
 generation and training can really run at once. The output says which core got what.
 
 Balance: the workload is `configs/demo.yaml` with the overrides in `BALANCE` (32 prompts x 8 completions per
-step on one trainer process, a whole step's requests in flight, `sync_mode: versioned` so that activating a new
-adapter never pauses generation, `beta: 0.04`). `BALANCE_NOTE` (also in the output as `balance`) says what was
-measured: generation costs a few times training per step here, whatever the batch size or group size, so `beta`
-(a reference forward per micro-batch) is the existing knob that moves training closer. `cpu_s_per_step` shows
-the split per run in CPU seconds; `loadavg_*` says how busy the machine was (wall-clock figures need a quiet one).
+step on one trainer process, `sync_mode: versioned` so that activating a new adapter never pauses generation) and
+the balancing knob `num_iterations: 3` (with `weight_sync_steps: 3`: each generated batch is trained on for 3
+optimizer steps and published once). `BALANCE_NOTE` (also in the output as `balance`) says what was measured.
+Requests in flight are sized by the trainer (`max_inflight_requests` unset), the server gets `--max-num-seqs` for
+all of them. `cpu_s_per_step` shows the split per run in CPU seconds; `loadavg_*` says how busy the machine was
+(wall-clock figures need a quiet one). 120 steps per run: the first batch of every run is generated while the
+trainer waits (~0.5 s), which a short run would count as idle time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -38,17 +41,17 @@ STALENESS = (0, 1, 2)
 DEFAULT_WORKDIR = "runs/bench-throughput"
 WARMUP_STEPS = 2
 # The workload on top of configs/demo.yaml (overrides on the command line win): one trainer process of 32 prompts
-# x 8 completions per step, a whole step's requests in flight, adapters activated without pausing generation
-# (`sync_mode: versioned`), and the balancing knob `beta` (see BALANCE_NOTE).
-BALANCE = ["--max_steps", "40", "--per_device_train_batch_size", "256", "--torch_num_threads", "1",
-           "--max_inflight_requests", "32", "--sync_mode", "versioned", "--beta", "0.04"]
-BALANCE_NOTE = ("Generation-bound: per step the server generates 256 completions of ~3 tokens, overhead-bound "
-                "(scheduling, sampling, HTTP; ~0.6 CPU-s measured alone), the trainer needs ~0.2 CPU-s. Batch size, "
-                "num_generations and max_completion_length (answers are 3 tokens) move both sides alike; beta 0.04 "
-                "(a KL term: one reference forward per micro-batch) is the existing knob that moves the most towards "
-                "training (~+70% training CPU). A larger toy model (training grows with FLOPs, overhead-bound "
-                "generation barely) is the knob that would balance it. Server CPU-s include vLLM's spin-wait "
-                "(its shm queue busy-loops for 1 s after each read), so they overstate generation's cost.")
+# x 8 completions per step, adapters activated without pausing generation (`sync_mode: versioned`), and the
+# balancing knob `num_iterations`, published once per batch (see BALANCE_NOTE).
+BALANCE = ["--max_steps", "120", "--per_device_train_batch_size", "256", "--torch_num_threads", "1",
+           "--num_iterations", "3", "--weight_sync_steps", "3", "--sync_mode", "versioned"]
+BALANCE_NOTE = ("Balanced by num_iterations 3: per generated batch (256 completions of ~3 tokens) the server needs "
+                "~0.3 s (vLLM's CPU LoRA kernels and per-step overheads; batch size, num_generations and "
+                "max_completion_length move generation and training alike), one optimizer step ~0.1 s. With 3 steps "
+                "per batch both sides take ~0.3 s per batch; at 2 the run is generation-bound, at 4 training-bound "
+                "and its held-out reward at max_staleness 2 falls 0.07-0.08 below synchronous. Server CPU-s include "
+                "vLLM's spin-wait (its shm queue busy-loops for 1 s after each read), so they overstate "
+                "generation's cost.")
 
 
 def split_cores() -> dict:
@@ -59,6 +62,13 @@ def split_cores() -> dict:
     return {"server": cores[:1], "trainer": cores[1:2],
             "note": f"vLLM (API server + engine, worker bound by VLLM_CPU_OMP_THREADS_BIND={cores[0]}) on core "
                     f"{cores[0]}; trainer process (torch 1 thread + rollout producer threads) on core {cores[1]}"}
+
+
+def max_sequences(cfg, staleness: int) -> int:
+    """Completions the server may be asked for at once (requests in flight x num_generations, one trainer process):
+    its `--max-num-seqs`, so that no request waits for a second scheduling wave."""
+    groups_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
+    return cfg.num_generations * dataclasses.replace(cfg, max_staleness=staleness).inflight_requests(groups_per_step)
 
 
 def run_summary(*, staleness: int, steps: int, t0: float, t1: float, waits: list, busy: list, history: list[dict],
@@ -202,7 +212,7 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
             env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores["server"][0])}
             os.sched_setaffinity(0, cores["server"])  # the server inherits this affinity...
             server = VLLMServer(world.model_dir, find_free_port(), max_loras=max(stalenesses) + 3, max_model_len=256,
-                                log_path=work / "vllm.log", env=env)
+                                max_num_seqs=max_sequences(base, max(stalenesses)), log_path=work / "vllm.log", env=env)
             try:
                 server.start()
             finally:
