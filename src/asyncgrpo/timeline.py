@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 
 Interval = tuple[float, float]
@@ -58,11 +59,13 @@ def complement(intervals: Iterable[Interval], t0: float, t1: float) -> list[Inte
 
 class Timeline:
     """Thread-safe recorder of intervals. `span()` records one interval around a block; `enter()`/`exit()` record
-    the time during which a counter is above zero (e.g. "any request in flight" across many threads)."""
+    the time during which a counter is above zero (e.g. "any request in flight" across many threads). Only the
+    newest `max_intervals` are kept (a few MB at the default), so a run of any length stays bounded; a snapshot of
+    a window older than those misses what was dropped."""
 
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic, max_intervals: int = 100_000):
         self.clock = clock
-        self.intervals: list[Interval] = []
+        self.intervals: deque[Interval] = deque(maxlen=max_intervals)
         self._depth = 0
         self._opened = 0.0
         self._lock = threading.Lock()

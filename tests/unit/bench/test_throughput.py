@@ -48,6 +48,15 @@ def test_timeline_is_busy_while_any_request_is_in_flight():
     assert t.intervals[-1] == (6.0, 6.5)
 
 
+def test_timeline_keeps_only_the_newest_intervals():
+    clock = FakeClock()
+    t = Timeline(clock, max_intervals=2)
+    for start in (1.0, 3.0, 5.0):
+        t.add(start, start + 1.0)
+    assert list(t.intervals) == [(3.0, 4.0), (5.0, 6.0)]  # the oldest was dropped: memory stays bounded
+    assert t.snapshot(0.0, 10.0) == [(3.0, 4.0), (5.0, 6.0)]
+
+
 def test_timeline_enter_exit_is_thread_safe():
     t = Timeline()
 
