@@ -4,7 +4,11 @@ A checkpoint is the directory `<output_dir>/checkpoint-<step>/`:
 
     adapter/adapter_model.safetensors   the LoRA weights at that step (PEFT format, for `PeftModel.from_pretrained`)
     adapter/adapter_config.json
-    optimizer.pt                        the optimizer state (rank 0's: DDP replicates it, so one copy serves every rank)
+    optimizer.pt                        the optimizer state (rank 0's: DDP replicates it, so one copy serves every rank;
+                                        FSDP: gathered whole)
+    deepspeed/                          ZeRO-2/3 only, instead of optimizer.pt: DeepSpeed's own checkpoint of the engine
+                                        (`save_checkpoint(exclude_frozen_parameters=True)`: the LoRA weights and each
+                                        rank's partition of their fp32 master weights and Adam state, no base weights)
     rng-rank<r>.pt                      torch, python and numpy RNG states of rank r
     manifest.json                       format version, step, policy version, data position, and every file's size
                                         and sha256; written last
@@ -14,11 +18,11 @@ the directory is renamed into place, so a process killed mid-write never leaves 
 temporary directory is removed by the next run). A checkpoint whose manifest is missing, or whose files differ from
 what the manifest lists (truncated, edited), is refused with a CheckpointError naming the path and the fix.
 
-Supported backends: DDP (also torchrun and a single process), FSDP1 and FSDP2. On FSDP the optimizer state of the
-LoRA parameters is gathered whole to rank 0 (torch.distributed.checkpoint's state-dict API: only trainable
-parameters have optimizer state, so this is adapter-sized) and every rank re-shards it on resume. ZeRO-2/3 keep
-optimizer state in DeepSpeed's own partitions and are refused with a clear error when `save_steps` or
-`resume_from_checkpoint` is set (see `check_backend`).
+Supported backends: DDP (also torchrun and a single process), FSDP1, FSDP2, ZeRO-2 and ZeRO-3. On FSDP the
+optimizer state of the LoRA parameters is gathered whole to rank 0 (torch.distributed.checkpoint's state-dict API:
+only trainable parameters have optimizer state, so this is adapter-sized) and every rank re-shards it on resume.
+ZeRO keeps it in DeepSpeed's partitions, which DeepSpeed writes and reads itself; such a checkpoint resumes only on
+the same ZeRO stage and number of ranks (checked, with the fix named).
 The scheduler: asyncgrpo's learning rate is constant, so there is none to save.
 """
 
@@ -48,7 +52,9 @@ MANIFEST = "manifest.json"
 ADAPTER_DIR = "adapter"
 OPTIMIZER = "optimizer.pt"
 SHARDED = ("fsdp1", "fsdp2")  # optimizer state and LoRA weights go through torch's distributed state-dict API
-SUPPORTED_BACKENDS = ("ddp", *SHARDED)
+DEEPSPEED = ("zero2", "zero3")  # the engine writes and reads its own partitioned checkpoint
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
+SUPPORTED_BACKENDS = ("ddp", *SHARDED, *DEEPSPEED)
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _HASH_CHUNK = 1 << 20
 
@@ -126,13 +132,11 @@ def read_manifest(path: Path, verify_files: bool = True) -> dict:
 
 
 def check_backend(backend: str) -> None:
-    """Checkpoints are exact on DDP; the sharded backends keep optimizer state in shards this module does not
-    write yet, so they are refused up front instead of saving a checkpoint that cannot resume exactly."""
+    """A backend this module cannot checkpoint exactly is refused up front, not after hours of training."""
     if backend not in SUPPORTED_BACKENDS:
-        raise CheckpointError(f"checkpoints (save_steps, resume_from_checkpoint) support DDP, FSDP1 and FSDP2, and "
-                              f"this run uses {backend}. Fix: launch with launch/accelerate/fsdp2*.yaml, ddp*.yaml or "
-                              f"torchrun (LoRA optimizer state is small), or set save_steps: 0 and unset "
-                              f"resume_from_checkpoint")
+        raise CheckpointError(f"checkpoints (save_steps, resume_from_checkpoint) support DDP, FSDP1, FSDP2, ZeRO-2 "
+                              f"and ZeRO-3, and this run uses {backend}. Fix: launch with one of the configs in "
+                              f"launch/accelerate/, or set save_steps: 0 and unset resume_from_checkpoint")
 
 
 # ---- saving --------------------------------------------------------------------------------------------------------
@@ -150,9 +154,12 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
         tmp.mkdir(parents=True)
     tmp = Path(broadcast_object(str(tmp) if tmp else None))  # output_dir must be shared by every node
     _write_file(tmp / f"rng-rank{acc.process_index}.pt", lambda f: torch.save(rng_state(), f))
+    if state.backend in DEEPSPEED:  # collective: each rank writes its partitions
+        model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, exclude_frozen_parameters=True)
     if acc.is_main_process:
         _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
-        _write_file(tmp / OPTIMIZER, lambda f: torch.save(optim_state, f))
+        if optim_state is not None:
+            _write_file(tmp / OPTIMIZER, lambda f: torch.save(optim_state, f))
     acc.wait_for_everyone()  # every rank's file is written and fsynced
     if acc.is_main_process:
         _commit(tmp, final, state)
@@ -170,7 +177,10 @@ def _state_dict_options(backend: str, **kw):
 
 
 def _optimizer_state(acc, model, optimizer, backend: str) -> dict | None:
-    """Collective on FSDP: the whole optimizer state (rank 0), keyed by parameter names; DDP: rank 0's replica."""
+    """Collective on FSDP: the whole optimizer state (rank 0), keyed by parameter names; DDP: rank 0's replica;
+    ZeRO: None (DeepSpeed writes it)."""
+    if backend in DEEPSPEED:
+        return None
     if backend not in SHARDED:
         return optimizer.state_dict() if acc.is_main_process else None
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -198,6 +208,8 @@ def _commit(tmp: Path, final: Path, state: TrainerState) -> None:
     """Rank 0: the manifest (last), fsync, rename into place. An existing directory of the same step (a run that
     resumed from an earlier checkpoint and got here again) is replaced."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for p in files:  # ours are fsynced as written; DeepSpeed's are not
+        fsync_path(p)
     manifest = {"format_version": FORMAT_VERSION, "state": asdict(state),
                 "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
     _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
@@ -239,17 +251,26 @@ def load_checkpoint(path: Path, acc, model, optimizer) -> TrainerState:
     marker = f".{peft_model.active_adapter}."
     params = {clean_fsdp_name(name).replace(marker, ".", 1): p for name, p in lora_parameters(peft_model)}
     current = backend_of(acc)
-    # Full shapes (FSDP2's DTensors report them); an FSDP1 parameter is a flat view of this rank's slice: names only.
-    shapes = {k: None if current == "fsdp1" else p.shape for k, p in params.items()}
+    # Full shapes (FSDP2's DTensors report them, ZeRO-3 keeps them in ds_shape); an FSDP1 parameter is a flat view of
+    # this rank's slice: names only.
+    shapes = {k: None if current == "fsdp1" else getattr(p, "ds_shape", p.shape) for k, p in params.items()}
     tensors = load_file(str(path / ADAPTER_DIR / "adapter_model.safetensors"))
     if set(tensors) != set(params) or any(shape is not None and tensors[k].shape != shape for k, shape in shapes.items()):
         raise CheckpointError(f"the adapter in {str(path)!r} does not fit this model (different lora_r, "
                               f"lora_target_modules or base model). Fix: resume with the config the checkpoint was "
                               f"saved with ({str(path.parent / 'config.yaml')!r})")
-    if (current in SHARDED) != (state.backend in SHARDED):  # the optimizer files differ in layout
-        raise CheckpointError(f"{str(path)!r} was saved by a {state.backend} run and this run uses {current}. "
-                              f"Fix: resume with the launch config the checkpoint was saved with (DDP and FSDP "
-                              f"checkpoints do not mix; FSDP1 and FSDP2 do)")
+    if _layout(current, acc.num_processes) != _layout(state.backend, state.world_size):  # optimizer files differ
+        raise CheckpointError(f"{str(path)!r} was saved by a {state.backend} run of {state.world_size} ranks and this "
+                              f"run uses {current} on {acc.num_processes}. Fix: resume with the launch config the "
+                              f"checkpoint was saved with (DDP, FSDP and ZeRO checkpoints do not mix; FSDP1 and FSDP2 "
+                              f"do, on any number of ranks; ZeRO needs the same stage and number of ranks)")
+    if state.backend in DEEPSPEED:  # the engine restores the LoRA weights, their fp32 masters and Adam state
+        loaded, _ = model.load_checkpoint(str(path / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_module_strict=False,
+                                          load_optimizer_states=True, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {str(path / DEEPSPEED_DIR)!r}. Fix: resume from "
+                                  f"another checkpoint-<step> (this one is incomplete)")
+        return state
     optim_state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=False)
     if state.backend in SHARDED:  # every rank reads the whole (adapter-sized) state and keeps its own shard
         _load_sharded(acc, model, optimizer, current, tensors, marker, optim_state)
@@ -259,6 +280,13 @@ def load_checkpoint(path: Path, acc, model, optimizer) -> TrainerState:
             param.copy_(tensors[key])
     optimizer.load_state_dict(optim_state)
     return state
+
+
+def _layout(backend: str, world_size: int) -> tuple:
+    """What must match between the run that saved a checkpoint and the one resuming from it."""
+    if backend in DEEPSPEED:
+        return backend, world_size
+    return ("sharded",) if backend in SHARDED else ("replicated",)
 
 
 def _load_sharded(acc, model, optimizer, backend: str, tensors, marker: str, optim_state: dict) -> None:

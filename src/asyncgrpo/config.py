@@ -198,7 +198,8 @@ class AsyncGRPOConfig:
     save_steps: int = 0
     """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (adapter in PEFT format,
     optimizer, RNG states, data position, policy version, step; written atomically), and at the last step. 0 = never.
-    Must be a multiple of `weight_sync_steps`. DDP (also torchrun, one process), FSDP1 and FSDP2; not ZeRO yet."""
+    Must be a multiple of `weight_sync_steps` and of `num_iterations`. DDP (also torchrun, one process), FSDP1, FSDP2,
+    ZeRO-2 and ZeRO-3."""
     save_total_limit: int | None = None
     """Keep only the newest this many checkpoints (older ones are deleted after each save). Unset = keep all."""
     resume_from_checkpoint: str | None = None

@@ -5,8 +5,9 @@ preempted node would be) once checkpoint-3 exists, and is resumed with `--resume
 One test, three launches (~10 s each on an idle 2-core machine, plus the session server).
 With `max_staleness: 0` and `seeded_generation: true` both runs sample the same completions from the same policies,
 so B's final adapter must equal A's, and its TensorBoard steps must run 1..6 with none lost or repeated.
-The same holds on FSDP1 and FSDP2, whose LoRA weights and Adam state are sharded (shorter runs, no kill: what is
-tested there is that the sharded state goes into the checkpoint and back into the shards exactly).
+The same holds on FSDP1, FSDP2, ZeRO-2 and ZeRO-3, whose LoRA weights (or their fp32 masters) and Adam state are
+sharded (shorter runs, no kill: what is tested there is that the sharded state goes into the checkpoint and back
+into the shards exactly).
 """
 
 import json
@@ -21,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from asyncgrpo.bench.sync import BACKEND_ENV
 from asyncgrpo.inference.server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,22 +40,22 @@ def train_command(out: Path, server_url: str, *extra: str, backend: str = "ddp")
             "--vllm_server_base_url", server_url, "--ddp_timeout", "120", *extra]
 
 
-def env() -> dict:
-    out = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    out.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true",
-                "ACCELERATE_TORCH_DEVICE": "cpu"})  # the last one for FSDP1 (shared/NOTES.md)
+def env(backend: str = "ddp") -> dict:
+    out = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "ACCELERATE_USE_CPU")}
+    out.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **BACKEND_ENV[backend]})
     return out
 
 
 def run(cmd: list[str]) -> dict:
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    backend = Path(cmd[cmd.index("--config_file") + 1]).name.removesuffix("_cpu.yaml")
+    proc = subprocess.run(cmd, cwd=REPO, env=env(backend), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads((Path(cmd[cmd.index("--output_dir") + 1]) / "run_summary.json").read_text())
 
 
 def start_and_kill_after_checkpoint(cmd: list[str], out: Path) -> None:
     """Start a run, poll for checkpoint-3's manifest, then SIGKILL every process of the launch at once."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env("ddp"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + CHECKPOINT_DEADLINE_S
     manifest = out / "checkpoint-3" / "manifest.json"
@@ -112,10 +114,11 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert max(abs(va - vb) for (_, va), (_, vb) in zip(loss_a, loss_b)) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
-def test_fsdp_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_server, tmp_path):
-    """FSDP shards the LoRA weights and their Adam state: a run resumed from checkpoint-2 must take step 3 exactly as
-    an uninterrupted run does (same weights, same optimizer moments), so the final adapters agree."""
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "zero2", "zero3"])
+def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_server, tmp_path):
+    """FSDP and ZeRO shard the LoRA weights (ZeRO-2: their fp32 masters) and their Adam state: a run resumed from
+    checkpoint-2 must take step 3 exactly as an uninterrupted run does (same weights, same optimizer moments), so
+    the final adapters agree."""
     a = run(train_command(tmp_path / "a", vllm_server.base_url, "--max_steps", "3", backend=backend))
     b_out = tmp_path / "b"
     run(train_command(b_out, vllm_server.base_url, "--max_steps", "2", "--save_steps", "2", backend=backend))
@@ -125,6 +128,11 @@ def test_fsdp_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_se
     saved = load_file(str(b_out / "checkpoint-2" / "adapter" / "adapter_model.safetensors"))
     republished = load_file(str(Path(b["adapter_path"]).parent / "v000002" / "adapter_model.safetensors"))
     assert all(torch.equal(saved[k], republished[k]) for k in saved)  # weights went back into the shards exactly
+    if backend.startswith("zero"):  # DeepSpeed's own files hold the LoRA weights but no base layer weights; the
+        files = sorted((b_out / "checkpoint-2" / "deepspeed" / "state").glob("*model_states.pt"))  # ZeRO-3: per rank
+        states = torch.load(files[0], weights_only=False)["module"]  # tied lm_head alias of the embedding: kept
+        assert sum("lora_" in k for k in states) == len(saved)
+        assert [k for k in states if "lora_" not in k] == ["base_model.model.lm_head.weight"]
     final_a = load_file(f"{a['adapter_path']}/adapter_model.safetensors")
     final_b = load_file(f"{b['adapter_path']}/adapter_model.safetensors")
     assert max((final_a[k] - final_b[k]).abs().max().item() for k in final_a) <= 1e-5

@@ -39,7 +39,7 @@ def train_one_step(model, optimizer):
     optimizer.zero_grad()
 
 
-ACC = SimpleNamespace(is_main_process=True, process_index=0, distributed_type=DistributedType.NO,
+ACC = SimpleNamespace(is_main_process=True, process_index=0, num_processes=1, distributed_type=DistributedType.NO,
                       wait_for_everyone=lambda: None, unwrap_model=lambda m: m)
 
 
@@ -158,12 +158,20 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
     assert ckpt.resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-6"
 
 
-def test_zero_backends_are_refused_with_the_fix():
-    for backend in ("ddp", "fsdp1", "fsdp2"):
+def test_backends_without_checkpoints_are_refused_with_the_fix():
+    for backend in ("ddp", "fsdp1", "fsdp2", "zero2", "zero3"):
         ckpt.check_backend(backend)
     with pytest.raises(CheckpointError) as err:
-        ckpt.check_backend("zero3")
-    assert "zero3" in str(err.value) and "save_steps: 0" in str(err.value)
+        ckpt.check_backend("zero1")  # a ZeRO stage no launch config here uses
+    assert "zero1" in str(err.value) and "save_steps: 0" in str(err.value)
+
+
+def test_what_a_resuming_run_must_share_with_the_saving_one():
+    assert ckpt._layout("fsdp1", 2) == ckpt._layout("fsdp2", 4)  # FSDP re-shards a whole state on any ranks
+    assert ckpt._layout("ddp", 2) == ckpt._layout("ddp", 1)
+    assert ckpt._layout("ddp", 2) != ckpt._layout("fsdp2", 2)
+    assert ckpt._layout("zero2", 2) != ckpt._layout("zero3", 2)  # DeepSpeed's partitions: same stage...
+    assert ckpt._layout("zero3", 2) != ckpt._layout("zero3", 4)  # ...and the same number of ranks
 
 
 def test_resume_path_that_is_not_a_directory(tmp_path):
