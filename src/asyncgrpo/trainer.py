@@ -418,6 +418,7 @@ class AsyncGRPOTrainer:
         elapsed = time.monotonic() - self.producer.started_at
         stats.add(**{"rollout/generated_tokens_per_s": self.producer.generated_tokens / max(elapsed, 1e-9),
                      "rollout/lost_groups_total": self.producer.lost_groups,
+                     "rollout/resent_groups_total": self.producer.resent_groups,
                      "reward/fallbacks_total": self.scorer.fallbacks, "policy/version": self.version})
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
             for key, value in stats.values.items():
@@ -431,7 +432,7 @@ class AsyncGRPOTrainer:
             summary = {"steps": self.step, "version": self.version, "adapter_name": self.adapter_name,
                        "adapter_path": str(self.store.path(self.version)), "model_path": str(self.model_path),
                        "train_seconds": seconds, "dropped_stale": self.queue.dropped_stale,
-                       "lost_groups": self.producer.lost_groups,
+                       "lost_groups": self.producer.lost_groups, "resent_groups": self.producer.resent_groups,
                        "tensorboard": str((self.out_dir / "tensorboard").resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),
                        "start_step": self.start_step,

@@ -143,6 +143,7 @@ def test_a_killed_server_that_restarts_costs_groups_not_the_run(own_server, worl
     lost = summary["lost_groups"]
     assert lost == len(re.findall(r"rollout request to \S+ lost", log))
     assert tb_scalars(tmp_path / "tensorboard", "rollout/lost_groups_total")[-1][1] == lost
+    assert summary["resent_groups"] == lost  # every lost prompt was sent again
 
 
 def test_a_server_that_never_returns_ends_the_run_with_the_fix(own_server, tmp_path):

@@ -7,9 +7,11 @@ and it is tagged with the version served when it was sent. So `max_staleness: 0`
 (synchronous on-policy GRPO) and `max_staleness: 1` generates batch k+1 while the trainer trains on batch k.
 The queue drops whatever still arrives too old (e.g. after an aborted request), and the producer refills.
 
-Faults: a request whose server stops answering loses its group (counted in `lost_groups`); the server is then
-recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`, re-register the current
-adapter) and gets no request until it is back. One that never returns fails the run with the server's name.
+Faults: a request whose server stops answering loses its generation (counted in `lost_groups`); its prompt is sent
+again, before any new one, to a server that is up (counted in `resent_groups`), so no prompt of the data order is
+skipped. The server is recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`,
+re-register the current adapter) and gets no request until it is back. One that never returns fails the run with
+the server's name. A request aborted by a sync (`sync_pause_mode: abort`) is lost and sent again the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -85,6 +87,7 @@ class RolloutProducer:
         self._adapter = ""
         self._inflight = 0
         self._inflight_by_adapter: Counter[str] = Counter()
+        self._resend: deque[tuple[PromptRow, int]] = deque()  # prompts whose generation was lost: sent first
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self.max_inflight = cfg.inflight_requests(groups_per_step)
@@ -92,6 +95,7 @@ class RolloutProducer:
         # statistics, read by the trainer for logging
         self.generated_tokens = 0
         self.lost_groups = 0
+        self.resent_groups = 0
         self.started_at = time.monotonic()
         self.server_busy = Timeline()  # intervals with at least one generation request in flight
 
@@ -157,19 +161,24 @@ class RolloutProducer:
                     version, adapter = self._version, self._adapter
                     self._inflight_by_adapter[adapter] += 1
                     client = self._pick_server()
-                index = self.stream.position  # the prompt's place in the data order: its group's `index`
-                self._pool.submit(self._make_group, client, next(self.stream), version, adapter, index)
+                    prompt = self._resend.popleft() if self._resend else None  # (row, index) of a lost group
+                    self.resent_groups += prompt is not None
+                if prompt is None:
+                    index = self.stream.position  # the prompt's place in the data order: its group's `index`
+                    prompt = next(self.stream), index
+                self._pool.submit(self._make_group, client, *prompt, version, adapter)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which re-raises it
             self.queue.fail(exc)
 
     # ---- one request ----------------------------------------------------------------------------------
-    def _make_group(self, client: InferenceClient, row: PromptRow, version: int, adapter: str, index: int) -> None:
+    def _make_group(self, client: InferenceClient, row: PromptRow, index: int, version: int, adapter: str) -> None:
         try:
             seen = self.recovery.epoch(client)
             try:
                 group = self._generate(client, row, version, adapter, index)
             except ServerUnreachableError as exc:
-                self._lose_group(client, seen, exc)
+                self._lose_group(row, index)
+                self._recover_in_background(client, seen, exc)
                 return
             if group is not None:
                 self.queue.put(group)
@@ -183,14 +192,20 @@ class RolloutProducer:
                 self._inflight_by_adapter[adapter] -= 1
                 self.queue.cond.notify_all()
 
-    def _lose_group(self, client: InferenceClient, seen_epoch: int, exc: ServerUnreachableError) -> None:
-        """The server died (or restarted) under this request: count its group lost and recover the server in the
-        background, so the other servers keep generating meanwhile."""
+    def _lose_group(self, row: PromptRow, index: int) -> None:
+        """This prompt's generation is lost: count it, and queue the prompt to be sent again before any new one."""
         with self.queue.cond:
             self.lost_groups += 1
+            self._resend.append((row, index))
+            self.queue.cond.notify_all()
+
+    def _recover_in_background(self, client: InferenceClient, seen_epoch: int, exc: ServerUnreachableError) -> None:
+        """The server died (or restarted) under a request: recover it in the background, so that the other servers
+        keep generating meanwhile."""
         if self._stop:
             return
-        log.warning("rollout request to %s lost (%d groups lost so far): %s", client.base_url, self.lost_groups, exc)
+        log.warning("rollout request to %s lost (%d groups lost so far; the prompt is sent again): %s",
+                    client.base_url, self.lost_groups, exc)
         threading.Thread(target=self._recover, args=(client, seen_epoch, exc), name="recover-server",
                          daemon=True).start()
 
@@ -214,8 +229,7 @@ class RolloutProducer:
         finally:
             self.server_busy.exit()
         if any(c.finish_reason == "abort" for c in completions):
-            with self.queue.cond:
-                self.lost_groups += 1  # aborted by a sync with sync_pause_mode: abort
+            self._lose_group(row, index)  # aborted by a sync with sync_pause_mode: abort
             return None
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         ids = [c.token_ids for c in completions]
