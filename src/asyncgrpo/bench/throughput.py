@@ -49,9 +49,9 @@ BALANCE_NOTE = ("Balanced by num_iterations 3: per generated batch (256 completi
                 "~0.3 s (vLLM's CPU LoRA kernels and per-step overheads; batch size, num_generations and "
                 "max_completion_length move generation and training alike), one optimizer step ~0.1 s. With 3 steps "
                 "per batch both sides take ~0.3 s per batch; at 2 the run is generation-bound, at 4 training-bound "
-                "and its held-out reward at max_staleness 2 falls 0.07-0.08 below synchronous. Server CPU-s include "
-                "vLLM's spin-wait (its shm queue busy-loops for 1 s after each read), so they overstate "
-                "generation's cost.")
+                "and its held-out reward at max_staleness 2 fell 0.05-0.08 below synchronous in three runs. Server "
+                "CPU-s include vLLM's spin-wait (its shm queue busy-loops for 1 s after each read), so they "
+                "overstate generation's cost.")
 
 
 def split_cores() -> dict:
