@@ -1,6 +1,7 @@
 """The training recipe. `train()` reads like the data path in DESIGN.md:
 
-    take a batch from the rollout queue (rank 0) -> split it over ranks -> GRPO loss, backward, step (all ranks)
+    every `num_iterations` steps: take a batch from the rollout queue (rank 0) -> split it over ranks by tokens
+    -> GRPO loss, backward, step (all ranks)
     -> every `weight_sync_steps`: gather the LoRA tensors (all ranks) -> write + activate (rank 0) -> barrier
 """
 
