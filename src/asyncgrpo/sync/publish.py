@@ -225,29 +225,26 @@ class AdapterPublisher:
             timing.load_s += time.perf_counter() - t0
 
     def _activate(self, client, name: str, path: Path, timing: PublishTiming | None = None) -> float:
+        """Load `name` on one server (pausing it in pause mode), then read it back; returns the seconds paused."""
+        paused_s = 0.0
         if self.current_name is None or self.sync_mode == "versioned":
             # The first version (nothing is generating yet), or versioned mode: load beside the old versions.
             self._load(client, name, path, timing)
+        else:
+            client.pause(mode=self.pause_mode)
+            paused_at = time.perf_counter()
             try:
-                self._check_served(client, name, path)
-            except BaseException:
-                self._unload_quietly(client, name)
-                raise
-            return 0.0
-        client.pause(mode=self.pause_mode)
-        paused_at = time.perf_counter()
-        try:
-            self._load(client, name, path, timing)  # a failed load leaves nothing loaded under `name`
-            try:
-                client.reset_prefix_cache()
-            except BaseException:
-                self._unload_quietly(client, name)
-                raise
-        finally:
-            client.resume()  # always: a paused server stalls every rollout
-            paused_s = time.perf_counter() - paused_at
-        # Read back after resuming: no request uses `name` before publish() returns, so the check need not hold
-        # up generation, and a failed check still takes the new version off before anyone sees it.
+                self._load(client, name, path, timing)  # a failed load leaves nothing loaded under `name`
+                try:
+                    client.reset_prefix_cache()
+                except BaseException:
+                    self._unload_quietly(client, name)
+                    raise
+            finally:
+                client.resume()  # always: a paused server stalls every rollout
+                paused_s = time.perf_counter() - paused_at
+        # Read back (after resuming: no request uses `name` before publish() returns, so the check need not hold up
+        # generation); a failed check takes the new version off before anyone sees it.
         try:
             self._check_served(client, name, path)
         except BaseException:
