@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncgrpo.bench.sync import BACKEND_ENV  # the environment each backend needs on a CPU host
+from asyncgrpo.bench.sync import cpu_launch_env  # the environment each backend needs on a CPU host
 from asyncgrpo.inference.server import find_free_port
 
 
@@ -30,18 +30,12 @@ COMMON = ["--config", "configs/demo.yaml", "--max_steps", "2", "--per_device_tra
           "--learning_rate", "1e-2", "--max_staleness", "0", "--ddp_timeout", "120"]
 
 
-def _env(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
-    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra})
-    return env
-
-
 def launch(backend: str, out: Path, server_url: str, dtype: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            f"launch/accelerate/{backend}_cpu.yaml", "--main_process_port", str(find_free_port()),
            "-m", "asyncgrpo", "train", *COMMON, "--output_dir", str(out), "--torch_dtype", dtype,
            "--lora_adapter_path", str(out / "adapters"), "--vllm_server_base_url", server_url]
-    return subprocess.run(cmd, cwd=REPO, env=_env(BACKEND_ENV[backend]), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
 
 
 def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_logprobs, tb_scalars) -> None:
@@ -84,7 +78,8 @@ def test_deepspeed_launcher_runs_the_same_train_command(vllm_server, client, pef
            "--module", "asyncgrpo", "train", *COMMON, "--deepspeed", "launch/deepspeed/zero3.json",
            "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
            "--vllm_server_base_url", vllm_server.base_url]
-    env = _env({"DS_ACCELERATOR": "cpu", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    env = cpu_launch_env("zero3")  # DS_ACCELERATOR=cpu; and the venv's bin first, for the ranks' `python`
+    env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     check_published_adapter(tmp_path, "zero3", "float32", client, peft_logprobs, tb_scalars)
@@ -92,7 +87,7 @@ def test_deepspeed_launcher_runs_the_same_train_command(vllm_server, client, pef
 
 def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, client, tb_scalars, tmp_path):
     """No accelerate launcher: plain `torchrun` (DDP over gloo on this CPU host), with `sync_mode: versioned`."""
-    env = _env({})
+    env = cpu_launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--max_steps", "2",
            "--per_device_train_batch_size", "16", "--output_dir", str(tmp_path),

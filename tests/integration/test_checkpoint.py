@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncgrpo.bench.sync import BACKEND_ENV
+from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,23 +40,17 @@ def train_command(out: Path, server_url: str, *extra: str, backend: str = "ddp")
             "--vllm_server_base_url", server_url, "--ddp_timeout", "120", *extra]
 
 
-def env(backend: str = "ddp") -> dict:
-    out = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "ACCELERATE_USE_CPU")}
-    out.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **BACKEND_ENV[backend]})
-    return out
-
-
 def run(cmd: list[str]) -> dict:
     backend = Path(cmd[cmd.index("--config_file") + 1]).name.removesuffix("_cpu.yaml")
-    proc = subprocess.run(cmd, cwd=REPO, env=env(backend), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads((Path(cmd[cmd.index("--output_dir") + 1]) / "run_summary.json").read_text())
 
 
 def start_and_kill_after_checkpoint(cmd: list[str], out: Path) -> None:
     """Start a run, poll for checkpoint-3's manifest, then SIGKILL every process of the launch at once."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env("ddp"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_launch_env("ddp"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + CHECKPOINT_DEADLINE_S
     manifest = out / "checkpoint-3" / "manifest.json"
     try:

@@ -17,18 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import VLLMServer, find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NO_DEV_MODE = {"VLLM_SERVER_DEV_MODE": "0"}
 START_S = 600  # a vLLM CPU start takes ~30 s alone, minutes on a loaded 2-core machine
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
-    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    return env
 
 
 def _train(out: Path, url: str, *extra: str) -> subprocess.Popen:
@@ -39,7 +34,7 @@ def _train(out: Path, url: str, *extra: str) -> subprocess.Popen:
            str(out / "adapters"), "--vllm_server_base_url", url, "--sync_mode", "versioned", "--ddp_timeout", "120",
            "--max_inflight_requests", "8", *extra]
     log = open(out / "train.log", "w")
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=REPO, env=cpu_launch_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
 def _serve(model_dir, port: int, log: Path) -> VLLMServer:
@@ -86,7 +81,7 @@ def own_server(world, tmp_path_factory):
 def test_doctor_passes_on_the_session_server(vllm_server, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "asyncgrpo", "doctor", "--config", "configs/demo.yaml",
                            "--vllm_server_base_url", vllm_server.base_url, "--lora_adapter_path", str(tmp_path)],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=cpu_launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert sum(line.strip().startswith("PASS") for line in lines) == 10  # the directory + 9 server checks
@@ -102,15 +97,15 @@ def test_doctor_names_the_missing_dev_mode_for_pause_sync(own_server, tmp_path):
     url = own_server["server"].base_url
     cmd = [sys.executable, "-m", "asyncgrpo", "doctor", "--config", "configs/demo.yaml", "--vllm_server_base_url",
            url, "--lora_adapter_path", str(tmp_path)]
-    proc = subprocess.run([*cmd, "--sync_mode", "pause"], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([*cmd, "--sync_mode", "pause"], cwd=REPO, env=cpu_launch_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert ("FAIL  dev mode: sync_mode: pause needs /pause and /resume, and the server has neither. Fix: start it "
             "with VLLM_SERVER_DEV_MODE=1") in proc.stdout
     assert "SKIP  max_lora_rank: not checked: the server has no /server_info" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "1 check(s) failed"
-    versioned = subprocess.run([*cmd, "--sync_mode", "versioned"], cwd=REPO, env=_env(), capture_output=True,
-                               text=True, timeout=300)
+    versioned = subprocess.run([*cmd, "--sync_mode", "versioned"], cwd=REPO, env=cpu_launch_env(),
+                               capture_output=True, text=True, timeout=300)
     assert versioned.returncode == 0, versioned.stdout  # the same server is fine for versioned sync
 
 

@@ -2,12 +2,11 @@
 num_iterations), against the real server."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from asyncgrpo.bench.sync import BACKEND_ENV
+from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.inference.server import find_free_port
@@ -52,15 +51,13 @@ def test_each_batch_is_taken_once_trained_twice_and_its_reference_computed_once(
 def test_fsdp2_ranks_train_their_cached_shares_in_step(vllm_server, tmp_path, tb_scalars):
     """Two FSDP2 ranks, each with its own share of a batch trained twice and a reference computed once: every forward
     all-gathers, so a rank that re-collated or recomputed differently would hang or fail the run."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
-    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **BACKEND_ENV["fsdp2"]})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "launch/accelerate/fsdp2_cpu.yaml",
            "--main_process_port", str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml",
            "--max_steps", "4", "--per_device_train_batch_size", "16", "--num_iterations", "2",
            "--weight_sync_steps", "2", "--max_staleness", "0", "--beta", "0.04", "--learning_rate", "1e-2",
            "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
            "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env("fsdp2"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert (summary["steps"], summary["version"], summary["backend"], summary["world_size"]) == (4, 2, "fsdp2", 2)

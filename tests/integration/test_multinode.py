@@ -7,11 +7,11 @@ leave its output_dir untouched, so code that keyed file writes on the local rank
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,8 +27,7 @@ def node_command(node_rank: int, master_port: int, out: Path, adapters: Path, se
 
 
 def test_two_torchrun_nodes_train_together_and_only_global_rank_0_writes(vllm_server, client, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
-    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    env = cpu_launch_env()
     port = find_free_port()
     adapters = tmp_path / "shared" / "adapters"
     outs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]

@@ -6,7 +6,6 @@ guards /v1/* only, and /pause answers without it.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.inference.client import InferenceClient
@@ -33,8 +33,8 @@ def keyed_server(world, tmp_path_factory):
 
 
 def train(server, out: Path, key: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR", API_KEY_ENV)}
-    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    env = cpu_launch_env()
+    env.pop(API_KEY_ENV, None)
     if key is not None:
         env[API_KEY_ENV] = key
     cmd = [sys.executable, "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--max_steps", "2",

@@ -35,6 +35,14 @@ BACKEND_ENV = {"ddp": {"ACCELERATE_USE_CPU": "true"},
                "zero2": {"DS_ACCELERATOR": "cpu"},
                "zero3": {"DS_ACCELERATOR": "cpu"}}
 BACKENDS = tuple(BACKEND_ENV)
+
+
+def cpu_launch_env(backend: str | None = None) -> dict[str, str]:
+    """This process's environment for a launch on CPU: `backend`'s variables (None: a plain process) and none of
+    the other backends' switches, offline, one OpenMP thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
+    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(BACKEND_ENV[backend] if backend else {})})
+    return env
 LORA_TARGETS = "[q_proj,k_proj,v_proj,o_proj]"
 ROUNDS = 4  # per sync mode; the first is warm-up
 
@@ -72,8 +80,7 @@ def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, ove
 
     repo = Path(__file__).resolve().parents[3]
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
-    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **BACKEND_ENV[backend]})
+    env = cpu_launch_env(backend)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(repo / "launch" / "accelerate" / f"{backend}_cpu.yaml"), "--main_process_port", str(find_free_port()),
            "-m", "asyncgrpo.bench.sync", "--worker", "--out", str(out),
