@@ -174,7 +174,7 @@ class AsyncGRPOConfig:
     way each version has its own adapter name, so the server needs `--max-loras` >= max_staleness + 2."""
     sync_pause_mode: str = "keep"
     """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
-    `wait` (drain first), `abort` (end them; their groups are lost and counted)."""
+    `wait` (drain first), `abort` (end them; their generations are lost and counted, their prompts sent again)."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
 
@@ -233,6 +233,10 @@ class AsyncGRPOConfig:
     def api_key(self) -> str | None:
         """The server API key, read from the environment only, so it never lands in a saved config."""
         return os.environ.get(API_KEY_ENV) or None
+
+    def groups_per_step(self, world_size: int) -> int:
+        """Prompt groups in one optimizer step's global batch over `world_size` ranks."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size // self.num_generations
 
     def inflight_requests(self, groups_per_step: int) -> int:
         """Generation requests the producer keeps in flight: `max_inflight_requests`, or when unset a whole step's

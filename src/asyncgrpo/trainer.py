@@ -78,8 +78,7 @@ class AsyncGRPOTrainer:
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.main = self.acc.is_main_process
         setup_logging(self.rank)
-        global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * self.world
-        self.groups_per_step = global_batch // cfg.num_generations
+        self.groups_per_step = cfg.groups_per_step(self.world)
         # Rank 0 resolves (and, for the toy, builds) the model first; the others then find it cached.
         if self.main:
             self.model_path = self._resolve_model()

@@ -123,3 +123,8 @@ def test_unset_max_inflight_requests_is_sized_from_batch_staleness_and_servers()
     with pytest.raises(ConfigError) as err:
         make(max_inflight_requests=0)
     assert err.value.field == "max_inflight_requests"
+
+
+def test_groups_per_step_counts_every_rank_and_micro_step():
+    cfg = make(per_device_train_batch_size=32, gradient_accumulation_steps=2, num_generations=8)
+    assert cfg.groups_per_step(world_size=2) == 16  # 32 completions x 2 micro-steps x 2 ranks / 8 per group

@@ -67,8 +67,8 @@ def split_cores() -> dict:
 def max_sequences(cfg, staleness: int) -> int:
     """Completions the server may be asked for at once (requests in flight x num_generations, one trainer process):
     its `--max-num-seqs`, so that no request waits for a second scheduling wave."""
-    groups_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
-    return cfg.num_generations * dataclasses.replace(cfg, max_staleness=staleness).inflight_requests(groups_per_step)
+    at = dataclasses.replace(cfg, max_staleness=staleness)
+    return cfg.num_generations * at.inflight_requests(cfg.groups_per_step(world_size=1))
 
 
 def run_summary(*, staleness: int, steps: int, t0: float, t1: float, waits: list, busy: list, history: list[dict],
