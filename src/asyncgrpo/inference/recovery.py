@@ -40,8 +40,8 @@ def backoff_delays(timeout_s: float, first_s: float = FIRST_BACKOFF_S, max_s: fl
 class ServerRecovery:
     """Health state of every inference server, and the one place that recovers a server after a fault.
 
-    `restore(client)` puts back what the server must serve (the publisher's current adapter); `on_change()` is
-    called whenever a server goes down or up (the producer wakes its scheduler). `clock`/`sleep` are injectable for
+    `restore(client)` puts back what the server must serve (the publisher's current adapter); every function in
+    `listeners` is called whenever a server goes down or up (the producer wakes its scheduler). `clock`/`sleep` are injectable for
     unit tests of the backoff."""
 
     def __init__(self, timeout_s: float, *, restore: Callable[[object], None] | None = None,

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 LOGPROBS_MODE = "processed_logprobs"  # logprobs of the temperature/top-p-processed sampling distribution
+# Sequences per engine step. vLLM's CPU build allows only 128 behind its API server (256 on GPU): a GRPO step of
+# 32 prompts x 8 completions would run in two waves. Keep it >= requests in flight x num_generations.
+MAX_NUM_SEQS = 256
 LOG_TAIL_LINES = 30
 
 POLL_INTERVAL_S = 0.25  # /health answers in milliseconds once up; start-up takes ~30 s on CPU, so 4 polls/s is cheap
@@ -85,7 +88,7 @@ class VLLMServer:
         dtype: str = "float32",
         kv_cache_gib: int = 1,
         max_num_batched_tokens: int | None = None,
-        max_num_seqs: int | None = 256,
+        max_num_seqs: int | None = MAX_NUM_SEQS,
         api_key: str | None = None,
         extra_args: Sequence[str] = (),
         log_path: Path | None = None,
@@ -132,9 +135,7 @@ class VLLMServer:
             # Requests that carry their own seed crash the CPU engine when their prompt is chunk-prefilled:
             # keep this >= (requests in flight) x (prompt + completion tokens) when seeding (NOTES.md).
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
-        if self.max_num_seqs is not None:
-            # vLLM's CPU build schedules at most 128 sequences per engine step behind its API server (256 on GPU):
-            # a GRPO step of 32 prompts x 8 completions would run in two waves. None: vLLM's default.
+        if self.max_num_seqs is not None:  # None: vLLM's own default (see MAX_NUM_SEQS)
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
         return cmd + self.extra_args
 
@@ -262,7 +263,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="model dtype (float32 on CPU)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU, GiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
-    p.add_argument("--max-num-seqs", type=int, default=256,
+    p.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
                    help="sequences per engine step; keep >= requests in flight x num_generations (vLLM's CPU default "
                         "is 128)")
     p.add_argument("--log-path", type=Path, default=None, help="server log file (default: a temporary file)")

@@ -175,7 +175,7 @@ class RolloutProducer:
         try:
             seen = self.recovery.epoch(client)
             try:
-                group = self._generate(client, row, version, adapter, index)
+                group = self._generate(client, row, index, version, adapter)
             except ServerUnreachableError as exc:
                 self._lose_group(row, index)
                 self._recover_in_background(client, seen, exc)
@@ -217,8 +217,8 @@ class RolloutProducer:
                 log.error("%s", error)
                 self.queue.fail(error)
 
-    def _generate(self, client: InferenceClient, row: PromptRow, version: int, adapter: str,
-                  index: int) -> Group | None:
+    def _generate(self, client: InferenceClient, row: PromptRow, index: int, version: int,
+                  adapter: str) -> Group | None:
         cfg = self.cfg
         seed = request_seed(cfg.seed, index, cfg.num_generations) if cfg.seeded_generation else None
         self.server_busy.enter()

@@ -4,7 +4,6 @@ whether a request is in flight at that moment is timing)."""
 
 import json
 
-import pytest
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import PromptRow
