@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import AsyncGRPOError
+from .errors import AsyncGRPOError, PeerFailed
 
 
 def cmd_train(args, overrides: list[str]) -> int:
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"train": cmd_train, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor}
     try:
         return handlers[args.command](args, overrides)
+    except PeerFailed:
+        return 2  # rank 0 failed first and printed the error; this rank stops quietly with the same code
     except AsyncGRPOError as exc:
         print(f"asyncgrpo: error: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,11 @@ class AsyncGRPOError(Exception):
     """Base class for errors caused by input or environment, not by a bug in asyncgrpo."""
 
 
+class PeerFailed(AsyncGRPOError):
+    """Raised on every rank but 0 when rank 0 failed at a point all ranks meet (`distributed.on_main`): rank 0
+    raises and prints the original error; the others stop at once, quietly, with the same exit code."""
+
+
 class ConfigError(AsyncGRPOError):
     """A config key is unknown, has the wrong type, or conflicts with another key."""
 

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -21,8 +20,8 @@ import torch
 from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint, resolve_checkpoint,
                          restore_rng, save_checkpoint)
 from .config import AsyncGRPOConfig
-from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator, setup_logging, without_zero3_init,
-                          wrap_lora_separately)
+from .distributed import (accumulation, broadcast_object, configure_backend, dist_max, dist_sum, fp32_buffer_check,
+                          make_accelerator, on_main, require_shared_dir, setup_logging, without_zero3_init)
 from .loss import grpo_loss, token_logprobs
 from .rewards import reward_means
 from .rollout.queue import Group, RolloutQueue, split_by_tokens
@@ -51,6 +50,40 @@ class TrainBatch:
     micro_batches: list[dict[str, torch.Tensor]]
 
 
+def collate(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
+    """Groups -> padded CPU tensors, one row per completion. Position t of `behaviour`/`mask` scores token t+1 of
+    the sequence. input_ids, attention_mask: (B, T); behaviour, mask: (B, T-1); advantages: (B,)."""
+    seqs, behaviour, advantages, spans = [], [], [], []
+    for g in groups:
+        for ids, lps, adv in zip(g.completion_ids, g.behaviour_logprobs, g.advantages):
+            seqs.append(g.prompt_ids + ids)
+            behaviour.append(lps)
+            advantages.append(adv)
+            spans.append((len(g.prompt_ids) - 1, len(ids)))
+    length = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), length), dtype=torch.long)
+    old = torch.zeros((len(seqs), length - 1))
+    mask = torch.zeros((len(seqs), length - 1))
+    for i, (s, lps, (start, n)) in enumerate(zip(seqs, behaviour, spans)):
+        input_ids[i, :len(s)] = torch.tensor(s)
+        attention[i, :len(s)] = 1
+        old[i, start:start + n] = torch.tensor(lps)
+        mask[i, start:start + n] = 1.0
+    return {"input_ids": input_ids, "attention_mask": attention, "behaviour": old, "mask": mask,
+            "advantages": torch.tensor(advantages, dtype=torch.float32)}
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A collated batch on the training device, in one pass: the logits it meets are there, and the DeepSpeed
+    engine moves no inputs itself. On CUDA the host tensors are pinned first, so the copies run asynchronously."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return dict(batch)
+    pin = device.type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in batch.items()}
+
+
 class AsyncGRPOTrainer:
     """One run: `setup()`, `train()`, `cleanup()`. Rank 0 also owns the producer, the store and the publisher."""
 
@@ -70,6 +103,23 @@ class AsyncGRPOTrainer:
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
+        self.setup_model()
+        if self.cfg.save_steps or self.cfg.resume_from_checkpoint:
+            require_shared_dir(self.cfg.output_dir, "output_dir")  # every node writes and reads checkpoints there
+        self._resume()  # before rank 0's setup: the producer starts at the checkpoint's data position
+        # Rank 0 alone talks to the servers and reads the data; if that fails, every rank stops at once with its
+        # message (`on_main`) instead of waiting `ddp_timeout` in the next collective.
+        on_main(self._setup_rank0, "start-up (doctor checks, data, reward functions)")
+        # Version 0 is the untrained adapter (LoRA B = 0: the base policy), or when resuming the checkpoint's
+        # version: it is published to every server before the producer sends its first request.
+        self.sync(first=True)
+        self.start_step = self.step
+        if self.resumed_from is not None:
+            restore_rng(self.resumed_from, self.rank)  # last: nothing after it draws numbers before training
+
+    def setup_model(self) -> None:
+        """Collective: the process group, then the model with its LoRA adapter and optimizer, prepared for the
+        backend the launcher chose."""
         cfg = self.cfg
         if cfg.torch_num_threads:
             torch.set_num_threads(cfg.torch_num_threads)
@@ -80,22 +130,10 @@ class AsyncGRPOTrainer:
         setup_logging(self.rank)
         self.groups_per_step = cfg.groups_per_step(self.world)
         # Rank 0 resolves (and, for the toy, builds) the model first; the others then find it cached.
-        if self.main:
-            self.model_path = self._resolve_model()
-        self.acc.wait_for_everyone()
+        self.model_path = on_main(self._resolve_model, "resolving the model")
         if not self.main:
             self.model_path = self._resolve_model()
         self._build_model()
-        self._resume()  # before rank 0's setup: the producer starts at the checkpoint's data position
-        if self.main:
-            self._setup_rank0()
-        self.acc.wait_for_everyone()
-        # Version 0 is the untrained adapter (LoRA B = 0: the base policy), or when resuming the checkpoint's
-        # version: it is published to every server before the producer sends its first request.
-        self.sync(first=True)
-        self.start_step = self.step
-        if self.resumed_from is not None:
-            restore_rng(self.resumed_from, self.rank)  # last: nothing after it draws numbers before training
 
     def _resolve_model(self) -> str:
         from .data import resolve_model_path
@@ -122,8 +160,9 @@ class AsyncGRPOTrainer:
         params = [p for _, p in lora_parameters(model)]
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                       betas=(cfg.adam_beta1, cfg.adam_beta2))
-        wrap_lora_separately(self.acc, model)
+        configure_backend(self.acc, model, max_grad_norm=cfg.max_grad_norm)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        fp32_buffer_check(self.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def _setup_rank0(self) -> None:
@@ -212,8 +251,7 @@ class AsyncGRPOTrainer:
     def _next_batch(self, stats: StepStats) -> TrainBatch:
         """Collective: rank 0 takes one global batch of groups and sends each rank its share (equal numbers of
         groups, about equal numbers of tokens); every rank collates its share into micro-batches once."""
-        groups, shares = [], None
-        if self.main:
+        def take() -> list[Group]:
             t0 = time.perf_counter()
             with span(self.wait_timeline):  # the trainer's idle time, for `asyncgrpo bench throughput`
                 groups = self.queue.take(self.groups_per_step, self.version,
@@ -221,10 +259,14 @@ class AsyncGRPOTrainer:
             assert max(self.version - g.version for g in groups) <= self.cfg.max_staleness
             self._batch_stats(groups, stats, waited_s=time.perf_counter() - t0)
             self.data_position = max(self.data_position, 1 + max(g.index for g in groups))
-            shares = split_by_tokens(groups, self.world)
-        share = broadcast_object(shares)[self.rank]
+            return groups
+
+        groups = on_main(take, "taking a batch from the rollout queue") or []
+        share = broadcast_object(split_by_tokens(groups, self.world) if self.main else None)[self.rank]
         per_micro = self.cfg.per_device_train_batch_size // self.cfg.num_generations
-        return TrainBatch(groups, [self._collate(share[i:i + per_micro]) for i in range(0, len(share), per_micro)])
+        # Collated once, moved to this rank's device once; kept there for the batch's num_iterations steps.
+        return TrainBatch(groups, [to_device(collate(share[i:i + per_micro], self.pad_id), self.acc.device)
+                                   for i in range(0, len(share), per_micro)])
 
     def _batch_stats(self, groups: list[Group], stats: StepStats, waited_s: float) -> None:
         """Rank 0: what this step's batch holds (rewards, staleness against the trainer's version now)."""
@@ -240,28 +282,6 @@ class AsyncGRPOTrainer:
             if mean is not None:  # None: the function applied to no completion of this batch
                 stats.add(**{f"reward/{name}": mean})
 
-    def _collate(self, groups: list[Group]) -> dict[str, torch.Tensor]:
-        """Groups -> padded tensors. Position t of `logp_*`/`mask` scores token t+1 of the sequence."""
-        seqs, behaviour, advantages, spans = [], [], [], []
-        for g in groups:
-            for ids, lps, adv in zip(g.completion_ids, g.behaviour_logprobs, g.advantages):
-                seqs.append(g.prompt_ids + ids)
-                behaviour.append(lps)
-                advantages.append(adv)
-                spans.append((len(g.prompt_ids) - 1, len(ids)))
-        length = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(seqs), length), dtype=torch.long)
-        old = torch.zeros((len(seqs), length - 1))
-        mask = torch.zeros((len(seqs), length - 1))
-        for i, (s, lps, (start, n)) in enumerate(zip(seqs, behaviour, spans)):
-            input_ids[i, :len(s)] = torch.tensor(s)
-            attention[i, :len(s)] = 1
-            old[i, start:start + n] = torch.tensor(lps)
-            mask[i, start:start + n] = 1.0
-        return {"input_ids": input_ids, "attention_mask": attention, "behaviour": old, "mask": mask,
-                "advantages": torch.tensor(advantages, dtype=torch.float32)}
-
     def policy_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32."""
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -273,7 +293,7 @@ class AsyncGRPOTrainer:
         groups = [Group(prompt="", prompt_ids=p, completion_ids=[c], behaviour_logprobs=[[0.0] * len(c)],
                         rewards=[0.0], reward_parts={}, advantages=[0.0], version=self.version, adapter="")
                   for p, c in zip(prompt_ids, completion_ids)]
-        batch = self._collate(groups)
+        batch = to_device(collate(groups, self.pad_id), self.acc.device)
         logprobs = self.policy_logprobs(batch)
         return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
 
@@ -286,8 +306,9 @@ class AsyncGRPOTrainer:
         totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0}
         max_abs_log_ratio = 0.0
         for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with self.acc.no_sync(self.model) if not last else contextlib.nullcontext():
+            # Gradients accumulate over the micro-batches; the last one's backward reduces them across ranks (and,
+            # under DeepSpeed, is where the engine steps): one optimizer step per trainer step on every backend.
+            with accumulation(self.acc, self.model, accumulate=i < len(micro_batches) - 1):
                 terms = self._micro_step(batch, normaliser)
             totals["loss"] += float(terms.loss.detach()) / self.world
             totals["clipped"] += float(terms.clipped_tokens)
@@ -296,7 +317,7 @@ class AsyncGRPOTrainer:
             max_abs_log_ratio = max(max_abs_log_ratio, float(terms.max_abs_log_ratio))
         if cfg.max_grad_norm > 0:
             grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            if grad_norm is not None:  # DeepSpeed clips inside its engine (gradient_clipping) and returns None
+            if grad_norm is not None:  # DeepSpeed clipped inside its engine (gradient_clipping = max_grad_norm)
                 stats.add(**{"train/grad_norm": float(grad_norm)})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -332,7 +353,8 @@ class AsyncGRPOTrainer:
         tensors = gather_lora_state(self.acc, self.model, gather_stats)
         gathered = time.perf_counter()
         version = self.version if first else self.version + 1
-        if self.main:
+
+        def publish() -> None:
             self._wait_published()  # raises here if the previous publish failed
             waited = time.perf_counter() - gathered
             self._publishing = self._publish_thread.submit(self._publish, version, tensors, self.step)
@@ -341,7 +363,8 @@ class AsyncGRPOTrainer:
             if stats is not None:
                 stats.add(**{"sync/gather_s": gathered - t0, "sync/wait_previous_publish_s": waited,
                              "sync/gathered_bytes": gather_stats["gathered_bytes"]})
-        self.acc.wait_for_everyone()
+
+        on_main(publish, f"publishing policy version {version}")  # the other ranks wait here (a failure stops all)
         self.version = version
 
     def _publish(self, version: int, tensors, step: int) -> None:

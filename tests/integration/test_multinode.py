@@ -27,7 +27,7 @@ def node_command(node_rank: int, master_port: int, out: Path, adapters: Path, se
 
 
 def test_two_torchrun_nodes_train_together_and_only_global_rank_0_writes(vllm_server, client, tmp_path):
-    env = cpu_launch_env()
+    env = cpu_launch_env("ddp")  # ACCELERATE_USE_CPU: a launch of several ranks runs on CPU only when asked
     port = find_free_port()
     adapters = tmp_path / "shared" / "adapters"
     outs = [tmp_path / "node0" / "run", tmp_path / "node1" / "run"]

@@ -1,6 +1,8 @@
 """Gather only the LoRA tensors to rank 0, under PEFT's saved key names. One function per backend.
 
 Every function here is a collective: every rank calls it, rank 0 gets {peft key: CPU tensor}, the others None.
+Tensors enter a collective on the process group's device (`to_collective`: a rank's GPU under NCCL, which has no
+CPU backend) and come back to the CPU after it (`to_host`), on rank 0 only.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import math
 
 import torch
 
+from ..distributed import to_collective, to_host
 from ..errors import AsyncGRPOError
 
 
@@ -66,11 +69,12 @@ def gather_zero3(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
     if not all(hasattr(p, "ds_tensor") for _, p in named):  # not partitioned (e.g. one rank): a local copy
         return gather_ddp(accelerator, model)
     parts = [p.ds_tensor.detach().reshape(-1) for _, p in named]  # equal sizes on every rank
-    local = torch.cat(parts).to("cpu")
+    local = to_collective(torch.cat(parts))
     buffers = [torch.empty_like(local) for _ in range(accelerator.num_processes)] if accelerator.is_main_process else None
     dist.gather(local, buffers, dst=0)
     if not accelerator.is_main_process:
         return None, 0
+    buffers = [to_host(buf) for buf in buffers]
     per_rank = [torch.split(buf, [t.numel() for t in parts]) for buf in buffers]
     state = {}
     for i, (name, param) in enumerate(named):
@@ -93,16 +97,20 @@ def gather_fsdp2(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
     shards = [p.to_local().detach().reshape(-1) for _, p in named]
     dtype = named[0][1].dtype
     assert all(t.dtype == dtype for t in shards), "LoRA parameters of mixed dtypes"
-    local = torch.cat(shards) if shards else torch.zeros(0, dtype=dtype)
-    sizes = [torch.zeros(len(shards), dtype=torch.int64) for _ in range(accelerator.num_processes)]
-    dist.all_gather(sizes, torch.tensor([t.numel() for t in shards], dtype=torch.int64))
+    local = torch.cat(shards) if shards else torch.zeros(0, dtype=dtype)  # on the shards' device
+    counts = to_collective(torch.tensor([t.numel() for t in shards], dtype=torch.int64))
+    sizes = [torch.zeros_like(counts) for _ in range(accelerator.num_processes)]
+    dist.all_gather(sizes, counts)
+    sizes = [to_host(s) for s in sizes]
     longest = int(max(int(s.sum()) for s in sizes))
-    padded = torch.zeros(longest, dtype=dtype)
+    padded = torch.zeros(longest, dtype=dtype, device=local.device)
     padded[:local.numel()] = local
+    padded = to_collective(padded)
     buffers = [torch.empty_like(padded) for _ in sizes] if accelerator.is_main_process else None
     dist.gather(padded, buffers, dst=0)
     if not accelerator.is_main_process:
         return None, 0
+    buffers = [to_host(buf) for buf in buffers]
     # Rank r's buffer holds, parameter after parameter, its rows of each one; the rows of ranks 0..W-1 in order
     # are the whole tensor (dim-0 sharding).
     pieces = [torch.split(buf[:int(n.sum())], n.tolist()) for buf, n in zip(buffers, sizes)]

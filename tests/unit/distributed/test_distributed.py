@@ -1,0 +1,95 @@
+"""The rules the training processes follow on any launcher: which device they run on, how a failure on rank 0 reaches
+the other ranks, where checkpoints may live, and where a batch's tensors go. Two-rank cases run under a real
+`torchrun` (gloo)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncgrpo.distributed import require_usable_device
+from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.rollout.queue import Group
+from asyncgrpo.trainer import collate, to_device
+
+WORKER = Path(__file__).with_name("two_ranks.py")
+
+
+def two_ranks(scenario: str, out: Path) -> list[dict]:
+    """Run `scenario` on 2 ranks; a hang would hit the timeout (the process group's own is 30 minutes)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(find_free_port()), str(WORKER), scenario, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_a_launch_of_several_ranks_without_cuda_stops_unless_cpu_was_asked_for(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    for var in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    with pytest.raises(AsyncGRPOError, match="started 16 ranks but CUDA is not usable") as err:
+        require_usable_device()
+    assert "ACCELERATE_USE_CPU=true" in str(err.value) and "DS_ACCELERATOR=cpu" in str(err.value)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert require_usable_device() is True
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert require_usable_device() is True
+    monkeypatch.delenv("DS_ACCELERATOR")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one plain process (no launcher): a CPU run is fine
+    assert require_usable_device() is True
+
+
+def test_a_failure_on_rank_0_stops_every_rank_with_its_message(tmp_path):
+    rank0, rank1 = two_ranks("main_fails", tmp_path)
+    assert rank0 == {"ran": [0], "error": "ValueError", "message": "the dataset file train.jsonl does not exist"}
+    assert rank1["ran"] == []  # only rank 0 runs the work
+    assert rank1["error"] == "PeerFailed"
+    assert rank1["message"] == "rank 0 failed during start-up: ValueError: the dataset file train.jsonl does not exist"
+
+
+def test_rank_0_work_returns_its_result_on_rank_0_only(tmp_path):
+    rank0, rank1 = two_ranks("main_succeeds", tmp_path)
+    assert rank0 == {"ran": [0], "ok": "rank-0 result"} and rank1 == {"ran": [], "ok": None}
+
+
+def test_checkpoints_need_an_output_dir_every_rank_sees(tmp_path):
+    shared = two_ranks("shared_dir", tmp_path)
+    assert shared == [{"ran": [], "ok": None}] * 2
+    assert list((tmp_path / "shared").iterdir()) == []  # the probe file is cleaned up
+    private = two_ranks("private_dir", tmp_path)
+    for report in private:  # every rank stops, naming the rank that could not see rank 0's file
+        assert report["error"] == "AsyncGRPOError"
+        assert "is not shared: rank 1 on" in report["message"] and "rank 0 on" not in report["message"]
+        assert "Fix: set output_dir to a directory on storage every trainer node mounts" in report["message"]
+
+
+def _group(prompt, completions, behaviour, advantages):
+    return Group(prompt="", prompt_ids=prompt, completion_ids=completions, behaviour_logprobs=behaviour,
+                 rewards=[0.0] * len(completions), reward_parts={}, advantages=advantages, version=0, adapter="")
+
+
+def test_collate_aligns_behaviour_and_mask_with_the_completion_tokens():
+    batch = collate([_group([5, 6, 7], [[8, 9], [10]], [[-0.5, -1.5], [-2.0]], [1.0, -1.0])], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    # Position t scores token t+1: the completion starts after prompt position 2.
+    assert batch["mask"].tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
+    assert batch["behaviour"].tolist() == [[0, 0, -0.5, -1.5], [0, 0, -2.0, 0]]
+    assert batch["advantages"].tolist() == [1.0, -1.0]
+
+
+def test_every_tensor_of_a_batch_moves_to_the_training_device():
+    batch = collate([_group([5, 6], [[8, 9]], [[-0.5, -1.5]], [1.0])], pad_id=0)
+    moved = to_device(batch, torch.device("meta"))  # not the CPU, as a GPU is
+    assert set(moved) == set(batch) == {"input_ids", "attention_mask", "behaviour", "mask", "advantages"}
+    assert {t.device.type for t in moved.values()} == {"meta"}
+    assert {k: t.dtype for k, t in moved.items()} == {k: t.dtype for k, t in batch.items()}
+    assert to_device(batch, "cpu")["mask"] is batch["mask"]  # no copy where the batch already is
