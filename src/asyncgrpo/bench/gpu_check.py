@@ -170,7 +170,8 @@ class OneProcess:
 
 
 def build_model(args, device):
-    """Random-init Qwen2 of the requested shape on `device`, LoRA on every projection, FSDP2 per decoder layer + root."""
+    """Random-init Qwen2 of the requested shape on `device`, LoRA on every projection, FSDP2 per decoder layer and
+    on the root."""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
@@ -347,7 +348,7 @@ def run(args) -> dict:
                 result.update(train_steps(args, model, optimizer, micro_batches, device))
 
         checks.append(device_check("train_steps", expected, steps))
-        if not result:  # the steps failed (e.g. dist_sum on NCCL): still measure them, without the project's collectives
+        if not result:  # the steps failed (e.g. dist_sum on NCCL): measure them without the project's collectives
             result = train_steps(args, model, optimizer, micro_batches, device, use_dist_sum=False)
         checks.append(device_check("gather_fsdp2_after_training", expected, lambda: check_gather(model, device)))
         n_params = sum(p.numel() for p in model.parameters())
@@ -382,7 +383,8 @@ def versions(device) -> dict:
     import accelerate
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
+    nccl = torch.cuda.nccl.version() if device.type == "cuda" else None  # (major, minor, patch)
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
     return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
             "transformers": transformers.__version__, "peft": peft.__version__, "accelerate": accelerate.__version__,
             "python": sys.version.split()[0]}
