@@ -15,7 +15,8 @@
 # GPU (every recipe in configs/) serve fastest with TENSOR_PARALLEL_SIZE=1 and one engine per GPU; tensor
 # parallelism must divide the attention heads (Qwen2.5-0.5B 14, Qwen2.5-1.5B 12, Gemma 3 1B 4: none splits over 8).
 # With vLLM 0.32 and one API server, adapter load/unload, /pause, /resume and /reset_prefix_cache reach every
-# engine; vLLM refuses runtime adapter updates with more than one API server (docs/gpus.md, "LoRA hot reload with a data-parallel server").
+# engine; vLLM refuses runtime adapter updates with more than one API server
+# (docs/gpus.md, "LoRA hot reload with a data-parallel server").
 #
 # SECURITY: put this node on a private network. API_KEY (sent by trainers as `Authorization: Bearer ...`) guards
 # only the /v1/* routes. /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /collective_rpc and
