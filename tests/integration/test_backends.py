@@ -87,7 +87,7 @@ def test_deepspeed_launcher_runs_the_same_train_command(vllm_server, client, pef
 
 def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, client, tb_scalars, tmp_path):
     """No accelerate launcher: plain `torchrun` (DDP over gloo on this CPU host), with `sync_mode: versioned`."""
-    env = cpu_launch_env()
+    env = cpu_launch_env("ddp")  # several ranks run on CPU only when asked to (ACCELERATE_USE_CPU)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--max_steps", "2",
            "--per_device_train_batch_size", "16", "--output_dir", str(tmp_path),
