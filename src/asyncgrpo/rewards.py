@@ -2,7 +2,8 @@
 
 A reward function has TRL's signature `fn(prompts, completions, **columns) -> list[float | None]`: one value per
 completion, where `columns` are the dataset's other columns, repeated once per completion, plus
-`completion_ids` (the sampled token ids) and, for chat prompts whose tokenizer has a response template, `parsed`
+`completion_ids` (the sampled token ids), `truncated` (True where the completion hit `max_completion_length`) and,
+for chat prompts whose tokenizer has a response template, `parsed`
 (transformers' parsed assistant message per completion: `content`, `thinking`, `tool_calls`; None where the
 completion could not be parsed). For a text prompt `completions` are strings; for a chat prompt they are TRL's
 conversational form, `[{"role": "assistant", "content": text}]`.
@@ -86,12 +87,14 @@ class RewardScorer:
         return [r.partition(":")[2] for r in self.refs]
 
     def score(self, prompts: list, completions: list, columns: dict[str, list], *,
-              completion_ids: list[list[int]] | None = None,
-              parsed: list[dict | None] | None = None) -> tuple[list[float], dict[str, list[float | None]]]:
+              completion_ids: list[list[int]] | None = None, parsed: list[dict | None] | None = None,
+              truncated: list[bool] | None = None) -> tuple[list[float], dict[str, list[float | None]]]:
         """Returns (total reward per completion, {function name: its rewards, None where it does not apply})."""
         extra = dict(columns)
         if completion_ids is not None:
             extra["completion_ids"] = completion_ids
+        if truncated is not None:
+            extra["truncated"] = truncated
         if parsed is not None:
             extra["parsed"] = parsed
         parts: dict[str, list[float | None]] = {}
