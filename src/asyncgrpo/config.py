@@ -98,7 +98,10 @@ class AsyncGRPOConfig:
     reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:larger_reward"])
     """Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
     returning one float per completion, or None where the function does not apply. Built-ins:
-    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`."""
+    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`.
+    A factory (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment`
+    or the built-in `asyncgrpo.rewards:get_soft_overlong_punishment`) is called with its `reward_kwargs` and the
+    function it returns is used."""
     reward_weights: list[float] | None = None
     """Weight of each reward function; a completion's reward is the weighted sum over the functions that apply to
     it (did not return None). Default 1.0 each."""
@@ -202,6 +205,11 @@ class AsyncGRPOConfig:
     """How advantages are scaled (TRL's `scale_rewards`): `group` (or true: by each group's reward std, GRPO),
     `batch` (by the std of every reward in the training batch, PPO-Lite), `none` (or false: only subtract the
     group mean, Dr. GRPO)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose completions all got the same reward (zero std: no advantage, no
+    gradient) is dropped when it reaches the queue, counted in `queue/dropped_zero_std_total`, and the producer
+    generates another in its place, so every batch is full of groups that teach something. Costs generation when
+    most groups are all right or all wrong. `reward/frac_reward_zero_std` (TRL's metric) is logged either way."""
     mask_truncated_completions: bool = False
     """Leave completions that hit `max_completion_length` (finish_reason `length`) out of the loss (TRL's name; DAPO).
     They are still scored: reward functions get a `truncated` column either way, and

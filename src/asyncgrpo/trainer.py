@@ -206,7 +206,8 @@ class AsyncGRPOTrainer:
         # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted).
         prompts = load_prompt_set(cfg, self.tokenizer, model_path=self.model_path,
                                   server_max_model_len=server_max_model_len(self.client.models()))
-        self.queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards)
+        self.queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards,
+                                  dynamic_sampling=cfg.dynamic_sampling)
         self.producer = RolloutProducer(clients=self.clients, tokenizer=self.tokenizer, rows=prompts.rows,
                                         scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
                                         cfg=cfg, response_template=prompts.response_template,
@@ -279,6 +280,9 @@ class AsyncGRPOTrainer:
         stats.add(**{"time/wait_for_data_s": waited_s, "reward/mean": rewards.mean(), "reward/std": rewards.std(),
                      "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
                      "queue/dropped_stale_total": self.queue.dropped_stale, "queue/depth": len(self.queue),
+                     "queue/dropped_zero_std_total": self.queue.dropped_zero_std,
+                     # TRL's name: groups of this batch whose rewards are all equal (0 with dynamic_sampling)
+                     "reward/frac_reward_zero_std": sum(max(g.rewards) == min(g.rewards) for g in groups) / len(groups),
                      "queue/inflight_requests": self.producer.inflight,
                      "completion/mean_length": sum(g.n_completion_tokens for g in groups)
                      / (len(groups) * self.cfg.num_generations),
@@ -492,6 +496,7 @@ class AsyncGRPOTrainer:
             summary = {"steps": self.step, "version": self.version, "adapter_name": self.adapter_name,
                        "adapter_path": str(self.store.path(self.version)), "model_path": str(self.model_path),
                        "train_seconds": seconds, "dropped_stale": self.queue.dropped_stale,
+                       "dropped_zero_std": self.queue.dropped_zero_std,
                        "lost_groups": self.producer.lost_groups, "resent_groups": self.producer.resent_groups,
                        "tensorboard": str((self.out_dir / "tensorboard").resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),

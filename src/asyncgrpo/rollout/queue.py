@@ -60,18 +60,25 @@ class RolloutQueue:
     """Thread-safe queue of groups, taken oldest policy version first. `take` never returns a group more than `max_staleness` versions older
     than the trainer; such groups are discarded and counted in `dropped_stale`."""
 
-    def __init__(self, max_staleness: int, scale_rewards: str = "group"):
+    def __init__(self, max_staleness: int, scale_rewards: str = "group", dynamic_sampling: bool = False):
         self.max_staleness = max_staleness
         self.scale_rewards = scale_rewards  # `batch`: advantages are scaled over the batch `take` returns
+        self.dynamic_sampling = dynamic_sampling  # drop groups whose rewards are all equal (DAPO)
         self.dropped_stale = 0
+        self.dropped_zero_std = 0  # groups dropped by dynamic sampling (the producer generated others instead)
         self._groups: deque[Group] = deque()
         self.cond = threading.Condition()  # guards the queue; the producer also waits on it
         self._error: BaseException | None = None
         self.batches_taken = 0  # batches handed to the trainer so far (the producer schedules from it)
 
     def put(self, group: Group) -> None:
+        """Queue a scored group; with dynamic sampling a group whose rewards are all equal (no advantage, no
+        gradient) is counted and dropped instead, and the producer, woken, sends another request in its place."""
         with self.cond:
-            self._groups.append(group)
+            if self.dynamic_sampling and max(group.rewards) == min(group.rewards):
+                self.dropped_zero_std += 1
+            else:
+                self._groups.append(group)
             self.cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -114,8 +121,11 @@ class RolloutQueue:
                     return out
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    zero_std = f", {self.dropped_zero_std} dropped so far by dynamic_sampling (every completion " \
+                        f"of each got the same reward: make the reward finer or the prompts easier, or turn it off)" \
+                        if self.dropped_zero_std else ""
                     raise TimeoutError(f"no rollout batch after {timeout_s:.0f} s ({len(self._groups)}/{n} groups "
-                                       f"queued); is the inference server generating?")
+                                       f"queued{zero_std}); is the inference server generating?")
                 self.cond.wait(timeout=min(remaining, 1.0))
 
     @property

@@ -4,6 +4,7 @@ A stub HTTP server stands in for vLLM: a real one cannot be made to answer a NaN
 
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -111,3 +112,58 @@ def test_batch_scaling_divides_by_the_std_of_the_whole_batch():
     first, second = q.take(2, trainer_version=0, timeout_s=1)
     assert first.advantages == pytest.approx([0.5 / 0.5001, -0.5 / 0.5001]) and second.advantages == [0.0, 0.0]
     assert torch.tensor(first.advantages).abs().max().item() == pytest.approx(0.99980, abs=1e-5)
+
+
+def test_dynamic_sampling_drops_zero_std_groups_at_the_queue_and_counts_them():
+    def g(rewards, index):
+        return Group(prompt="p", prompt_ids=[1], completion_ids=[[2], [3]], behaviour_logprobs=[[-1.0], [-1.0]],
+                     rewards=rewards, reward_parts={}, advantages=[0.0, 0.0], version=0, adapter="a", index=index)
+
+    q = RolloutQueue(max_staleness=0, dynamic_sampling=True)
+    for i, rewards in enumerate([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]):
+        q.put(g(rewards, i))
+    assert (len(q), q.dropped_zero_std) == (1, 2)
+    plain = RolloutQueue(max_staleness=0)
+    plain.put(g([1.0, 1.0], 0))
+    assert (len(plain), plain.dropped_zero_std) == (1, 0)
+
+
+def test_the_producer_refills_what_dynamic_sampling_dropped(stubs):
+    # The first answer has one truncated completion of two (rewards 0 and 1); every answer after it has none
+    # (rewards 1 and 1: zero std, dropped). One group per batch, one request in flight, max_staleness 1 (batch 1 may
+    # be generated from version 0): batch 1's group never comes, but each dropped request is replaced and counted.
+    answers = []
+
+    def route(stub, handler):
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        body = json.loads(stub.requests[-1]["body"])
+        first = not answers
+        answers.append(1)
+        choices = [choice(0, [-0.5], "length" if first else "stop"), choice(1, [-0.5], "stop")]
+        return 200, "application/json", json.dumps({"model": body["model"], "choices": choices})
+
+    server = stubs(route)
+    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 2,
+                                     "per_device_train_batch_size": 2, "max_staleness": 1, "dynamic_sampling": True,
+                                     "max_inflight_requests": 1, "vllm_server_timeout": 30})
+    queue = RolloutQueue(1, dynamic_sampling=True)
+    scorer = RewardScorer(["asyncgrpo.rewards:format_reward"])
+    scorer.functions = [lambda prompts, completions, truncated, **c: [0.0 if t else 1.0 for t in truncated]]
+    rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(50)]
+    producer = RolloutProducer(clients=[InferenceClient(server.url, timeout_s=10, connect_retries=0)],
+                               tokenizer=DigitTokenizer(), rows=rows, scorer=scorer, queue=queue, groups_per_step=1,
+                               cfg=cfg)
+    producer.start()
+    try:
+        producer.set_policy(0, "demo-v0")
+        [kept] = queue.take(1, trainer_version=0, timeout_s=30)
+        assert kept.rewards == [0.0, 1.0] and kept.index == 0
+        deadline = time.monotonic() + 30
+        while queue.dropped_zero_std < 3:  # the next batch's slot keeps being refilled after each drop
+            assert time.monotonic() < deadline, "the producer did not replace the dropped groups"
+            with queue.cond:
+                queue.cond.wait(timeout=0.1)
+    finally:
+        producer.stop()
+    assert len(answers) >= 4 and len(queue) == 0
