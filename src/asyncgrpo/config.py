@@ -386,8 +386,9 @@ class AsyncGRPOConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 close = difflib.get_close_matches(str(getattr(self, name)), allowed, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ConfigError(name, f"unknown value {getattr(self, name)!r}",
-                                  f"use one of {', '.join(allowed)}" + (f" (did you mean {close[0]}?)" if close else ""))
+                                  f"use one of {', '.join(allowed)}{hint}")
         if self.loss_type == "cispo" and self.epsilon_upper <= 1.0:
             raise ConfigError("epsilon_high", f"is {self.epsilon_upper}, but with loss_type cispo it caps the ratio "
                               f"itself (a cap <= 1 down-weights every token)", "set epsilon_high: 5.0 (ScaleRL, TRL)")

@@ -53,7 +53,8 @@ class TrainBatch:
 
 def collate(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
     """Groups -> padded CPU tensors, one row per completion. Position t of `behaviour`/`mask` scores token t+1 of
-    the sequence; a completion the group marks `masked` keeps its tokens but none in `mask`. input_ids, attention_mask: (B, T); behaviour, mask: (B, T-1); advantages: (B,)."""
+    the sequence; a completion the group marks `masked` keeps its tokens but none in `mask`.
+    input_ids, attention_mask: (B, T); behaviour, mask: (B, T-1); advantages: (B,)."""
     seqs, behaviour, advantages, spans = [], [], [], []
     for g in groups:
         masked = g.masked or [False] * len(g.completion_ids)
@@ -313,8 +314,9 @@ class AsyncGRPOTrainer:
         cfg = self.cfg
         n_tokens = dist_sum(sum(float(b["mask"].sum()) for b in micro_batches))
         # grpo and dr_grpo average over sequences: count them over every rank the same collective way.
-        n_seqs = dist_sum(sum(b["mask"].shape[0] for b in micro_batches)) if cfg.loss_type in ("grpo", "dr_grpo") \
-            else 0.0
+        n_seqs = 0.0
+        if cfg.loss_type in ("grpo", "dr_grpo"):
+            n_seqs = dist_sum(float(sum(b["mask"].shape[0] for b in micro_batches)))
         totals = dict.fromkeys(("loss", "clipped", "kl", "ratio", "is_ratio", "is_capped", "kl_behaviour"), 0.0)
         maxima = {"max_abs_log_ratio": 0.0, "is_ratio_max": 0.0}
         for i, batch in enumerate(micro_batches):
