@@ -4,6 +4,7 @@ A checkpoint is the directory `<output_dir>/checkpoint-<step>/`:
 
     adapter/adapter_model.safetensors   the LoRA weights at that step (PEFT format, for `PeftModel.from_pretrained`)
     adapter/adapter_config.json
+    scheduler.pt                        the learning-rate schedule's state (its step)
     optimizer.pt                        the optimizer state (rank 0's: DDP replicates it, so one copy serves every rank;
                                         FSDP: gathered whole)
     deepspeed/                          ZeRO-2/3 only, instead of optimizer.pt: DeepSpeed's own checkpoint of the engine
@@ -23,7 +24,7 @@ optimizer state of the LoRA parameters is gathered whole to rank 0 (torch.distri
 only trainable parameters have optimizer state, so this is adapter-sized) and every rank re-shards it on resume.
 ZeRO keeps it in DeepSpeed's partitions, which DeepSpeed writes and reads itself; such a checkpoint resumes only on
 the same ZeRO stage and number of ranks (checked, with the fix named).
-The scheduler: asyncgrpo's learning rate is constant, so there is none to save.
+The learning-rate schedule: `scheduler.pt` (rank 0's; every rank's is the same), loaded on every rank.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ADAPTER_DIR = "adapter"
 OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
 SHARDED = ("fsdp1", "fsdp2")  # optimizer state and LoRA weights go through torch's distributed state-dict API
 DEEPSPEED = ("zero2", "zero3")  # the engine writes and reads its own partitioned checkpoint
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
@@ -141,7 +143,7 @@ def check_backend(backend: str) -> None:
 
 # ---- saving --------------------------------------------------------------------------------------------------------
 def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: str | Path, peft_config,
-                    base_model: str, total_limit: int | None = None) -> Path | None:
+                    base_model: str, total_limit: int | None = None, lr_scheduler=None) -> Path | None:
     """Collective: every rank joins the LoRA gather and writes its own RNG state; rank 0 writes the adapter, the
     optimizer and, last, the manifest, then renames the directory into place. Returns the path on rank 0."""
     tensors = gather_lora_state(acc, model)
@@ -160,6 +162,8 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
         _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
         if optim_state is not None:
             _write_file(tmp / OPTIMIZER, lambda f: torch.save(optim_state, f))
+        if lr_scheduler is not None:
+            _write_file(tmp / SCHEDULER, lambda f: torch.save(lr_scheduler.state_dict(), f))
     acc.wait_for_everyone()  # every rank's file is written and fsynced
     if acc.is_main_process:
         _commit(tmp, final, state)
@@ -240,9 +244,23 @@ def clean_partial(output_dir: str | Path) -> list[Path]:
 
 
 # ---- loading -------------------------------------------------------------------------------------------------------
-def load_checkpoint(path: Path, acc, model, optimizer) -> TrainerState:
+def load_checkpoint(path: Path, acc, model, optimizer, lr_scheduler=None) -> TrainerState:
     """Every rank: check the checkpoint, copy its adapter into the model's LoRA parameters and its state into the
-    optimizer. RNG states are restored separately (`restore_rng`), last, once setup no longer draws numbers."""
+    optimizer and the learning-rate schedule. RNG states are restored separately (`restore_rng`), last, once setup
+    no longer draws numbers."""
+    state = _load_weights_and_optimizer(path, acc, model, optimizer)
+    if lr_scheduler is not None:
+        from .schedule import restore_lr_scheduler
+
+        file = path / SCHEDULER
+        # A checkpoint from before schedules existed has none; the schedule is a function of the step alone.
+        saved = torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else \
+            {**lr_scheduler.state_dict(), "last_epoch": state.step, "_step_count": state.step + 1}
+        restore_lr_scheduler(lr_scheduler, saved)
+    return state
+
+
+def _load_weights_and_optimizer(path: Path, acc, model, optimizer) -> TrainerState:
     from safetensors.torch import load_file
 
     manifest = read_manifest(path)

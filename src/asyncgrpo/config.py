@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -21,6 +22,12 @@ import yaml
 from .errors import ConfigError
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
+# Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SCALE_REWARDS = ("group", "batch", "none")
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 @dataclass
@@ -91,7 +98,10 @@ class AsyncGRPOConfig:
     reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:larger_reward"])
     """Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
     returning one float per completion, or None where the function does not apply. Built-ins:
-    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`."""
+    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`.
+    A factory (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment`
+    or the built-in `asyncgrpo.rewards:get_soft_overlong_punishment`) is called with its `reward_kwargs` and the
+    function it returns is used."""
     reward_weights: list[float] | None = None
     """Weight of each reward function; a completion's reward is the weighted sum over the functions that apply to
     it (did not return None). Default 1.0 each."""
@@ -129,7 +139,16 @@ class AsyncGRPOConfig:
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step."""
     learning_rate: float = 1e-5
-    """AdamW learning rate (constant)."""
+    """AdamW peak learning rate; `lr_scheduler_type` and the warm-up shape it over the run."""
+    lr_scheduler_type: str = "constant"
+    """Learning-rate schedule over `max_steps` optimizer steps (transformers' names): `constant`,
+    `constant_with_warmup`, `linear` (warm-up, then linear decay to 0) or `cosine` (warm-up, then half a cosine to 0).
+    TRL's default is `linear`; ours stays `constant`. The schedule is a function of the step alone, stepped once per
+    optimizer step on every backend, and saved in checkpoints."""
+    warmup_ratio: float = 0.0
+    """Fraction of `max_steps` over which the learning rate rises linearly from 0 (transformers' `warmup_ratio`)."""
+    warmup_steps: int = 0
+    """Warm-up length in optimizer steps; overrides `warmup_ratio` when > 0 (transformers' `warmup_steps`)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -151,18 +170,60 @@ class AsyncGRPOConfig:
     epsilon: float = 0.2
     """Lower clip range of the importance ratio: ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float | None = None
-    """Upper clip range; unset = `epsilon`."""
+    """Upper clip range; unset = `epsilon` (DAPO: 0.28). With `loss_type: cispo` it is the cap on the ratio itself
+    (TRL's and ScaleRL's epsilon_max; 5.0 recommended)."""
+    delta: float | None = None
+    """Upper bound on the unclipped importance ratio (TRL's `delta`, INTELLECT-2's two-sided clip). It matters for
+    negative advantages, where the clipped surrogate is otherwise unbounded in the ratio (a token 12 nats more likely
+    under the trainer than under the sampler weighs e^12 = 1.6e5 times its advantage); beyond `delta` such a token
+    gets no gradient. Must be > 1 + epsilon_high; 4 is typical. Unset (TRL's default): no bound."""
+    loss_type: str = "dapo"
+    """Loss aggregation/objective (TRL's `loss_type`; docs/losses.md): `dapo` (default: token mean over the global
+    batch), `grpo` (each sequence's token mean, then the mean over sequences: length-biased), `bnpo` (token mean
+    per micro-batch), `dr_grpo` (token sum / (sequences x max_completion_length): no length bias), `cispo` (the
+    capped, detached ratio weights the log-probability: no token loses its gradient; needs epsilon_high > 1)."""
+    importance_sampling_level: str = "token"
+    """`token`: one importance ratio per token; `sequence`: the sequence's geometric-mean ratio for all its tokens
+    (GSPO; TRL's `importance_sampling_level`). GSPO's paper pairs it with `loss_type: grpo` and tiny clip ranges
+    (epsilon 3e-4, epsilon_high 4e-4)."""
+    vllm_importance_sampling_correction: bool = False
+    """Off-policy correction (TRL's name; TRL's default is true, ours false = today's behaviour). Off: the ratio is
+    clipped against the server's behaviour logprobs. On: decoupled PPO: the ratio is clipped against the proximal
+    policy, the trainer at the batch's first pass (TRL's "old" logprobs), and every token is weighted by the ratio
+    proximal / behaviour, truncated or masked per `vllm_importance_sampling_mode`. The proximal logprobs are the
+    first pass's own, detached and kept for the batch's `num_iterations` passes: no extra forward. With
+    `num_iterations: 1` this is truncated/masked importance-sampling policy gradient. docs/losses.md says when."""
+    vllm_importance_sampling_mode: str = "token_truncate"
+    """How the weight proximal / behaviour is bounded (TRL's names): `token_truncate` (per token, capped at
+    `vllm_importance_sampling_cap`), `token_mask` (per token, 0 above the cap), `sequence_truncate`,
+    `sequence_mask` (the product over the sequence's tokens, capped or masked for the whole sequence)."""
+    vllm_importance_sampling_cap: float = 3.0
+    """The cap C of `vllm_importance_sampling_mode` (TRL's `vllm_importance_sampling_cap`); >= 1."""
     beta: float = 0.0
     """KL coefficient to the base model (the same model with the adapter disabled). 0 = no KL term."""
-    scale_rewards: bool = True
-    """Divide group advantages by the group's reward std (GRPO); false = only subtract the group mean."""
+    scale_rewards: str | bool = "group"
+    """How advantages are scaled (TRL's `scale_rewards`): `group` (or true: by each group's reward std, GRPO),
+    `batch` (by the std of every reward in the training batch, PPO-Lite), `none` (or false: only subtract the
+    group mean, Dr. GRPO)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose completions all got the same reward (zero std: no advantage, no
+    gradient) is dropped when it reaches the queue, counted in `queue/dropped_zero_std_total`, and the producer
+    generates another in its place, so every batch is full of groups that teach something. Costs generation when
+    most groups are all right or all wrong. `reward/frac_reward_zero_std` (TRL's metric) is logged either way."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit `max_completion_length` (finish_reason `length`) out of the loss (TRL's name; DAPO).
+    They are still scored: reward functions get a `truncated` column either way, and
+    `completion/truncated_fraction` is logged."""
     seed: int = 0
     """Seed for data order, initialisation and sampling on the trainer side."""
 
     # ---- asynchrony and weight sync -------------------------------------------------------------
     max_staleness: int = 1
-    """Most policy versions a group may lag the trainer when its batch is taken from the queue. 0 = fully synchronous
-    on-policy training. (With `num_iterations` > 1 a batch's later passes also count the versions published since.)"""
+    """Most policy versions a group may lag the trainer when its batch is taken from the queue. 0 = synchronous
+    on-policy training: every batch is sampled by exactly the weights its training starts from, which needs
+    `weight_sync_steps` to divide `num_iterations` (refused otherwise). With `num_iterations` > 1 a batch's later
+    passes come after optimizer steps on it, off-policy by construction as in PPO (and they count the versions
+    published since)."""
     weight_sync_steps: int = 1
     """Optimizer steps between adapter publications to the inference server."""
     publish_in_background: bool = True
@@ -217,6 +278,8 @@ class AsyncGRPOConfig:
 
     # ---------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool):  # TRL's booleans
+            self.scale_rewards = "group" if self.scale_rewards else "none"
         self.validate()
 
     @property
@@ -273,6 +336,15 @@ class AsyncGRPOConfig:
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}",
                               "use 0 for synchronous training or 1-4 for asynchronous")
+        if self.max_staleness == 0 and self.num_iterations % self.weight_sync_steps:
+            raise ConfigError("max_staleness", f"0 promises that every batch is sampled by the weights its training "
+                              f"starts from, but with num_iterations {self.num_iterations} and weight_sync_steps "
+                              f"{self.weight_sync_steps} some batches start training optimizer steps after the "
+                              f"version that sampled them was published",
+                              f"make weight_sync_steps divide num_iterations (e.g. weight_sync_steps: "
+                              f"{self.num_iterations}), or allow staleness with max_staleness: 1")
+        self._validate_loss()
+        self._validate_schedule()
         if self.temperature <= 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}",
                               "sample with temperature 1.0 (the policy's own distribution)")
@@ -306,6 +378,45 @@ class AsyncGRPOConfig:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError("vllm_server_base_url", f"{url!r} is not an http(s) URL",
                                   "write e.g. http://10.0.0.5:8000")
+
+    def _validate_loss(self) -> None:
+        """Checks of the loss and off-policy keys."""
+        choices = {"loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+                   "vllm_importance_sampling_mode": IS_MODES, "scale_rewards": SCALE_REWARDS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                close = difflib.get_close_matches(str(getattr(self, name)), allowed, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(name, f"unknown value {getattr(self, name)!r}",
+                                  f"use one of {', '.join(allowed)}{hint}")
+        if self.loss_type == "cispo" and self.epsilon_upper <= 1.0:
+            raise ConfigError("epsilon_high", f"is {self.epsilon_upper}, but with loss_type cispo it caps the ratio "
+                              f"itself (a cap <= 1 down-weights every token)", "set epsilon_high: 5.0 (ScaleRL, TRL)")
+        if self.delta is not None and self.delta <= 1.0 + self.epsilon_upper:
+            raise ConfigError("delta", f"{self.delta} is not above 1 + epsilon_high ({1.0 + self.epsilon_upper}); it "
+                              f"would cut into the clip range", "use delta: 4.0 (INTELLECT-2), or unset it")
+        if self.vllm_importance_sampling_cap < 1.0:
+            raise ConfigError("vllm_importance_sampling_cap", f"must be >= 1, got {self.vllm_importance_sampling_cap}",
+                              "use 2.0-5.0 (TRL's default is 3.0)")
+
+    def _validate_schedule(self) -> None:
+        """Checks of the learning-rate schedule keys."""
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ConfigError("lr_scheduler_type", f"unknown schedule {self.lr_scheduler_type!r}",
+                              f"use one of {', '.join(LR_SCHEDULERS)}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError("warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}", "use e.g. 0.05")
+        if self.warmup_steps < 0:
+            raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}", "use 0 or e.g. 10")
+        if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
+            raise ConfigError("lr_scheduler_type", "is `constant`, which has no warm-up (transformers ignores "
+                              "warmup_* there silently)", "use lr_scheduler_type: constant_with_warmup")
+
+    @property
+    def num_warmup_steps(self) -> int:
+        """Warm-up length in optimizer steps: `warmup_steps`, else `warmup_ratio` x max_steps rounded up (as
+        transformers does)."""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
 
     def _validate_checkpoints(self) -> None:
         if self.save_steps < 0:
@@ -430,6 +541,8 @@ def _coerce(key: str, value, hint):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if isinstance(value, bool) and bool in inner:
+            return value  # `str | bool` (scale_rewards): TRL's true/false
         lists = [a for a in inner if typing.get_origin(a) is list]
         if lists and (isinstance(value, list) or (isinstance(value, str) and "," in value)):
             inner = lists  # `str | list[str]`: a YAML list, or `a,b` on the command line, picks the list

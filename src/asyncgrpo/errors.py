@@ -37,6 +37,11 @@ class ServerUnreachableError(InferenceServerError):
     The rollout producer and the publisher wait for such a server to come back (`vllm_server_timeout`)."""
 
 
+class BehaviourLogprobError(InferenceServerError):
+    """A server reported a sampled token's logprob that no sampler can produce (NaN, infinite, or below
+    `rollout.producer.BEHAVIOUR_LOGPROB_FLOOR`): training on it would make the loss NaN or meaningless."""
+
+
 class RewardFunctionError(AsyncGRPOError):
     """A reward function raised or returned something that is not one float per completion."""
 

@@ -2,7 +2,8 @@
 
 A reward function has TRL's signature `fn(prompts, completions, **columns) -> list[float | None]`: one value per
 completion, where `columns` are the dataset's other columns, repeated once per completion, plus
-`completion_ids` (the sampled token ids) and, for chat prompts whose tokenizer has a response template, `parsed`
+`completion_ids` (the sampled token ids), `truncated` (True where the completion hit `max_completion_length`) and,
+for chat prompts whose tokenizer has a response template, `parsed`
 (transformers' parsed assistant message per completion: `content`, `thinking`, `tool_calls`; None where the
 completion could not be parsed). For a text prompt `completions` are strings; for a chat prompt they are TRL's
 conversational form, `[{"role": "assistant", "content": text}]`.
@@ -32,8 +33,19 @@ log = logging.getLogger(__name__)
 RewardFn = Callable[..., list]
 
 
+def is_factory(fn) -> bool:
+    """A reward factory (TRL's `get_soft_overlong_punishment(max_completion_len, soft_punish_cache)`) takes no
+    `completions` and returns the reward function; a reward function takes `completions` (or **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: treat it as a reward function
+        return False
+    return not any(p.name == "completions" or p.kind == p.VAR_KEYWORD for p in params)
+
+
 def load_reward_function(ref: str, kwargs: dict | None = None) -> RewardFn:
-    """`package.module:function` -> the function, with `kwargs` bound; errors name the reference and the fix."""
+    """`package.module:function` -> the function, with `kwargs` bound, or, for a factory, the function it returns
+    when called with `kwargs`; errors name the reference and the fix."""
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -44,6 +56,17 @@ def load_reward_function(ref: str, kwargs: dict | None = None) -> RewardFn:
     if not callable(fn):
         raise ConfigError("reward_funcs", f"{module_name!r} has no function {attr!r}",
                           f"check the name after ':' in {ref!r}")
+    if is_factory(fn):
+        try:
+            built = fn(**(kwargs or {}))
+        except TypeError as exc:  # missing or unknown arguments
+            raise ConfigError("reward_kwargs", f"reward factory {ref} could not be built with {kwargs or {}} ({exc})",
+                              f"give its arguments under `reward_kwargs: {{{attr}: {{...}}}}`") from exc
+        if not callable(built):
+            raise ConfigError("reward_funcs", f"{ref} takes no `completions` argument, so it was called as a factory, "
+                              f"but it returned {type(built).__name__}, not a function",
+                              "name a reward function fn(prompts, completions, **columns), or a factory returning one")
+        return built
     if not kwargs:
         return fn
     named = {name for name, p in inspect.signature(fn).parameters.items()
@@ -86,12 +109,14 @@ class RewardScorer:
         return [r.partition(":")[2] for r in self.refs]
 
     def score(self, prompts: list, completions: list, columns: dict[str, list], *,
-              completion_ids: list[list[int]] | None = None,
-              parsed: list[dict | None] | None = None) -> tuple[list[float], dict[str, list[float | None]]]:
+              completion_ids: list[list[int]] | None = None, parsed: list[dict | None] | None = None,
+              truncated: list[bool] | None = None) -> tuple[list[float], dict[str, list[float | None]]]:
         """Returns (total reward per completion, {function name: its rewards, None where it does not apply})."""
         extra = dict(columns)
         if completion_ids is not None:
             extra["completion_ids"] = completion_ids
+        if truncated is not None:
+            extra["truncated"] = truncated
         if parsed is not None:
             extra["parsed"] = parsed
         parts: dict[str, list[float | None]] = {}
@@ -272,6 +297,23 @@ def format_reward(prompts, completions, *, pattern: str = THINK_ANSWER_PATTERN, 
     to require the whole completion), else 0.0. Default: reasoning in `<think>` tags, then an `<answer>` tag."""
     regex = _compiled(pattern)
     return [1.0 if regex.search(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> RewardFn:
+    """Factory (TRL's name and arguments) for DAPO's soft overlong punishment, by completion length n in tokens:
+    0 while n <= max_completion_len - soft_punish_cache, then falling linearly to -1 at max_completion_len,
+    (max_completion_len - soft_punish_cache - n) / soft_punish_cache, and -1 beyond. Use it with
+    `reward_kwargs: {get_soft_overlong_punishment: {max_completion_len: 256, soft_punish_cache: 64}}`."""
+    if not 0 < soft_punish_cache <= max_completion_len:
+        raise ValueError(f"get_soft_overlong_punishment needs 0 < soft_punish_cache <= max_completion_len, got "
+                         f"{soft_punish_cache} and {max_completion_len}")
+    free = max_completion_len - soft_punish_cache
+
+    def soft_overlong_punishment(completion_ids, **columns) -> list[float]:
+        return [0.0 if len(ids) <= free else -1.0 if len(ids) > max_completion_len
+                else (free - len(ids)) / soft_punish_cache for ids in completion_ids]
+
+    return soft_overlong_punishment
 
 
 def length_penalty(prompts, completions, *, max_length: int = 1024, soft_length: int | None = None,

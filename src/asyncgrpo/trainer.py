@@ -22,9 +22,10 @@ from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkp
 from .config import AsyncGRPOConfig
 from .distributed import (accumulation, broadcast_object, configure_backend, dist_max, dist_sum, fp32_buffer_check,
                           make_accelerator, on_main, require_shared_dir, setup_logging, without_zero3_init)
-from .loss import grpo_loss, token_logprobs
+from .loss import grpo_loss, loss_normaliser, token_logprobs
 from .rewards import reward_means
 from .rollout.queue import Group, RolloutQueue, split_by_tokens
+from .schedule import build_lr_scheduler
 from .sync.gather import backend_of, gather_lora_state, lora_parameters
 from .timeline import Timeline, span
 
@@ -52,14 +53,16 @@ class TrainBatch:
 
 def collate(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
     """Groups -> padded CPU tensors, one row per completion. Position t of `behaviour`/`mask` scores token t+1 of
-    the sequence. input_ids, attention_mask: (B, T); behaviour, mask: (B, T-1); advantages: (B,)."""
+    the sequence; a completion the group marks `masked` keeps its tokens but none in `mask`.
+    input_ids, attention_mask: (B, T); behaviour, mask: (B, T-1); advantages: (B,)."""
     seqs, behaviour, advantages, spans = [], [], [], []
     for g in groups:
-        for ids, lps, adv in zip(g.completion_ids, g.behaviour_logprobs, g.advantages):
+        masked = g.masked or [False] * len(g.completion_ids)
+        for ids, lps, adv, out in zip(g.completion_ids, g.behaviour_logprobs, g.advantages, masked):
             seqs.append(g.prompt_ids + ids)
             behaviour.append(lps)
             advantages.append(adv)
-            spans.append((len(g.prompt_ids) - 1, len(ids)))
+            spans.append((len(g.prompt_ids) - 1, 0 if out else len(ids)))  # a masked completion: no loss tokens
     length = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
     attention = torch.zeros((len(seqs), length), dtype=torch.long)
@@ -68,7 +71,7 @@ def collate(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
     for i, (s, lps, (start, n)) in enumerate(zip(seqs, behaviour, spans)):
         input_ids[i, :len(s)] = torch.tensor(s)
         attention[i, :len(s)] = 1
-        old[i, start:start + n] = torch.tensor(lps)
+        old[i, start:start + n] = torch.tensor(lps[:n])
         mask[i, start:start + n] = 1.0
     return {"input_ids": input_ids, "attention_mask": attention, "behaviour": old, "mask": mask,
             "advantages": torch.tensor(advantages, dtype=torch.float32)}
@@ -134,6 +137,8 @@ class AsyncGRPOTrainer:
         if not self.main:
             self.model_path = self._resolve_model()
         self._build_model()
+        # Stepped by `_optimise` once per optimizer step, on every backend (schedule.py says why not via accelerate).
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
 
     def _resolve_model(self) -> str:
         from .data import resolve_model_path
@@ -202,7 +207,8 @@ class AsyncGRPOTrainer:
         # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted).
         prompts = load_prompt_set(cfg, self.tokenizer, model_path=self.model_path,
                                   server_max_model_len=server_max_model_len(self.client.models()))
-        self.queue = RolloutQueue(cfg.max_staleness)
+        self.queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards,
+                                  dynamic_sampling=cfg.dynamic_sampling)
         self.producer = RolloutProducer(clients=self.clients, tokenizer=self.tokenizer, rows=prompts.rows,
                                         scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
                                         cfg=cfg, response_template=prompts.response_template,
@@ -275,8 +281,14 @@ class AsyncGRPOTrainer:
         stats.add(**{"time/wait_for_data_s": waited_s, "reward/mean": rewards.mean(), "reward/std": rewards.std(),
                      "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
                      "queue/dropped_stale_total": self.queue.dropped_stale, "queue/depth": len(self.queue),
+                     "queue/dropped_zero_std_total": self.queue.dropped_zero_std,
+                     # TRL's name: groups of this batch whose rewards are all equal (0 with dynamic_sampling)
+                     "reward/frac_reward_zero_std": sum(max(g.rewards) == min(g.rewards) for g in groups) / len(groups),
                      "queue/inflight_requests": self.producer.inflight,
                      "completion/mean_length": sum(g.n_completion_tokens for g in groups)
+                     / (len(groups) * self.cfg.num_generations),
+                     # hit max_completion_length (left out of the loss with mask_truncated_completions)
+                     "completion/truncated_fraction": sum(r == "length" for g in groups for r in g.finish_reasons)
                      / (len(groups) * self.cfg.num_generations)})
         for name, mean in reward_means([g.reward_parts for g in groups]).items():
             if mean is not None:  # None: the function applied to no completion of this batch
@@ -298,47 +310,78 @@ class AsyncGRPOTrainer:
         return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
 
     def _optimise(self, micro_batches: list[dict[str, torch.Tensor]], stats: StepStats) -> None:
-        """Collective: GRPO loss over this rank's micro-batches, backward, clip, optimizer step."""
+        """Collective: GRPO loss over this rank's micro-batches, backward, clip, optimizer step, schedule step."""
         cfg = self.cfg
         n_tokens = dist_sum(sum(float(b["mask"].sum()) for b in micro_batches))
-        # The loss is a mean over the global batch's tokens; DDP averages gradients over ranks, so scale back.
-        normaliser = n_tokens / self.world
-        totals = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "ratio": 0.0}
-        max_abs_log_ratio = 0.0
+        # grpo and dr_grpo average over sequences: count them over every rank the same collective way.
+        n_seqs = 0.0
+        if cfg.loss_type in ("grpo", "dr_grpo"):
+            n_seqs = dist_sum(float(sum(b["mask"].shape[0] for b in micro_batches)))
+        totals = dict.fromkeys(("loss", "clipped", "kl", "ratio", "is_ratio", "is_capped", "kl_behaviour"), 0.0)
+        maxima = {"max_abs_log_ratio": 0.0, "is_ratio_max": 0.0}
         for i, batch in enumerate(micro_batches):
+            # The loss is the loss_type's mean over the global batch; DDP averages gradients over ranks, so the
+            # normaliser is per rank (loss_normaliser).
+            normaliser = loss_normaliser(cfg.loss_type, global_tokens=n_tokens, global_sequences=n_seqs,
+                                         micro_tokens=float(batch["mask"].sum()), micro_batches=len(micro_batches),
+                                         world=self.world, max_completion_length=cfg.max_completion_length)
             # Gradients accumulate over the micro-batches; the last one's backward reduces them across ranks (and,
             # under DeepSpeed, is where the engine steps): one optimizer step per trainer step on every backend.
             with accumulation(self.acc, self.model, accumulate=i < len(micro_batches) - 1):
                 terms = self._micro_step(batch, normaliser)
-            totals["loss"] += float(terms.loss.detach()) / self.world
-            totals["clipped"] += float(terms.clipped_tokens)
-            totals["kl"] += float(terms.kl_sum)
-            totals["ratio"] += float(terms.ratio_sum)
-            max_abs_log_ratio = max(max_abs_log_ratio, float(terms.max_abs_log_ratio))
+            for key, value in (("loss", float(terms.loss.detach()) / self.world), ("clipped", terms.clipped_tokens),
+                               ("kl", terms.kl_sum), ("ratio", terms.ratio_sum), ("is_ratio", terms.is_ratio_sum),
+                               ("is_capped", terms.is_capped_tokens), ("kl_behaviour", terms.behaviour_kl_sum)):
+                totals[key] += float(value)
+            maxima["max_abs_log_ratio"] = max(maxima["max_abs_log_ratio"], float(terms.max_abs_log_ratio))
+            maxima["is_ratio_max"] = max(maxima["is_ratio_max"], float(terms.is_ratio_max))
         if cfg.max_grad_norm > 0:
             grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             if grad_norm is not None:  # DeepSpeed clipped inside its engine (gradient_clipping = max_grad_norm)
                 stats.add(**{"train/grad_norm": float(grad_norm)})
+        lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step used
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
         summed = {k: dist_sum(v) for k, v in totals.items()}
-        stats.add(**{"train/loss": summed["loss"], "train/clip_fraction": summed["clipped"] / n_tokens,
-                     "train/kl": summed["kl"] / n_tokens, "train/ratio_mean": summed["ratio"] / n_tokens,
-                     "train/tokens": n_tokens,
+        per_token = max(n_tokens, 1.0)  # every token masked (e.g. all truncated): statistics of nothing are 0
+        stats.add(**{"train/loss": summed["loss"], "train/clip_fraction": summed["clipped"] / per_token,
+                     "train/kl": summed["kl"] / per_token, "train/ratio_mean": summed["ratio"] / per_token,
+                     "train/tokens": n_tokens, "train/learning_rate": lr,
                      # Per token, trainer vs the server's behaviour logprobs: numerical noise when on-policy.
-                     "train/max_abs_log_ratio": dist_max(max_abs_log_ratio)})
+                     "train/max_abs_log_ratio": dist_max(maxima["max_abs_log_ratio"]),
+                     # Off-policy: the IS ratio proximal (or current) / behaviour before any cap, the fraction of
+                     # tokens the correction truncated or masked, and the k3 estimate of KL(behaviour || trainer).
+                     "sampling/importance_sampling_ratio/mean": summed["is_ratio"] / per_token,
+                     "sampling/importance_sampling_ratio/max": dist_max(maxima["is_ratio_max"]),
+                     "sampling/is_capped_fraction": summed["is_capped"] / per_token,
+                     "sampling/kl_behaviour": summed["kl_behaviour"] / per_token})
 
     def _micro_step(self, batch, normaliser: float):
+        cfg = self.cfg
         ref = batch.get("ref")
-        if self.cfg.beta > 0 and ref is None:
+        if cfg.beta > 0 and ref is None:
             # The reference is the same (possibly sharded) model with the adapter switched off: no second copy. It
             # never changes, so a batch trained on again (num_iterations) keeps it.
             with torch.no_grad(), self.acc.unwrap_model(self.model).disable_adapter():
                 ref = batch["ref"] = self.policy_logprobs(batch)
         logprobs = self.policy_logprobs(batch)
+        proximal = None
+        if cfg.vllm_importance_sampling_correction:
+            # Decoupled PPO: the proximal policy is the trainer when it starts on this batch (PPO's "old" policy,
+            # TRL's old logprobs). On the first pass that is this very forward, so its logprobs, detached, are kept
+            # for the batch's later passes: no extra forward. Recomputing it every pass would make the ratio 1 at
+            # every step and drop the trust region.
+            proximal = batch.get("proximal")
+            if proximal is None:
+                proximal = batch["proximal"] = logprobs.detach()
         terms = grpo_loss(logprobs, batch["behaviour"], batch["advantages"], batch["mask"],
-                          epsilon_low=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_upper,
-                          normaliser=normaliser, beta=self.cfg.beta, ref_logprobs=ref)
+                          epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_upper, normaliser=normaliser,
+                          beta=cfg.beta, ref_logprobs=ref, loss_type=cfg.loss_type,
+                          importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
+                          proximal_logprobs=proximal,
+                          is_mode=cfg.vllm_importance_sampling_mode if proximal is not None else None,
+                          is_cap=cfg.vllm_importance_sampling_cap)
         self.acc.backward(terms.loss)
         return terms
 
@@ -394,7 +437,7 @@ class AsyncGRPOTrainer:
                              run_id=getattr(self, "run_id", ""), backend=backend_of(self.acc), world_size=self.world)
         save_checkpoint(self.acc, self.model, self.optimizer, state, output_dir=self.cfg.output_dir,
                         peft_config=self.peft_config, base_model=str(Path(self.model_path).resolve()),
-                        total_limit=self.cfg.save_total_limit)
+                        total_limit=self.cfg.save_total_limit, lr_scheduler=self.lr_scheduler)
 
     def _should_save(self) -> bool:
         """Every `save_steps`, and (as TRL does) at the last step, if that step published its weights and finished its
@@ -413,7 +456,7 @@ class AsyncGRPOTrainer:
         if not self.cfg.resume_from_checkpoint:
             return
         path = resolve_checkpoint(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
-        state = load_checkpoint(path, self.acc, self.model, self.optimizer)
+        state = load_checkpoint(path, self.acc, self.model, self.optimizer, lr_scheduler=self.lr_scheduler)
         self.step, self.version, self.data_position = state.step, state.version, state.data_position
         self.resumed_from, self._previous_run_id = path, state.run_id
         log.info("resuming from %s: step %d, policy version %d, data position %d", path, state.step, state.version,
@@ -455,6 +498,7 @@ class AsyncGRPOTrainer:
             summary = {"steps": self.step, "version": self.version, "adapter_name": self.adapter_name,
                        "adapter_path": str(self.store.path(self.version)), "model_path": str(self.model_path),
                        "train_seconds": seconds, "dropped_stale": self.queue.dropped_stale,
+                       "dropped_zero_std": self.queue.dropped_zero_std,
                        "lost_groups": self.producer.lost_groups, "resent_groups": self.producer.resent_groups,
                        "tensorboard": str((self.out_dir / "tensorboard").resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),

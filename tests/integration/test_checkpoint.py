@@ -4,7 +4,9 @@ Run A trains 6 steps uninterrupted. Run B saves every 3 steps, is killed with SI
 preempted node would be) once checkpoint-3 exists, and is resumed with `--resume_from_checkpoint latest` to step 6.
 One test, three launches (~10 s each on an idle 2-core machine, plus the session server).
 With `max_staleness: 0` and `seeded_generation: true` both runs sample the same completions from the same policies,
-so B's final adapter must equal A's, and its TensorBoard steps must run 1..6 with none lost or repeated.
+so B's final adapter must equal A's, and its TensorBoard steps must run 1..6 with none lost or repeated. Every run
+warms the learning rate up over 4 steps (0, 1/4, 1/2, 3/4 of it, then all of it): a resumed run whose schedule
+restarted would take steps 3 and 4 at other rates.
 The same holds on FSDP1, FSDP2, ZeRO-2 and ZeRO-3, whose LoRA weights (or their fp32 masters) and Adam state are
 sharded (shorter runs, no kill: what is tested there is that the sharded state goes into the checkpoint and back
 into the shards exactly).
@@ -37,7 +39,8 @@ def train_command(out: Path, server_url: str, *extra: str, backend: str = "ddp")
             "--max_steps", "6", "--per_device_train_batch_size", "16", "--learning_rate", "1e-2",
             "--max_staleness", "0", "--seeded_generation", "true", "--max_inflight_requests", "4",
             "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
-            "--vllm_server_base_url", server_url, "--ddp_timeout", "120", *extra]
+            "--vllm_server_base_url", server_url, "--ddp_timeout", "120",
+            "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "4", *extra]
 
 
 def run(cmd: list[str]) -> dict:
@@ -73,7 +76,7 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
                                                   "--max_steps", "1000"), b_out)
     assert not (b_out / "run_summary.json").exists()
     manifest = json.loads((b_out / "checkpoint-3" / "manifest.json").read_text())
-    saved = {"optimizer.pt", "rng-rank0.pt", "rng-rank1.pt", "adapter/adapter_model.safetensors"}
+    saved = {"optimizer.pt", "scheduler.pt", "rng-rank0.pt", "rng-rank1.pt", "adapter/adapter_model.safetensors"}
     assert saved <= set(manifest["files"])  # rank 1 wrote its own RNG state into rank 0's temporary directory
     killed = manifest["state"]
     assert (killed["step"], killed["version"], killed["data_position"]) == (3, 3, 3 * 4)  # 4 groups per step
@@ -106,6 +109,8 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     reward_a = tb_scalars(tmp_path / "a" / "tensorboard", "reward/mean")
     assert tb_scalars(b_out / "tensorboard", "reward/mean") == reward_a  # the same completions were sampled
     assert max(abs(va - vb) for (_, va), (_, vb) in zip(loss_a, loss_b)) < 1e-5
+    rates = [v for _, v in tb_scalars(b_out / "tensorboard", "train/learning_rate")]
+    assert rates == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])  # the warm-up continued after the resume
 
 
 @pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "zero2", "zero3"])
@@ -115,7 +120,7 @@ def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm
     the final adapters agree."""
     a = run(train_command(tmp_path / "a", vllm_server.base_url, "--max_steps", "3", backend=backend))
     b_out = tmp_path / "b"
-    run(train_command(b_out, vllm_server.base_url, "--max_steps", "2", "--save_steps", "2", backend=backend))
+    first = run(train_command(b_out, vllm_server.base_url, "--max_steps", "2", "--save_steps", "2", backend=backend))
     b = run(train_command(b_out, vllm_server.base_url, "--max_steps", "3", "--resume_from_checkpoint", "latest",
                           backend=backend))
     assert (b["start_step"], b["steps"], b["version"], b["backend"]) == (2, 3, 3, backend)
@@ -127,6 +132,11 @@ def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm
         states = torch.load(files[0], weights_only=False)["module"]  # tied lm_head alias of the embedding: kept
         assert sum("lora_" in k for k in states) == len(saved)
         assert [k for k in states if "lora_" not in k] == ["base_model.model.lm_head.weight"]
+    # The schedule reaches the optimizer this backend steps: step 1 ran at learning rate 0 (warm-up), step 2 did not.
+    versions = [load_file(str(Path(first["adapter_path"]).parent / f"v00000{v}" / "adapter_model.safetensors"))
+                for v in range(3)]
+    assert all(torch.equal(versions[0][k], versions[1][k]) for k in saved)
+    assert max((versions[2][k] - versions[1][k]).abs().max().item() for k in saved) > 1e-4
     final_a = load_file(f"{a['adapter_path']}/adapter_model.safetensors")
     final_b = load_file(f"{b['adapter_path']}/adapter_model.safetensors")
     assert max((final_a[k] - final_b[k]).abs().max().item() for k in final_a) <= 1e-5

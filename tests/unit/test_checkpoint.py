@@ -1,6 +1,7 @@
 """Checkpoints on one process: atomic save, exact round trip, refusal of incomplete or corrupt checkpoints."""
 
 import json
+import math
 import random
 from types import SimpleNamespace
 
@@ -212,3 +213,37 @@ def test_a_batch_is_in_data_order_whatever_request_finished_first():
     assert [g.index for g in queue.take(4, trainer_version=1, timeout_s=1)] == [9, 2, 4, 5]
     # vLLM seeds completion i of a request with seed + i: consecutive prompts' seeds never overlap.
     assert request_seed(0, 3, 8) - request_seed(0, 2, 8) == 8
+
+
+def test_checkpoint_restores_the_schedule_where_it_stopped(tmp_path):
+    from asyncgrpo.schedule import build_lr_scheduler
+
+    config = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "max_steps": 10,
+                                        "lr_scheduler_type": "cosine", "warmup_steps": 2})
+    model, optimizer, peft_config = make_model()
+    scheduler = build_lr_scheduler(optimizer, config)
+    for _ in range(3):
+        train_one_step(model, optimizer)
+        scheduler.step()
+    state = ckpt.TrainerState(step=3, version=3, data_position=12, run_id="abcd1234")
+    path = ckpt.save_checkpoint(ACC, model, optimizer, state, output_dir=tmp_path, peft_config=peft_config,
+                                base_model="tiny", lr_scheduler=scheduler)
+    assert (path / ckpt.SCHEDULER).is_file()
+    fresh, fresh_optimizer, _ = make_model()
+    fresh_scheduler = build_lr_scheduler(fresh_optimizer, config)  # at step 0: lr 0
+    ckpt.load_checkpoint(path, ACC, fresh, fresh_optimizer, lr_scheduler=fresh_scheduler)
+    step3 = 1e-2 * 0.5 * (1 + math.cos(math.pi / 8))  # cosine at step 3 of 10, 2 warm-up: progress 1/8
+    assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(step3)
+    assert fresh_scheduler.last_epoch == 3
+    scheduler.step()
+    fresh_scheduler.step()
+    assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(optimizer.param_groups[0]["lr"])
+    # A checkpoint written before schedules existed resumes at its step's rate.
+    (path / ckpt.SCHEDULER).unlink()
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    del manifest["files"][ckpt.SCHEDULER]
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    old, old_optimizer, _ = make_model()
+    old_scheduler = build_lr_scheduler(old_optimizer, config)
+    ckpt.load_checkpoint(path, ACC, old, old_optimizer, lr_scheduler=old_scheduler)
+    assert old_optimizer.param_groups[0]["lr"] == pytest.approx(step3)

@@ -18,6 +18,10 @@ def run_bench(args, overrides: list[str]) -> int:
             result = sync.run(args.backend, server_url=args.server, overrides=overrides, model=args.model)
         elif args.name == "throughput":
             result = throughput.run(server_url=args.server, overrides=overrides, plot=args.plot)
+        elif args.name == "staleness":
+            from . import staleness
+
+            result = staleness.run(server_url=args.server, overrides=overrides, plot=args.plot)
         else:
             result = policy_equivalence.run(server_url=args.server, overrides=overrides)
     print(json.dumps(result))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..data import PromptRow, PromptStream, parse_completions
-from ..errors import ServerUnreachableError
+from ..errors import BehaviourLogprobError, ServerUnreachableError
 from ..inference.client import InferenceClient
 from ..inference.recovery import ServerRecovery
 from ..loss import group_advantages
@@ -51,6 +52,25 @@ def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = Tru
         run = []
     pieces.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
     return "".join(pieces)
+
+
+# The lowest logprob a sampled token may have. Below about -745 even float64 rounds the probability to exactly 0, so
+# no sampler can have drawn such a token; vLLM writes -9999.0 where a logprob is -inf (JSON has no infinity). A
+# token between -1000 and, say, -100 is only astronomically unlikely: it passes here, and the loss clamps its ratio.
+BEHAVIOUR_LOGPROB_FLOOR = -1000.0
+
+
+def check_behaviour_logprobs(completions, *, server: str, prompt_index: int, adapter: str) -> None:
+    """Refuse a server answer whose sampled-token logprobs are NaN, infinite or below BEHAVIOUR_LOGPROB_FLOOR,
+    naming the server, the request and the token."""
+    for i, c in enumerate(completions):
+        for t, lp in enumerate(c.logprobs):
+            if not math.isfinite(lp) or lp < BEHAVIOUR_LOGPROB_FLOOR:
+                raise BehaviourLogprobError(
+                    f"{server} returned logprob {lp} for token {t} (id {c.token_ids[t]}) of completion {i} of the "
+                    f"request for prompt {prompt_index} (adapter {adapter!r}): no sampled token can have it (the "
+                    f"floor is {BEHAVIOUR_LOGPROB_FLOOR}). Fix: serve in float32 or bfloat16 rather than float16 "
+                    f"(overflow), with `--logprobs-mode processed_logprobs`, and check the adapter loaded correctly")
 
 
 def request_seed(seed: int, index: int, n: int) -> int:
@@ -231,18 +251,24 @@ class RolloutProducer:
         if any(c.finish_reason == "abort" for c in completions):
             self._lose_group(row, index)  # aborted by a sync with sync_pause_mode: abort
             return None
+        check_behaviour_logprobs(completions, server=client.base_url, prompt_index=index, adapter=adapter)
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         ids = [c.token_ids for c in completions]
         n = len(ids)
         columns = {k: [v] * n for k, v in row.columns.items()}
         completions_in, parsed = self._reward_inputs(row, ids)
-        rewards, parts = self.scorer.score([row.prompt] * n, completions_in, columns, completion_ids=ids, parsed=parsed)
-        advantages = group_advantages(torch.tensor([rewards]), scale=cfg.scale_rewards)[0].tolist()
+        truncated = [c.finish_reason == "length" for c in completions]  # hit max_completion_length
+        rewards, parts = self.scorer.score([row.prompt] * n, completions_in, columns, completion_ids=ids, parsed=parsed,
+                                           truncated=truncated)
+        # `batch` scaling needs the whole batch: the group is centred here and the queue scales it when it is taken.
+        scale = "none" if cfg.scale_rewards == "batch" else cfg.scale_rewards
+        advantages = group_advantages(torch.tensor([rewards]), scale=scale)[0].tolist()
         return Group(prompt=row.rendered or row.prompt, prompt_ids=row.prompt_ids,
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],
                      rewards=rewards, reward_parts=parts, advantages=advantages, version=version, adapter=adapter,
-                     finish_reasons=[c.finish_reason for c in completions], index=index)
+                     finish_reasons=[c.finish_reason for c in completions], index=index,
+                     masked=truncated if cfg.mask_truncated_completions else [])
 
     def _reward_inputs(self, row: PromptRow, ids: list[list[int]]) -> tuple[list, list | None]:
         """(completions, parsed) as reward functions get them: text for a text prompt; for a chat prompt TRL's

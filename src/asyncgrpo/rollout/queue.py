@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -23,10 +24,20 @@ class Group:
     adapter: str  # adapter name that served the request
     finish_reasons: list[str] = field(default_factory=list)
     index: int = -1  # the prompt's position in the producer's data stream (orders a batch; checkpoints resume after it)
+    masked: list[bool] = field(default_factory=list)  # completions left out of the loss (mask_truncated_completions)
 
     @property
     def n_completion_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
+
+
+def scale_by_batch_std(groups: list[Group], eps: float = 1e-4) -> None:
+    """`scale_rewards: batch`: divide the groups' centred advantages by the std of every reward in the batch (torch's
+    unbiased std, as TRL). In place; the producer centred each group when it was scored."""
+    rewards = [r for g in groups for r in g.rewards]
+    std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+    for g in groups:
+        g.advantages = [a / (std + eps) for a in g.advantages]
 
 
 def split_by_tokens(groups: list[Group], parts: int) -> list[list[Group]]:
@@ -49,17 +60,25 @@ class RolloutQueue:
     """Thread-safe queue of groups, taken oldest policy version first. `take` never returns a group more than `max_staleness` versions older
     than the trainer; such groups are discarded and counted in `dropped_stale`."""
 
-    def __init__(self, max_staleness: int):
+    def __init__(self, max_staleness: int, scale_rewards: str = "group", dynamic_sampling: bool = False):
         self.max_staleness = max_staleness
+        self.scale_rewards = scale_rewards  # `batch`: advantages are scaled over the batch `take` returns
+        self.dynamic_sampling = dynamic_sampling  # drop groups whose rewards are all equal (DAPO)
         self.dropped_stale = 0
+        self.dropped_zero_std = 0  # groups dropped by dynamic sampling (the producer generated others instead)
         self._groups: deque[Group] = deque()
         self.cond = threading.Condition()  # guards the queue; the producer also waits on it
         self._error: BaseException | None = None
         self.batches_taken = 0  # batches handed to the trainer so far (the producer schedules from it)
 
     def put(self, group: Group) -> None:
+        """Queue a scored group; with dynamic sampling a group whose rewards are all equal (no advantage, no
+        gradient) is counted and dropped instead, and the producer, woken, sends another request in its place."""
         with self.cond:
-            self._groups.append(group)
+            if self.dynamic_sampling and max(group.rewards) == min(group.rewards):
+                self.dropped_zero_std += 1
+            else:
+                self._groups.append(group)
             self.cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -95,13 +114,18 @@ class RolloutQueue:
                     # depend on which request finished first (a resumed run trains the same batches).
                     self._groups = deque(sorted(self._groups, key=lambda g: (g.version, g.index)))
                     out = [self._groups.popleft() for _ in range(n)]
+                    if self.scale_rewards == "batch":
+                        scale_by_batch_std(out)
                     self.batches_taken += 1
                     self.cond.notify_all()
                     return out
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    zero_std = f", {self.dropped_zero_std} dropped so far by dynamic_sampling (every completion " \
+                        f"of each got the same reward: make the reward finer or the prompts easier, or turn it off)" \
+                        if self.dropped_zero_std else ""
                     raise TimeoutError(f"no rollout batch after {timeout_s:.0f} s ({len(self._groups)}/{n} groups "
-                                       f"queued); is the inference server generating?")
+                                       f"queued{zero_std}); is the inference server generating?")
                 self.cond.wait(timeout=min(remaining, 1.0))
 
     @property

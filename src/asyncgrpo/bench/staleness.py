@@ -1,0 +1,171 @@
+"""Does the off-policy correction hold the held-out reward at high staleness? The toy task trained at each
+`max_staleness` with each correction and several seeds, one run after another against one vLLM CPU server:
+
+    asyncgrpo bench staleness --json [--plot FILE.png] [--max_steps 60] [--key value ...]
+
+How staleness is made to occur: a version is published after every optimizer step (`weight_sync_steps: 1`,
+`num_iterations: 1`) and the producer may keep `max_staleness + 1` steps' worth of requests in flight
+(`max_inflight_requests`), so it runs up to `max_staleness` versions ahead. On a 2-core machine generation is the
+bottleneck (NOTES.md), so the queue would never fill; `TRAINER_DELAY_S` of sleep after each optimizer step
+emulates a trainer-bound cluster, letting the producer get ahead. Each cell reports the staleness it actually
+trained at (`staleness_mean`, `staleness_max`), so a cell where staleness did not occur is visible as such.
+
+Corrections compared (`CORRECTIONS`): `none` (ratio clipped against the behaviour logprobs), `token_truncate`
+and `token_mask` (`vllm_importance_sampling_correction: true`, i.e. decoupled PPO with a truncated or masked
+weight; with `num_iterations: 1` the proximal policy is the current one, so this is also exactly truncated/masked
+IS policy gradient: docs/losses.md). Every cell also reports the step metrics of docs/losses.md: their mean over
+steps, and for the `.../max` ones their maximum.
+
+Measured once as a smoke (4 cells: max_staleness 0 and 2 x none and token_truncate, one seed, 4 steps of 64
+completions, TRAINER_DELAY_S 0.3): 149 s in all, the max_staleness 2 cells trained at mean staleness 1.25 (the
+first steps cannot be stale), so the delay does make the producer run ahead.
+
+The full grid (4 stalenesses x 3 corrections x 3 seeds at 60 steps) takes about 40 minutes on 2 cores; it has not
+been run for the docs yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+STALENESS = (0, 2, 4, 8)
+CORRECTIONS = ("none", "token_truncate", "token_mask")
+SEEDS = (0, 1, 2)
+TRAINER_DELAY_S = 0.3  # per optimizer step: longer than generating one batch on the toy (~0.3 s/batch, throughput.py)
+DEFAULT_WORKDIR = "runs/bench-staleness"
+WORKLOAD = ["--max_steps", "60", "--per_device_train_batch_size", "256", "--torch_num_threads", "1",
+            "--num_iterations", "1", "--weight_sync_steps", "1", "--sync_mode", "versioned"]
+METRICS = ("staleness/mean", "staleness/max", "sampling/importance_sampling_ratio/mean",
+           "sampling/importance_sampling_ratio/max", "sampling/is_capped_fraction", "sampling/kl_behaviour",
+           "train/clip_fraction")
+
+
+def cell_overrides(staleness: int, correction: str, seed: int, groups_per_step: int) -> list[str]:
+    """The config overrides of one cell (on top of WORKLOAD and the user's overrides)."""
+    extra = ["--max_staleness", str(staleness), "--seed", str(seed),
+             "--max_inflight_requests", str(groups_per_step * (staleness + 1))]
+    if correction != "none":
+        extra += ["--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_mode", correction]
+    return extra
+
+
+def summarise(cells: list[dict]) -> list[dict]:
+    """Per (max_staleness, correction): mean and spread (sample std, min, max) of the held-out reward over seeds,
+    and its difference from the synchronous `none` cell's mean."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["max_staleness"], c["correction"]), []).append(c)
+    sync = groups.get((0, "none"))
+    sync_mean = statistics.fmean(c["heldout_reward"] for c in sync) if sync else None
+    rows = []
+    for (staleness, correction), members in sorted(groups.items()):
+        rewards = [c["heldout_reward"] for c in members]
+        mean = statistics.fmean(rewards)
+        rows.append({"max_staleness": staleness, "correction": correction, "seeds": len(rewards),
+                     "heldout_reward_mean": round(mean, 4),
+                     "heldout_reward_std": round(statistics.stdev(rewards), 4) if len(rewards) > 1 else 0.0,
+                     "heldout_reward_min": min(rewards), "heldout_reward_max": max(rewards),
+                     "minus_sync": round(mean - sync_mean, 4) if sync_mean is not None else None,
+                     "staleness_mean": round(statistics.fmean(c["staleness_mean"] for c in members), 3)})
+    return rows
+
+
+def plot_cells(rows: list[dict], path: str | Path) -> Path:
+    """Held-out reward (mean +- std over seeds) against max_staleness, one line per correction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for correction in dict.fromkeys(r["correction"] for r in rows):
+        mine = [r for r in rows if r["correction"] == correction]
+        ax.errorbar([r["max_staleness"] for r in mine], [r["heldout_reward_mean"] for r in mine],
+                    yerr=[r["heldout_reward_std"] for r in mine], marker="o", capsize=3, label=correction)
+    ax.set_xlabel("max_staleness (versions)")
+    ax.set_ylabel("held-out reward (mean of seeds)")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def run_cell(cfg, world, client) -> dict:
+    """Train one cell with TRAINER_DELAY_S after every step, then measure its held-out reward."""
+    from ..demo import heldout_rewards
+    from ..trainer import AsyncGRPOTrainer
+    from .throughput import step_history
+
+    trainer = AsyncGRPOTrainer(cfg)
+    train_step = trainer.train_step
+
+    def slow_step():
+        stats = train_step()
+        time.sleep(TRAINER_DELAY_S)  # emulate a trainer-bound cluster: the producer gets ahead
+        return stats
+
+    trainer.train_step = slow_step
+    try:
+        trainer.setup()
+        trainer.train()
+        adapter = trainer.adapter_name
+    finally:
+        trainer.cleanup()
+    history = step_history(Path(cfg.output_dir) / "tensorboard", tags=METRICS)
+    # Per cell: the mean over steps of each step metric, and for the `.../max` ones their maximum over steps.
+    means = {k.replace("/", "_"): round((max if k.endswith("max") else statistics.fmean)(
+        [h[k] for h in history if k in h]), 4) for k in METRICS if any(k in h for h in history)}
+    rewards = heldout_rewards(cfg, client, adapter, world)
+    return {"heldout_reward": round(rewards["sampled"], 4), "heldout_greedy_accuracy": round(rewards["greedy"], 4),
+            "groups_dropped_stale": trainer.queue.dropped_stale, **means}
+
+
+def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
+        stalenesses=STALENESS, corrections=CORRECTIONS, seeds=SEEDS) -> dict:
+    """Build the toy world, start a vLLM server unless `server_url` is given, run every cell."""
+    from ..config import AsyncGRPOConfig
+    from ..data import toy_world
+    from ..demo import default_config_path
+    from ..inference.client import InferenceClient
+    from ..inference.server import VLLMServer, find_free_port
+
+    base = AsyncGRPOConfig.load(default_config_path(), [*WORKLOAD, *overrides])
+    world = toy_world(base)
+    groups_per_step = base.groups_per_step(world_size=1)
+    started = time.monotonic()
+    work = Path(workdir or DEFAULT_WORKDIR)
+    work.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        if server_url is None:
+            server = VLLMServer(world.model_dir, find_free_port(), max_loras=max(stalenesses) + 3, max_model_len=256,
+                                max_num_seqs=base.num_generations * groups_per_step * (max(stalenesses) + 1),
+                                log_path=work / "vllm.log")
+            server.start()
+            stack.callback(server.stop)
+            server.wait_ready()
+            server_url = server.base_url
+        client = InferenceClient(server_url, timeout_s=base.vllm_request_timeout)
+        cells = []
+        for staleness in stalenesses:
+            for correction in corrections:
+                for seed in seeds:
+                    name = f"s{staleness}-{correction}-seed{seed}"
+                    cfg = AsyncGRPOConfig.load(default_config_path(), [
+                        *WORKLOAD, "--output_dir", str(work / name), "--lora_adapter_path", str(work / name / "a"),
+                        "--vllm_server_base_url", server_url, *overrides,
+                        *cell_overrides(staleness, correction, seed, groups_per_step)])
+                    cell = {"max_staleness": staleness, "correction": correction, "seed": seed}
+                    cells.append(cell | run_cell(cfg, world, client))
+    rows = summarise(cells)
+    result = {"cells": cells, "summary": rows, "trainer_delay_s": TRAINER_DELAY_S,
+              "workload": dict(zip(WORKLOAD[::2], WORKLOAD[1::2])), "overrides": overrides,
+              "total_s": round(time.monotonic() - started, 1)}
+    if plot:
+        result["plot"] = str(plot_cells(rows, plot))
+    return result
