@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .errors import AsyncGRPOError
+from .shutdown import exit_on_signal
 
 
 def cmd_train(args, overrides: list[str]) -> int:
@@ -15,11 +16,13 @@ def cmd_train(args, overrides: list[str]) -> int:
 
     cfg = AsyncGRPOConfig.load(args.config, overrides)
     trainer = AsyncGRPOTrainer(cfg)
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.cleanup()
+    # SIGTERM (launchers, SLURM) / SIGINT: no server left paused by a sync in progress; exit 143 / 130.
+    with exit_on_signal(trainer.halt):
+        try:
+            trainer.setup()
+            trainer.train()
+        finally:
+            trainer.cleanup()
     return 0
 
 

@@ -446,6 +446,12 @@ class AsyncGRPOTrainer:
         frozen = next(p for p in self.acc.unwrap_model(self.model).parameters() if not p.requires_grad)
         return str(getattr(frozen, "ds_tensor", frozen).dtype).removeprefix("torch.")
 
+    def halt(self) -> None:
+        """On SIGTERM/SIGINT (main thread, shutdown.py): resume every server a sync in progress has paused."""
+        publisher = getattr(self, "publisher", None)  # rank 0, once set up
+        if publisher is not None:
+            publisher.halt()
+
     def cleanup(self) -> None:
         """Stop the producer and close the logs; safe after a setup that failed part-way."""
         if hasattr(self, "_publish_thread"):

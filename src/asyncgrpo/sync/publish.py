@@ -6,7 +6,9 @@ Never a half-written adapter: files go into a hidden temporary directory beside 
 `adapter_config.json` last, so a partial directory is not even a loadable adapter), are fsynced, and the
 directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory.
 
-Never a paused server left behind: `/resume` runs in `finally`, and every answer is checked.
+Never a paused server left behind: `/resume` runs in `finally`, and every answer is checked. The publisher also
+remembers which servers it has paused right now, so that `halt()` (called by the SIGTERM/SIGINT handler on the main
+thread, shutdown.py) can resume them before the process exits, even while this thread is stuck in a call.
 
 A server found unreachable during a sync is waited for (inference/recovery.py, up to `vllm_server_timeout`); once
 back it gets the current version re-registered and then the new one. All or nothing still holds: if it never
@@ -15,11 +17,13 @@ returns, the servers that got the new version drop it and the sync fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +31,22 @@ from pathlib import Path
 import torch
 
 from ..errors import AsyncGRPOError, InferenceServerError, ServerUnreachableError, SyncError
+from ..inference.recovery import ServerGoneError
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 _VERSION_DIR = re.compile(r"^v(\d{6})$")
+# Test-only: a file path. The first sync that pauses a server creates this file and then holds the server paused
+# until `halt()` (a SIGTERM), so a test can signal the trainer at a known point of a sync without sleeping.
+HOLD_PAUSED_ENV = "ASYNCGRPO_TEST_HOLD_PAUSED"
+HOLD_PAUSED_MAX_S = 600.0  # the hold gives up after this, so a forgotten test process cannot hang for ever
+
+
+def resume_hint(url: str) -> str:
+    """The manual fix for a server left paused."""
+    return f"resume it by hand with `curl -X POST {url}/resume` (POST /resume)"
 
 
 def fsync_path(path: Path) -> None:
@@ -163,6 +177,63 @@ class AdapterPublisher:
         self.pause_mode = pause_mode
         self.current_name: str | None = None  # the version every server serves to new requests
         self.loaded: dict[str, Path] = {}  # adapter name -> directory, for every version still loaded
+        # Servers paused by a sync in progress; `halt()` resumes them. The lock is held across the pause call itself,
+        # so a halt either sees the pause and undoes it, or comes first and the pause is never sent.
+        self._pause_lock = threading.Lock()
+        self._paused: dict[str, object] = {}  # base_url -> client
+        self._halted = threading.Event()
+        self._held = False  # the test-only hold (HOLD_PAUSED_ENV) happens once per process
+
+    def halt(self) -> list[str]:
+        """Stop syncing for good and resume every server a sync in progress has paused; returns their URLs.
+        Safe from a signal handler on another thread than the publisher's (it never waits for the sync itself)."""
+        with self._pause_lock:
+            self._halted.set()
+            paused = list(self._paused.items())
+        resumed = []
+        for url, client in paused:
+            try:
+                client.resume()
+                resumed.append(url)
+                log.warning("resumed %s, which a weight sync in progress had paused", url)
+            except Exception as exc:  # noqa: BLE001 - try every server, report each that could not be resumed
+                log.error("could not resume %s (%s); %s", url, exc, resume_hint(url))
+        return resumed
+
+    def _pause(self, client) -> None:
+        with self._pause_lock:
+            if self._halted.is_set():
+                raise SyncError("the process is stopping (SIGTERM/SIGINT): this sync was not started")
+            self._paused[client.base_url] = client  # first: a pause that times out may still have paused it
+            try:
+                client.pause(mode=self.pause_mode)
+            except BaseException:
+                self._paused.pop(client.base_url, None)
+                with contextlib.suppress(Exception):  # best effort: the pause's own error is the one to report
+                    client.resume()
+                raise
+
+    def _resume(self, client) -> None:
+        try:
+            client.resume()
+        except InferenceServerError as exc:
+            if isinstance(exc, ServerUnreachableError):
+                raise  # down or restarting (a restarted server is not paused): recovery handles it
+            raise SyncError(f"{exc}\n  The server {client.base_url} may still be paused: "
+                            f"{resume_hint(client.base_url)}") from exc
+        finally:
+            with self._pause_lock:
+                self._paused.pop(client.base_url, None)
+
+    def _hold_for_test(self, client) -> None:
+        """Test-only (HOLD_PAUSED_ENV): hold the first pause until `halt()`, then abandon the sync."""
+        marker = os.environ.get(HOLD_PAUSED_ENV)
+        if not marker or self._held:
+            return
+        self._held = True
+        Path(marker).write_text(client.base_url)
+        self._halted.wait(HOLD_PAUSED_MAX_S)
+        raise SyncError("the sync was held paused by the test hook and then halted")
 
     def name(self, version: int) -> str:
         return f"{self.prefix}-v{version}"
@@ -182,8 +253,8 @@ class AdapterPublisher:
             except Exception as exc:
                 for other in done:  # all servers or none: take the new version off those that got it
                     self._unload_quietly(other, name)
-                raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  The server is not paused "
-                                f"and still serves {self.current_name or 'no adapter'}.") from exc
+                raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  "
+                                f"{self._state_after_failure(client, exc)}") from exc
         self.loaded[name] = path
         self.current_name = name
         timing.server_s = time.perf_counter() - t0
@@ -231,9 +302,10 @@ class AdapterPublisher:
             # The first version (nothing is generating yet), or versioned mode: load beside the old versions.
             self._load(client, name, path, timing)
         else:
-            client.pause(mode=self.pause_mode)
+            self._pause(client)  # recorded, so that a SIGTERM during the sync resumes the server (halt)
             paused_at = time.perf_counter()
             try:
+                self._hold_for_test(client)
                 self._load(client, name, path, timing)  # a failed load leaves nothing loaded under `name`
                 try:
                     client.reset_prefix_cache()
@@ -241,7 +313,7 @@ class AdapterPublisher:
                     self._unload_quietly(client, name)
                     raise
             finally:
-                client.resume()  # always: a paused server stalls every rollout
+                self._resume(client)  # always: a paused server stalls every rollout
                 paused_s = time.perf_counter() - paused_at
         # Read back (after resuming: no request uses `name` before publish() returns, so the check need not hold up
         # generation); a failed check takes the new version off before anyone sees it.
@@ -251,6 +323,15 @@ class AdapterPublisher:
             self._unload_quietly(client, name)
             raise
         return paused_s
+
+    def _state_after_failure(self, client, exc: BaseException) -> str:
+        """What a failed sync left on `client`, as far as is known (a dead server serves nothing)."""
+        dead = (ServerUnreachableError, ServerGoneError)
+        if isinstance(exc, dead) or isinstance(exc.__cause__, dead):
+            return "The server did not answer (it is down or restarting); nothing is being served by it now."
+        if client.base_url in self._paused:
+            return f"The server may still be paused: {resume_hint(client.base_url)}."
+        return f"The server is not paused and still serves {self.current_name or 'no adapter'}."
 
     def retire(self, in_use: set[str]) -> None:
         """Unload every version but the current one that no request uses any more."""
