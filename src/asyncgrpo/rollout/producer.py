@@ -12,6 +12,10 @@ again, before any new one, to a server that is up (counted in `resent_groups`), 
 skipped. The server is recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`,
 re-register the current adapter) and gets no request until it is back. One that never returns fails the run with
 the server's name. A request aborted by a sync (`sync_pause_mode: abort`) is lost and sent again the same way.
+
+Stopping: the first failure stops the producer on the spot (no request is sent after it) and hands the error to the
+trainer through the queue. `stop()` does not wait for requests still in flight: each runs on a daemon thread of
+its own, whose answer is discarded, so a failed run exits at once instead of after up to `vllm_request_timeout`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -90,8 +93,8 @@ class RolloutProducer:
         self._resend: deque[tuple[PromptRow, int]] = deque()  # prompts whose generation was lost: sent first
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
-        self.max_inflight = cfg.inflight_requests(groups_per_step)
-        self._pool = ThreadPoolExecutor(max_workers=self.max_inflight, thread_name_prefix="rollout")
+        self.max_inflight = cfg.inflight_requests(groups_per_step)  # request threads alive at once, at most
+        self.error: BaseException | None = None  # the failure that stopped the producer, if one did
         # statistics, read by the trainer for logging
         self.generated_tokens = 0
         self.lost_groups = 0
@@ -115,11 +118,28 @@ class RolloutProducer:
             self.queue.cond.notify_all()
 
     def stop(self) -> None:
+        """Send nothing more; requests in flight are abandoned (their daemon threads end with their HTTP call, or
+        with the process), not waited for."""
         with self.queue.cond:
             self._stop = True
             self.queue.cond.notify_all()
-        self._thread.join(timeout=30)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)  # the scheduler only waits on the queue's condition: it returns at once
+
+    def _fail(self, exc: BaseException) -> None:
+        """The first failure stops the producer (nothing more is sent) and goes to the trainer; later ones, often
+        the same fault seen by other requests, are only logged at debug level."""
+        with self.queue.cond:
+            first = self.error is None and not self._stop
+            if first:
+                self.error = exc
+            self._stop = True
+            self.queue.cond.notify_all()
+        if first:
+            log.error("rollout failed, no more requests are sent: %s", exc)
+            self.queue.fail(exc)
+        else:
+            log.debug("after the producer stopped: %s", exc)
 
     @property
     def inflight(self) -> int:
@@ -166,9 +186,10 @@ class RolloutProducer:
                 if prompt is None:
                     index = self.stream.position  # the prompt's place in the data order: its group's `index`
                     prompt = next(self.stream), index
-                self._pool.submit(self._make_group, client, *prompt, version, adapter)
+                threading.Thread(target=self._make_group, args=(client, *prompt, version, adapter),
+                                 name="rollout-request", daemon=True).start()
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which re-raises it
-            self.queue.fail(exc)
+            self._fail(exc)
 
     # ---- one request ----------------------------------------------------------------------------------
     def _make_group(self, client: InferenceClient, row: PromptRow, index: int, version: int, adapter: str) -> None:
@@ -180,12 +201,10 @@ class RolloutProducer:
                 self._lose_group(row, index)
                 self._recover_in_background(client, seen, exc)
                 return
-            if group is not None:
+            if group is not None and not self._stop:
                 self.queue.put(group)
         except BaseException as exc:  # noqa: BLE001
-            if not self._stop:
-                log.error("rollout failed: %s", exc)
-                self.queue.fail(exc)
+            self._fail(exc)
         finally:
             with self.queue.cond:
                 self._inflight -= 1
@@ -213,9 +232,7 @@ class RolloutProducer:
         try:
             self.recovery.recover(client, seen_epoch, cause=exc)
         except BaseException as error:  # noqa: BLE001 - the server is gone: the trainer re-raises it
-            if not self._stop:
-                log.error("%s", error)
-                self.queue.fail(error)
+            self._fail(error)
 
     def _generate(self, client: InferenceClient, row: PromptRow, index: int, version: int,
                   adapter: str) -> Group | None:
