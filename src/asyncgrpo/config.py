@@ -211,7 +211,9 @@ class AsyncGRPOConfig:
     (or `torchrun`), which, unlike `accelerate launch --config_file ...`, tell the trainer nothing about DeepSpeed.
     Ignored, with a warning, when `accelerate launch` already configured DeepSpeed."""
     ddp_timeout: int = 1800
-    """Seconds a collective may wait for the other ranks before the run fails (lower in tests)."""
+    """Seconds a collective may wait for the other ranks before the run fails (lower in tests). With several ranks it
+    must exceed one server outage: vllm_server_timeout + vllm_request_timeout + 45.5 s of connection retries (checked
+    at start)."""
     torch_num_threads: int = 0
     """Intra-op threads per training process; 0 = leave torch's default."""
 

@@ -23,6 +23,7 @@ from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkp
 from .config import AsyncGRPOConfig
 from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator, setup_logging, without_zero3_init,
                           wrap_lora_separately)
+from .inference.recovery import check_outage_fits_ddp_timeout
 from .loss import grpo_loss, token_logprobs
 from .rewards import reward_means
 from .rollout.queue import Group, RolloutQueue, split_by_tokens
@@ -76,6 +77,7 @@ class AsyncGRPOTrainer:
         # The process group first: everything after may need collectives.
         self.acc = make_accelerator(cfg.ddp_timeout, cfg.deepspeed)
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        check_outage_fits_ddp_timeout(cfg, self.world)  # every rank: a server outage must not time out the others
         self.main = self.acc.is_main_process
         setup_logging(self.rank)
         self.groups_per_step = cfg.groups_per_step(self.world)
