@@ -4,7 +4,9 @@ The two sync modes differ only inside AdapterPublisher.
 
 Never a half-written adapter: files go into a hidden temporary directory beside the target (weights first,
 `adapter_config.json` last, so a partial directory is not even a loadable adapter), are fsynced, and the
-directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory.
+directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory, and only after
+each file's size and sha256 (recorded in `asyncgrpo_manifest.json` at write) are checked again. Files are 0644 and
+directories 0755, so a vLLM running as another user on shared storage can read them.
 
 Never a paused server left behind: `/resume` runs in `finally`, and every answer is checked. The publisher also
 remembers which servers it has paused right now, so that `halt()` (called by the SIGTERM/SIGINT handler on the main
@@ -18,6 +20,7 @@ returns, the servers that got the new version drop it and the sync fails.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
+MANIFEST_NAME = "asyncgrpo_manifest.json"  # size and sha256 of each file, recorded at write, checked before a load
+FILE_MODE, DIR_MODE = 0o644, 0o755  # readable to a vLLM running as another user (shared storage)
 _VERSION_DIR = re.compile(r"^v(\d{6})$")
 # Test-only: a file path. The first sync that pauses a server creates this file and then holds the server paused
 # until `halt()` (a SIGTERM), so a test can signal the trainer at a known point of a sync without sleeping.
@@ -64,7 +69,10 @@ class AdapterStore:
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                self.root.mkdir()
+                os.chmod(self.root, DIR_MODE)  # ours (a run's directory): readable to a server run by another user
         except OSError as exc:
             raise AsyncGRPOError(f"cannot create lora_adapter_path {str(self.root)!r} ({exc}); set lora_adapter_path "
                                  f"to a writable directory the inference server can read") from exc
@@ -102,7 +110,11 @@ class AdapterStore:
             weights = {k: v.detach().contiguous() for k, v in tensors.items()}
             save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             fsync_path(tmp / WEIGHTS_NAME)
-            self._write_config(tmp, peft_config, base_model)  # last: a partial directory has no config
+            self._write_config(tmp, peft_config, base_model)  # last loadable file: a partial directory has no config
+            write_manifest(tmp, [WEIGHTS_NAME, CONFIG_NAME])
+            for p in tmp.iterdir():
+                os.chmod(p, FILE_MODE)
+            os.chmod(tmp, DIR_MODE)
             fsync_path(tmp)
             os.rename(tmp, final)
             fsync_path(self.root)
@@ -128,6 +140,48 @@ class AdapterStore:
             p = self.path(v)
             if p not in in_use:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, names: list[str]) -> None:
+    """Record each file's size and sha256 as written (read back from disk, so it is what the server will read)."""
+    manifest = {name: {"size": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+                for name in names}
+    with open(directory / MANIFEST_NAME, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_adapter_files(directory: Path) -> None:
+    """Before a server is asked to load `directory`: each file still has the size and sha256 recorded when it was
+    written; a SyncError names the bad file and the fix. A directory without a manifest (not written by
+    AdapterStore) is not checked."""
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.exists():
+        return
+    fix = ("the adapter directory was changed after asyncgrpo wrote it (disk full, a storage fault, or another "
+           "process writing there). Fix: check the storage of lora_adapter_path and that nothing else writes under "
+           "it, then restart the run from its last checkpoint (resume_from_checkpoint: latest)")
+    for name, want in json.loads(manifest_path.read_text()).items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise SyncError(f"adapter file {path} cannot be read before loading it ({exc}); {fix}") from exc
+        if size != want["size"]:
+            raise SyncError(f"adapter file {path} has {size} bytes, but {want['size']} were written; {fix}")
+        digest = _sha256(path)
+        if digest != want["sha256"]:
+            raise SyncError(f"adapter file {path} has sha256 {digest[:16]}..., but {want['sha256'][:16]}... was "
+                            f"written (same size: its content changed); {fix}")
 
 
 @dataclass
@@ -242,6 +296,7 @@ class AdapterPublisher:
         """Serve the adapter in `path` as version `version` on every server. On failure every server is
         resumed and still serves the previous version, and a SyncError says which server failed and why."""
         path = contained_adapter_path(path, self.adapter_root)
+        verify_adapter_files(path)  # once, before any server is asked to read it
         name = self.name(version)
         timing = PublishTiming()
         t0 = time.perf_counter()
@@ -269,6 +324,7 @@ class AdapterPublisher:
         served = client.adapter_paths().get(name)
         if served is not None and Path(served).resolve() == path.resolve():
             return  # still loaded: the server did not restart (a network fault)
+        verify_adapter_files(path)
         client.load_adapter(name, str(path))
         self._check_served(client, name, path)
         log.warning("re-registered %s (%s) on %s", name, path, client.base_url)
