@@ -39,6 +39,8 @@ from .queue import Group, RolloutQueue
 
 log = logging.getLogger(__name__)
 
+STOP_PROCESSING_S = 30.0  # stop() waits this long at most for answers being scored (reward functions run there)
+
 
 def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
     """Token ids -> text; ids outside the tokenizer (padded vocab rows) decode to U+FFFD, so they score as wrong.
@@ -95,6 +97,8 @@ class RolloutProducer:
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self.max_inflight = cfg.inflight_requests(groups_per_step)  # request threads alive at once, at most
         self.error: BaseException | None = None  # the failure that stopped the producer, if one did
+        self._processing = 0  # answers being scored now (stop() waits for these, not for requests in flight)
+        self._local = threading.local()
         # statistics, read by the trainer for logging
         self.generated_tokens = 0
         self.lost_groups = 0
@@ -123,6 +127,8 @@ class RolloutProducer:
         with self.queue.cond:
             self._stop = True
             self.queue.cond.notify_all()
+            # Answers being scored finish (CPU work, short); requests still waiting on a server are not waited for.
+            self.queue.cond.wait_for(lambda: self._processing == 0, timeout=STOP_PROCESSING_S)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)  # the scheduler only waits on the queue's condition: it returns at once
 
@@ -209,7 +215,21 @@ class RolloutProducer:
             with self.queue.cond:
                 self._inflight -= 1
                 self._inflight_by_adapter[adapter] -= 1
+                if getattr(self._local, "processing", False):
+                    self._local.processing = False
+                    self._processing -= 1
                 self.queue.cond.notify_all()
+
+    def _begin_processing(self) -> bool:
+        """A request's answer came: False if the producer has stopped (drop it). Else it counts as being processed
+        until `_make_group` ends, and `stop()` waits for it: scoring runs torch, which must not still run in a daemon
+        thread while the interpreter exits (C++ terminate). Requests still waiting for an answer are not waited for."""
+        with self.queue.cond:
+            if self._stop:
+                return False
+            self._processing += 1
+            self._local.processing = True
+            return True
 
     def _lose_group(self, row: PromptRow, index: int) -> None:
         """This prompt's generation is lost: count it, and queue the prompt to be sent again before any new one."""
@@ -223,8 +243,9 @@ class RolloutProducer:
         keep generating meanwhile."""
         if self._stop:
             return
-        log.warning("rollout request to %s lost (%d groups lost so far; the prompt is sent again): %s",
-                    client.base_url, self.lost_groups, exc)
+        # Debug only: every request in flight fails with its server; ServerRecovery logs the outage once, with a count.
+        log.debug("rollout request to %s lost (%d groups lost so far; the prompt is sent again): %s",
+                  client.base_url, self.lost_groups, exc)
         threading.Thread(target=self._recover, args=(client, seen_epoch, exc), name="recover-server",
                          daemon=True).start()
 
@@ -245,6 +266,8 @@ class RolloutProducer:
                                           top_p=cfg.top_p, seed=seed)
         finally:
             self.server_busy.exit()
+        if not self._begin_processing():
+            return None  # stopped while the request ran: its answer is dropped
         if any(c.finish_reason == "abort" for c in completions):
             self._lose_group(row, index)  # aborted by a sync with sync_pause_mode: abort
             return None
