@@ -177,6 +177,9 @@ class AsyncGRPOConfig:
     `wait` (drain first), `abort` (end them; their generations are lost and counted, their prompts sent again)."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
+    keep_final_adapter: bool = True
+    """At the end of a finished run, leave its final adapter version loaded on the servers (named in run_summary.json
+    as `adapter_left_loaded`); every other version it loaded is unloaded. A failed run unloads all of them."""
 
     # ---- inference server -----------------------------------------------------------------------
     vllm_server_base_url: str | list[str] = "http://127.0.0.1:8000"

@@ -4,6 +4,7 @@ trainer that gets SIGTERM during a sync resumes the server itself before it exit
 
 Every test leaves the session server resumed (`finally`), whatever happens."""
 
+import json
 import os
 import signal
 import subprocess
@@ -71,7 +72,14 @@ def test_train_resumes_a_server_a_previous_run_left_paused_and_logs_it(vllm_serv
     assert code == 0, log[-5000:]
     assert (f"{url} was paused (GET /is_paused answered true), most likely by a run killed during a weight sync; "
             f"this run resumed it (POST /resume) to use it") in log
-    assert (tmp_path / "run_summary.json").exists()
+    # Leftovers: of the versions it loaded, a finished run leaves only the final one (keep_final_adapter: true).
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    run_prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
+    with InferenceClient(url) as client:
+        mine = {n for n in client.adapter_paths() if n.startswith(run_prefix)}
+    assert summary["adapter_left_loaded"] == summary["adapter_name"]
+    assert mine == {summary["adapter_name"]} and summary["version"] == 2
+    assert all(oct(p.stat().st_mode & 0o777) == "0o644" for p in Path(summary["adapter_path"]).iterdir())
 
 
 def test_sigterm_during_a_sync_resumes_the_server_before_the_trainer_exits_143(vllm_server, tmp_path):
@@ -97,4 +105,7 @@ def test_sigterm_during_a_sync_resumes_the_server_before_the_trainer_exits_143(v
     assert "received SIGTERM: making sure no inference server is left paused, then exiting with 143" in log
     assert f"resumed {url}, which a weight sync in progress had paused" in log
     assert not (tmp_path / "run_summary.json").exists()
+    with InferenceClient(url) as client:  # a run that did not finish unloads every version it loaded
+        run_ids = [d.name for d in (tmp_path / "adapters").iterdir()]
+        assert len(run_ids) == 1 and not [n for n in client.adapter_paths() if f"-{run_ids[0]}-v" in n]
     assert os.environ.get(HOLD_PAUSED_ENV) is None  # the hook is never on outside the signalled process

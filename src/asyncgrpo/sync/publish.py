@@ -184,6 +184,38 @@ def verify_adapter_files(directory: Path) -> None:
                             f"written (same size: its content changed); {fix}")
 
 
+_TMP_DIR = re.compile(r"^\.tmp-v\d{6}-(\d+)$")
+
+
+def clean_stale_temporaries(adapter_root: str | Path) -> list[Path]:
+    """At start: remove the temporary version directories that writers killed midway left in any run's directory
+    under `adapter_root` (`lora_adapter_path`); returns them. One whose writer process is still alive on this host
+    (another run sharing the directory, writing right now) is left alone."""
+    removed = []
+    for tmp in Path(adapter_root).glob("*/.tmp-v*"):
+        m = _TMP_DIR.match(tmp.name)
+        if not m or not tmp.is_dir() or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    if removed:
+        log.warning("removed %d temporary adapter director%s left by killed runs under %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", adapter_root)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 @dataclass
 class PublishTiming:
     server_s: float = 0.0  # pause -> load -> reset -> resume, summed over servers
@@ -296,7 +328,11 @@ class AdapterPublisher:
         """Serve the adapter in `path` as version `version` on every server. On failure every server is
         resumed and still serves the previous version, and a SyncError says which server failed and why."""
         path = contained_adapter_path(path, self.adapter_root)
-        verify_adapter_files(path)  # once, before any server is asked to read it
+        try:
+            verify_adapter_files(path)  # once, before any server is asked to read it
+        except SyncError as exc:
+            raise SyncError(f"{exc}\n  No server was asked to load it; the servers still serve "
+                            f"{self.current_name or 'no adapter'}.") from exc
         name = self.name(version)
         timing = PublishTiming()
         t0 = time.perf_counter()
@@ -388,6 +424,28 @@ class AdapterPublisher:
         if client.base_url in self._paused:
             return f"The server may still be paused: {resume_hint(client.base_url)}."
         return f"The server is not paused and still serves {self.current_name or 'no adapter'}."
+
+    def unload_all(self, keep: str | None = None) -> list[str]:
+        """At the end of a run: unload every version this run loaded except `keep`, so that they stop holding the
+        servers' `--max-loras` slots. Best effort, and never slow: a server that does not answer /health now is
+        skipped (a dead server holds nothing; waiting for it would hold up the exit)."""
+        unloaded = []
+        names = [n for n in self.loaded if n != keep]
+        for client in self.clients:
+            if not names:
+                break
+            if not client.health():
+                log.warning("%s does not answer; the run's adapters were not unloaded from it", client.base_url)
+                continue
+            for name in names:
+                try:
+                    client.unload_adapter(name)
+                    unloaded.append(name)
+                except InferenceServerError as exc:
+                    if exc.status != 404:  # 404: not loaded there (a restarted server)
+                        log.warning("%s was not unloaded from %s: %s", name, client.base_url, exc)
+        self.loaded = {n: p for n, p in self.loaded.items() if n == keep}
+        return unloaded
 
     def retire(self, in_use: set[str]) -> None:
         """Unload every version but the current one that no request uses any more."""
