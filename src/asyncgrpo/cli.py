@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .errors import AsyncGRPOError
+from .errors import AsyncGRPOError, ConfigError
 from .shutdown import exit_on_signal
 
 
@@ -72,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args, overrides)
     except AsyncGRPOError as exc:
-        print(f"asyncgrpo: error: {exc}", file=sys.stderr)
+        # A config error is the same on every rank of a launch: only global rank 0 prints it (a launcher still adds
+        # its own summary of the failed workers; see docs/faults.md). Other errors can be rank-specific.
+        if not isinstance(exc, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"asyncgrpo: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -97,3 +97,16 @@ def _publish(publisher, path, errors):
         publisher.publish(1, path)
     except Exception as exc:  # noqa: BLE001
         errors.append(exc)
+
+
+def test_a_config_error_is_printed_by_rank_0_only_and_exits_2(monkeypatch, capsys):
+    from asyncgrpo.cli import main
+
+    argv = ["doctor", "--config", "configs/demo.yaml", "--no_such_key", "1"]
+    monkeypatch.setenv("RANK", "1")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncgrpo: error: config `no_such_key`: unknown key") and err.count("\n") == 1

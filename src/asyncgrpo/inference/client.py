@@ -374,8 +374,9 @@ class InferenceClient:
                     return resp
                 what = f"HTTP {resp.status_code}"
             delay = self.backoff_s * 2 ** (attempt - 1)
-            logger.warning("%s: %s %s: %s; retry %d/%d in %.1f s", call, method, url, what, attempt,
-                           attempts - 1, delay)  # fmt: skip
+            # Debug: a dead server makes every call in flight retry; the outage is logged once (recovery.py).
+            logger.debug("%s: %s %s: %s; retry %d/%d in %.1f s", call, method, url, what, attempt,
+                         attempts - 1, delay)  # fmt: skip
             time.sleep(delay)
         raise AssertionError("unreachable")
 

@@ -85,6 +85,7 @@ class ServerRecovery:
         self._down: set[str] = set()
         self._failed: dict[str, InferenceServerError] = {}
         self.recoveries = 0  # servers brought back (logged, and read by tests)
+        self._failed_calls: dict[str, int] = {}  # calls that failed on a server during its current outage
 
     def epoch(self, client) -> int:
         """Read before a call: `recover(client, epoch)` then knows whether someone recovered it since."""
@@ -101,6 +102,8 @@ class ServerRecovery:
         url = client.base_url
         with self._lock:
             server_lock = self._server_locks.setdefault(url, threading.Lock())
+            if self._epoch.get(url, 0) == seen_epoch:  # a failure of this outage (not of one already over)
+                self._failed_calls[url] = self._failed_calls.get(url, 0) + 1
         with server_lock:
             with self._lock:
                 if url in self._failed:
@@ -126,8 +129,11 @@ class ServerRecovery:
                 self._epoch[url] = seen_epoch + 1
                 self._down.discard(url)
                 self.recoveries += 1
-            log.warning("inference server %s is back after %.1f s; the current adapter is registered on it", url,
-                        waited)
+                failed = self._failed_calls.pop(url, 0)
+            # One line per outage (and the one above), whatever the number of requests that failed meanwhile.
+            log.warning("inference server %s is back after %.1f s; the current adapter is registered on it; %d "
+                        "call%s failed during the outage (lost rollouts are generated again)", url, waited, failed,
+                        "" if failed == 1 else "s")
             self._notify()
 
     def _wait_healthy(self, client) -> float:
