@@ -10,14 +10,18 @@ every later request to it, including the next run's.
 for SIGTERM, 130 for SIGINT, what a shell reports for a process the signal killed. `finally` blocks still run. A
 second signal while the first is handled gets Python's default behaviour (an impatient operator's second Ctrl-C).
 
-Limit: Python runs a signal handler only when the main thread holds the interpreter. A main thread blocked inside
-one C call (a gloo/NCCL collective waiting for a dead rank) runs it when that call returns or times out.
+Python runs a signal handler only when the main thread gets back to the interpreter; a main thread blocked inside one
+C call (a gloo/NCCL collective waiting for a dead rank) would run it only when that call returns, and the launcher
+sends SIGKILL ~30 s after SIGTERM. So `on_signal` is also called at once from a watcher thread, woken through
+`signal.set_wakeup_fd` (the C-level handler writes the signal number there whatever the main thread is doing); the
+exit itself still happens on the main thread. `on_signal` must therefore be safe to call twice, from two threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -55,8 +59,45 @@ def exit_on_signal(on_signal: Callable[[], None]) -> Iterator[None]:
 
     for s in HANDLED:
         signal.signal(s, handler)
+    watcher = _Watcher(on_signal)
     try:
         yield
     finally:
+        watcher.close()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+class _Watcher:
+    """A daemon thread that calls `on_signal` as soon as SIGTERM/SIGINT arrive (through the wakeup fd), even while
+    the main thread is stuck in C code."""
+
+    def __init__(self, on_signal: Callable[[], None]):
+        self.on_signal = on_signal
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # set_wakeup_fd needs a non-blocking fd
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="signal-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data or self._closed:
+                return
+            if any(b in (int(s) for s in HANDLED) for b in data):
+                try:
+                    self.on_signal()
+                except Exception as exc:  # noqa: BLE001 - the main thread's handler reports and exits
+                    log.error("signal watcher: %s", exc)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        self._closed = True
+        os.close(self._write)  # the reader sees end of file and returns
+        self._thread.join(timeout=5)
+        os.close(self._read)

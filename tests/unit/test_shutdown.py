@@ -27,6 +27,25 @@ def test_a_signal_runs_the_callback_then_exits_with_128_plus_its_number(signum, 
     assert signal.getsignal(signum) is before  # handlers restored on the way out
 
 
+def test_the_callback_also_runs_at_once_on_a_watcher_thread_and_the_wakeup_fd_is_restored():
+    # The watcher does not depend on the main thread reaching the interpreter (a collective stuck in C code).
+    from_watcher = threading.Event()
+
+    def on_signal():
+        if threading.current_thread() is not threading.main_thread():
+            from_watcher.set()
+        else:  # the main thread "stuck": it gets on only once the watcher has done the work
+            from_watcher.wait(10)
+
+    with pytest.raises(SystemExit):
+        with exit_on_signal(on_signal):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+    assert from_watcher.wait(10)
+    assert signal.set_wakeup_fd(-1) == -1  # ours was removed on the way out (nothing else had one)
+
+
 def test_a_failing_callback_still_exits_with_the_signal_code():
     def broken():
         raise RuntimeError("server gone")
@@ -90,6 +109,7 @@ def test_halt_resumes_a_server_paused_by_a_sync_stuck_in_a_load(tmp_path):
     with pytest.raises(SyncError, match="SIGTERM/SIGINT"):
         publisher.publish(2, tmp_path)  # halted: no further sync pauses anything
     assert server.calls == ["pause", "resume", "resume"]  # halt's resume, then the sync's own `finally`
+    assert publisher.halt() == []  # a second halt (watcher thread, then handler) resumes nothing again
 
 
 def _publish(publisher, path, errors):

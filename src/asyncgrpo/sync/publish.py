@@ -276,6 +276,7 @@ class AdapterPublisher:
         with self._pause_lock:
             self._halted.set()
             paused = list(self._paused.items())
+            self._paused.clear()  # a second halt (the signal watcher's, then the handler's) finds nothing to do
         resumed = []
         for url, client in paused:
             try:
