@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .errors import AsyncGRPOError, PeerFailed
+from .errors import AsyncGRPOError, ConfigError, PeerFailed
+from .shutdown import exit_on_signal
 
 
 def cmd_train(args, overrides: list[str]) -> int:
@@ -15,11 +17,13 @@ def cmd_train(args, overrides: list[str]) -> int:
 
     cfg = AsyncGRPOConfig.load(args.config, overrides)
     trainer = AsyncGRPOTrainer(cfg)
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.cleanup()
+    # SIGTERM (launchers, SLURM) / SIGINT: no server left paused by a sync in progress; exit 143 / 130.
+    with exit_on_signal(trainer.halt):
+        try:
+            trainer.setup()
+            trainer.train()
+        finally:
+            trainer.cleanup()
     return 0
 
 
@@ -72,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     except PeerFailed:
         return 2  # rank 0 failed first and printed the error; this rank stops quietly with the same code
     except AsyncGRPOError as exc:
-        print(f"asyncgrpo: error: {exc}", file=sys.stderr)
+        # A config error is the same on every rank of a launch: only global rank 0 prints it (a launcher still adds
+        # its own summary of the failed workers; see docs/faults.md). Other errors can be rank-specific.
+        if not isinstance(exc, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"asyncgrpo: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -238,6 +238,9 @@ class AsyncGRPOConfig:
     `wait` (drain first), `abort` (end them; their generations are lost and counted, their prompts sent again)."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
+    keep_final_adapter: bool = True
+    """At the end of a finished run, leave its final adapter version loaded on the servers (named in run_summary.json
+    as `adapter_left_loaded`); every other version it loaded is unloaded. A failed run unloads all of them."""
 
     # ---- inference server -----------------------------------------------------------------------
     vllm_server_base_url: str | list[str] = "http://127.0.0.1:8000"
@@ -272,7 +275,9 @@ class AsyncGRPOConfig:
     (or `torchrun`), which, unlike `accelerate launch --config_file ...`, tell the trainer nothing about DeepSpeed.
     Ignored, with a warning, when `accelerate launch` already configured DeepSpeed."""
     ddp_timeout: int = 1800
-    """Seconds a collective may wait for the other ranks before the run fails (lower in tests)."""
+    """Seconds a collective may wait for the other ranks before the run fails (lower in tests). With several ranks it
+    must exceed one server outage: vllm_server_timeout + vllm_request_timeout + 45.5 s of connection retries (checked
+    at start)."""
     torch_num_threads: int = 0
     """Intra-op threads per training process; 0 = leave torch's default."""
 

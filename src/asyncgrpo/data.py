@@ -128,6 +128,11 @@ def _load_split(cfg):
     name, files = cfg.dataset_name, cfg.data_files
     path = Path(name)
     kwargs: dict = {"split": cfg.dataset_train_split}
+    if files is None and not path.exists() and (path.suffix in FORMATS or name.startswith(("./", "../", "/", "~"))):
+        # A file path, not a hub id ("org/name" has no suffix): a missing file, not a hub access problem.
+        raise ConfigError("dataset_name", f"file {name!r} does not exist (resolved to {str(path.absolute())!r}; "
+                          f"relative paths start from the directory the run was launched in)",
+                          "give the path of an existing file, absolute or relative to where you launch")
     if files is None and path.is_file():
         if path.suffix not in FORMATS:
             raise ConfigError("dataset_name", f"{name!r} is a {path.suffix or 'suffix-less'} file",

@@ -12,7 +12,8 @@ list on rank 0 before its first step (`require_healthy_setup`) and stops with ev
 - dev mode when `sync_mode: pause` (`/is_paused` exists: VLLM_SERVER_DEV_MODE=1);
 - the served base model is the trainer's (same directory, else equal config.json, else the same name);
 - the server reads what we write: a zero LoRA of rank `lora_r` with the served model's shapes is written under
-  `lora_adapter_path`, loaded under a unique name, read back, unloaded and deleted.
+  `lora_adapter_path`, loaded under a unique name, read back, unloaded and deleted;
+- not paused (`GET /is_paused`); `train` resumes a paused server itself and logs that it did.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from .errors import InferenceServerError
-from .inference.checks import SERVER_CHECKS, CheckResult, ServerContext, title
+from .inference.checks import SERVER_CHECKS, CheckResult, ServerContext, paused_state, title
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,23 @@ def report(results: list[tuple[str, CheckResult]]) -> str:
     return "\n".join(lines)
 
 
+def resume_paused_servers(clients) -> list[str]:
+    """For `train`: resume every server found paused (a run killed during a weight sync leaves it so, and it then
+    holds every request); returns their URLs. The server is ours to use, so this run resumes it, and says so."""
+    resumed = []
+    for client in clients:
+        if paused_state(client):
+            client.resume()
+            resumed.append(client.base_url)
+            log.warning("%s was paused (GET /is_paused answered true), most likely by a run killed during a weight "
+                        "sync; this run resumed it (POST /resume) to use it", client.base_url)
+    return resumed
+
+
 def require_healthy_setup(cfg, clients, model_path: str) -> None:
-    """For `train` (rank 0, before the first step): run every check; raise InferenceServerError listing all
-    failures with their fixes. Skipped checks are logged as warnings."""
+    """For `train` (rank 0, before the first step): resume a server left paused, run every check; raise
+    InferenceServerError listing all failures with their fixes. Skipped checks are logged as warnings."""
+    resume_paused_servers(clients)
     results = run_checks(cfg, clients, model_path)
     for where, r in results:
         if r.ok is None:

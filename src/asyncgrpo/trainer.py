@@ -22,6 +22,7 @@ from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkp
 from .config import AsyncGRPOConfig
 from .distributed import (accumulation, broadcast_object, configure_backend, dist_max, dist_sum, fp32_buffer_check,
                           make_accelerator, on_main, require_shared_dir, setup_logging, without_zero3_init)
+from .inference.recovery import check_outage_fits_ddp_timeout
 from .loss import grpo_loss, loss_normaliser, token_logprobs
 from .rewards import reward_means
 from .rollout.queue import Group, RolloutQueue, split_by_tokens
@@ -98,6 +99,7 @@ class AsyncGRPOTrainer:
         self.resumed_from: Path | None = None  # the checkpoint this run continues, if any
         self.wait_timeline = Timeline()  # rank 0: intervals spent waiting on the rollout queue
         self._batch: TrainBatch | None = None  # the batch being trained on (num_iterations steps)
+        self.finished = False  # train() ran to max_steps (cleanup then keeps the final adapter loaded)
 
     @property
     def adapter_name(self) -> str:
@@ -129,6 +131,7 @@ class AsyncGRPOTrainer:
         # The process group first: everything after may need collectives.
         self.acc = make_accelerator(cfg.ddp_timeout, cfg.deepspeed)
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        check_outage_fits_ddp_timeout(cfg, self.world)  # every rank: a server outage must not time out the others
         self.main = self.acc.is_main_process
         setup_logging(self.rank)
         self.groups_per_step = cfg.groups_per_step(self.world)
@@ -179,7 +182,7 @@ class AsyncGRPOTrainer:
         from .inference.recovery import ServerRecovery
         from .rewards import RewardScorer
         from .rollout.producer import RolloutProducer
-        from .sync.publish import AdapterPublisher, AdapterStore
+        from .sync.publish import AdapterPublisher, AdapterStore, clean_stale_temporaries
 
         cfg = self.cfg
         self.out_dir = Path(cfg.output_dir)
@@ -195,6 +198,7 @@ class AsyncGRPOTrainer:
         # Names must be unique for the server's lifetime (vLLM refuses to re-load one), and versions on disk are
         # immutable: each run gets an id, its adapters go to lora_adapter_path/<run id>/v<N>.
         self.run_id = uuid.uuid4().hex[:8]
+        clean_stale_temporaries(cfg.lora_adapter_path)  # what writers of killed runs left in their directories
         self.store = AdapterStore(Path(cfg.lora_adapter_path) / self.run_id)
         # A server that stops answering is waited for (vllm_server_timeout), and gets the current adapter back
         # before any generation goes to it; rollouts and syncs share this one view of which servers are up.
@@ -503,9 +507,12 @@ class AsyncGRPOTrainer:
                        "tensorboard": str((self.out_dir / "tensorboard").resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),
                        "start_step": self.start_step,
-                       "resumed_from": str(self.resumed_from) if self.resumed_from is not None else None}
+                       "resumed_from": str(self.resumed_from) if self.resumed_from is not None else None,
+                       # every other version is unloaded at cleanup; this one too unless keep_final_adapter
+                       "adapter_left_loaded": self.adapter_name if self.cfg.keep_final_adapter else None}
             (self.out_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
             log.info("done: %s", json.dumps(summary))
+        self.finished = True
         return summary
 
     def _base_dtype(self) -> str:
@@ -513,12 +520,21 @@ class AsyncGRPOTrainer:
         frozen = next(p for p in self.acc.unwrap_model(self.model).parameters() if not p.requires_grad)
         return str(getattr(frozen, "ds_tensor", frozen).dtype).removeprefix("torch.")
 
+    def halt(self) -> None:
+        """On SIGTERM/SIGINT (main thread, shutdown.py): resume every server a sync in progress has paused."""
+        publisher = getattr(self, "publisher", None)  # rank 0, once set up
+        if publisher is not None:
+            publisher.halt()
+
     def cleanup(self) -> None:
         """Stop the producer and close the logs; safe after a setup that failed part-way."""
         if hasattr(self, "_publish_thread"):
             self._publish_thread.shutdown(wait=True)
         if hasattr(self, "producer"):
             self.producer.stop()
+        if getattr(self, "publisher", None) is not None:  # free the servers' adapter slots this run held
+            keep = self.publisher.current_name if self.finished and self.cfg.keep_final_adapter else None
+            self.publisher.unload_all(keep=keep)
         if hasattr(self, "writer"):
             self.writer.close()
         if hasattr(self, "acc"):

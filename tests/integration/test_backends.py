@@ -27,7 +27,8 @@ SHARDED_BACKENDS = ["fsdp1", "fsdp2", "zero2", "zero3"]  # DDP runs in test_trai
 # model; the documented bound is 0.1 (README, "bf16 base").
 LOG_RATIO_BOUND = {"float32": 1e-3, "bfloat16": 0.1}
 COMMON = ["--config", "configs/demo.yaml", "--max_steps", "2", "--per_device_train_batch_size", "16",
-          "--learning_rate", "1e-2", "--max_staleness", "0", "--ddp_timeout", "120"]
+          "--learning_rate", "1e-2", "--max_staleness", "0", "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+          "--vllm_request_timeout", "40"]
 
 
 def launch(backend: str, out: Path, server_url: str, dtype: str) -> subprocess.CompletedProcess:
@@ -92,7 +93,8 @@ def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, cli
            str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--max_steps", "2",
            "--per_device_train_batch_size", "16", "--output_dir", str(tmp_path),
            "--lora_adapter_path", str(tmp_path / "adapters"), "--vllm_server_base_url", vllm_server.base_url,
-           "--ddp_timeout", "120", "--sync_mode", "versioned"]
+           "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+           "--vllm_request_timeout", "40", "--sync_mode", "versioned"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((tmp_path / "run_summary.json").read_text())

@@ -1,8 +1,9 @@
 """Inference-node faults and `asyncgrpo doctor`, against real vLLM servers.
 
 The fault tests kill a server of their own (SIGKILL to its process group, as a crashed node), never the session
-one. That server is started without dev mode (VLLM_SERVER_DEV_MODE=0), so it doubles as the misconfigured server
-for doctor: `sync_mode: pause` needs dev mode, `versioned` does not (the training runs here use `versioned`).
+one. That server is started without dev mode (VLLM_SERVER_DEV_MODE=0) and with raw logprobs (vLLM's default), so it
+doubles as the misconfigured server for doctor: `sync_mode: pause` needs dev mode, `versioned` does not (the training
+runs here use `versioned`), and raw logprobs equal processed ones only at temperature 1 (the runs here use 1.0).
 One extra server for the whole module; the restart reuses its port.
 """
 
@@ -23,6 +24,7 @@ from asyncgrpo.inference.server import VLLMServer, find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NO_DEV_MODE = {"VLLM_SERVER_DEV_MODE": "0"}
+RAW_LOGPROBS = ["--logprobs-mode", "raw_logprobs"]  # after VLLMServer's own processed_logprobs: the last one wins
 START_S = 600  # a vLLM CPU start takes ~30 s alone, minutes on a loaded 2-core machine
 
 
@@ -39,7 +41,7 @@ def _train(out: Path, url: str, *extra: str) -> subprocess.Popen:
 
 def _serve(model_dir, port: int, log: Path) -> VLLMServer:
     server = VLLMServer(model_dir, port, max_lora_rank=8, max_loras=4, max_model_len=256, log_path=log,
-                        env=NO_DEV_MODE)
+                        env=NO_DEV_MODE, extra_args=RAW_LOGPROBS)
     server.start()
     try:
         server.wait_ready(START_S)
@@ -84,7 +86,9 @@ def test_doctor_passes_on_the_session_server(vllm_server, tmp_path):
                           cwd=REPO, env=cpu_launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert sum(line.strip().startswith("PASS") for line in lines) == 10  # the directory + 9 server checks
+    assert sum(line.strip().startswith("PASS") for line in lines) == 12  # the directory + 11 server checks
+    assert "PASS  not paused: GET /is_paused answers false" in proc.stdout
+    assert "PASS  logprobs mode: processed_logprobs (from /server_info)" in proc.stdout
     assert "PASS  max_lora_rank: --max-lora-rank 8 >= lora_r=8" in proc.stdout
     assert "PASS  adapter readable by server: a rank-8 probe adapter" in proc.stdout
     assert lines[-1] == "all checks passed"
@@ -107,6 +111,37 @@ def test_doctor_names_the_missing_dev_mode_for_pause_sync(own_server, tmp_path):
     versioned = subprocess.run([*cmd, "--sync_mode", "versioned"], cwd=REPO, env=cpu_launch_env(),
                                capture_output=True, text=True, timeout=300)
     assert versioned.returncode == 0, versioned.stdout  # the same server is fine for versioned sync
+
+
+def test_doctor_fails_a_raw_logprobs_server_when_the_config_samples_at_another_temperature(own_server, tmp_path):
+    url = own_server["server"].base_url
+    cmd = [sys.executable, "-m", "asyncgrpo", "doctor", "--config", "configs/demo.yaml", "--vllm_server_base_url",
+           url, "--lora_adapter_path", str(tmp_path), "--sync_mode", "versioned"]
+    hot = subprocess.run([*cmd, "--temperature", "0.7"], cwd=REPO, env=cpu_launch_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert hot.returncode == 1, hot.stdout + hot.stderr[-3000:]
+    line = next(line.strip() for line in hot.stdout.splitlines() if "logprobs mode" in line)
+    # No /server_info without dev mode: the mode was probed at two temperatures.
+    assert re.fullmatch(r"FAIL  logprobs mode: the server returns raw_logprobs \(probed: top logprobs moved by "
+                        r"\S+ between temperature 1 and 0.5\), the logprobs of the model before temperature 0.7: "
+                        r"every completion would be trained as if off-policy. Fix: restart it with --logprobs-mode "
+                        r"processed_logprobs \(.*\)", line), line
+    assert hot.stdout.splitlines()[-1] == "1 check(s) failed"
+    neutral = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(), capture_output=True, text=True, timeout=300)
+    assert "PASS  logprobs mode: raw_logprobs (probed" in neutral.stdout  # temperature 1.0: raw == processed
+
+
+def test_the_logprobs_probe_tells_processed_from_raw_without_server_info(vllm_server, own_server):
+    from types import SimpleNamespace
+
+    from asyncgrpo.inference.checks import ServerContext, logprobs_mode
+
+    modes = {}
+    for name, url in (("session", vllm_server.base_url), ("own", own_server["server"].base_url)):
+        with InferenceClient(url) as client:
+            ctx = ServerContext(SimpleNamespace(), client, "", cache={"server_config": None})  # force the probe
+            modes[name] = logprobs_mode(ctx)[0]
+    assert modes == {"session": "processed_logprobs", "own": "raw_logprobs"}
 
 
 def test_a_killed_server_that_restarts_costs_groups_not_the_run(own_server, world, tmp_path, tb_scalars):
@@ -136,7 +171,12 @@ def test_a_killed_server_that_restarts_costs_groups_not_the_run(own_server, worl
     # Lost groups are the requests that failed on the dead server; whether one was in flight at the kill is timing,
     # so assert the count is consistent everywhere it is reported, not its size.
     lost = summary["lost_groups"]
-    assert lost == len(re.findall(r"rollout request to \S+ lost", log))
+    # One outage, logged once down and once back (not once per failed request), with the count of failed calls.
+    assert len(re.findall(r"WARNING .*stopped answering", log)) == 1, log[-5000:]
+    back = re.findall(r"is back after \S+ s; the current adapter is registered on it; (\d+) calls? failed during the "
+                      r"outage", log)
+    assert len(back) == 1 and int(back[0]) >= lost
+    assert not re.search(r"WARNING .*(retry \d+/\d+|rollout request to \S+ lost)", log)
     assert tb_scalars(tmp_path / "tensorboard", "rollout/lost_groups_total")[-1][1] == lost
     assert summary["resent_groups"] == lost  # every lost prompt was sent again
 

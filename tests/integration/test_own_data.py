@@ -47,6 +47,8 @@ lora_adapter_path: {out}/adapters
 output_dir: {out}
 learning_rate: 2.0e-3
 ddp_timeout: 120
+vllm_server_timeout: 30   # ddp_timeout must exceed an outage: 30 + 40 + 45.5 s of retries
+vllm_request_timeout: 40
 torch_num_threads: 1
 """
 

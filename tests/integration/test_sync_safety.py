@@ -30,7 +30,8 @@ def test_a_corrupt_adapter_fails_the_sync_and_the_previous_version_keeps_serving
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated on disk
     with pytest.raises(SyncError) as err:
         publisher.publish(2, path)
-    assert str(path) in str(err.value) and f"still serves {publisher.name(1)}" in str(err.value)
+    assert str(path) in str(err.value) and f"still serve {publisher.name(1)}" in str(err.value)
+    assert f"adapter file {weights} has " in str(err.value)  # caught by its recorded size, before the server
     assert client.is_paused() is False
     assert publisher.current_name == publisher.name(1)
     served = client.adapter_paths()

@@ -19,7 +19,8 @@ def two_process_run(vllm_server, world, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     overrides = ["--max_steps", "4", "--per_device_train_batch_size", "32", "--max_staleness", "1",
                  "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
-                 "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120", "--learning_rate", "5e-3"]
+                 "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+                 "--vllm_request_timeout", "40", "--learning_rate", "5e-3"]
     cmd = launch_command(2, find_free_port(), default_config_path(), overrides)
     proc = subprocess.run(cmd, env=launch_environment(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

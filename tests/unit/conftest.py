@@ -27,6 +27,7 @@ class StubServer:
                 body = self.rfile.read(length).decode() if length else ""
                 stub.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
                                       "body": body})  # fmt: skip
+                self.body = body  # this request's own body (stub.requests[-1] may be another thread's)
                 answer = stub.route(stub, self)
                 if answer is None:
                     self.close_connection = True  # hang up without a status line

@@ -7,7 +7,10 @@ with the fix, or skip with the reason). `asyncgrpo doctor` prints them; `train` 
 - runtime adapter updating allowed (`/v1/load_lora_adapter` exists: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True);
 - dev mode when `sync_mode: pause` (`/is_paused` exists: VLLM_SERVER_DEV_MODE=1);
 - the served base model is the trainer's (same directory, else equal config.json, else the same final name);
-- the server reads what we write: a probe adapter from `lora_adapter_path` loads, reads back and unloads.
+- the server reads what we write: a probe adapter from `lora_adapter_path` loads, reads back and unloads;
+- not paused (`GET /is_paused`): a run killed during a weight sync leaves the server paused;
+- logprobs mode: `processed_logprobs` (read from `/server_info`, else probed at two temperatures) whenever the
+  config's sampling (temperature, top_p, ...) makes it differ from raw.
 """
 
 from __future__ import annotations
@@ -191,10 +194,87 @@ def check_probe_adapter(ctx: ServerContext) -> CheckResult:
                        f"{ctx.probe_dir.parent.parent} loaded and unloaded")
 
 
+def paused_state(client) -> bool | None:
+    """`GET /is_paused`; None where the server has no such route (dev mode off: nothing can pause it)."""
+    try:
+        return client.is_paused()
+    except InferenceServerError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def check_not_paused(ctx: ServerContext) -> CheckResult:
+    """A server left paused (a run killed during a weight sync) holds every request until someone resumes it."""
+    url = ctx.client.base_url
+    paused = paused_state(ctx.client)
+    if paused is None:
+        return CheckResult("not paused", True, "no /is_paused route (dev mode off): nothing can pause it")
+    if paused:
+        return CheckResult("not paused", False, f"{url} is paused (GET /is_paused answers true), most likely by a run "
+                           f"killed during a weight sync; it holds every request",
+                           f"`curl -X POST {url}/resume` (POST /resume); `asyncgrpo train` resumes it at start")
+    return CheckResult("not paused", True, "GET /is_paused answers false")
+
+
+PROBE_TEMPERATURE = 0.5  # far enough from 1 that processed logprobs move by much more than float noise
+PROBE_PROMPT = [1, 2, 3, 4]  # any ids exist in any vocabulary; the model's answer need not make sense
+LOGPROBS_TOLERANCE = 1e-3  # raw logprobs of one prompt agree to ~1e-6 between requests; processed ones move by ~0.1+
+
+
+def logprobs_mode(ctx: ServerContext) -> tuple[str, str]:
+    """(`raw_logprobs` | `processed_logprobs` | other mode name, how it was found): read from the server's config
+    (`/server_info`, dev mode), else probed: the first token's top logprobs at temperature 1 and at
+    PROBE_TEMPERATURE are equal for raw logprobs and differ for processed ones."""
+    mode = (((ctx.server_config() or {}).get("model_config") or {}).get("logprobs_mode"))
+    if mode:
+        return str(mode), "from /server_info"
+    model = ctx.client.base_model()
+    at_one = ctx.client.first_token_logprobs(model, PROBE_PROMPT, temperature=1.0)
+    at_t = ctx.client.first_token_logprobs(model, PROBE_PROMPT, temperature=PROBE_TEMPERATURE)
+    common = at_one.keys() & at_t.keys()
+    assert common, "the most likely first token is among the top logprobs at both temperatures"
+    moved = max(abs(at_one[k] - at_t[k]) for k in common)
+    how = f"probed: top logprobs moved by {moved:.3g} between temperature 1 and {PROBE_TEMPERATURE:g}"
+    return ("raw_logprobs" if moved < LOGPROBS_TOLERANCE else "processed_logprobs"), how
+
+
+def sampling_changes_logprobs(cfg) -> list[str]:
+    """The config's sampling settings under which the sampled distribution differs from the model's raw one."""
+    changes = []
+    if cfg.temperature != 1.0:
+        changes.append(f"temperature {cfg.temperature:g}")
+    if cfg.top_p < 1.0:
+        changes.append(f"top_p {cfg.top_p:g}")
+    top_k = getattr(cfg, "top_k", None)
+    if top_k not in (None, 0, -1):
+        changes.append(f"top_k {top_k}")
+    for key, neutral in (("min_p", 0.0), ("repetition_penalty", 1.0)):
+        value = getattr(cfg, key, None)
+        if value is not None and value != neutral:
+            changes.append(f"{key} {value:g}")
+    return changes
+
+
+def check_logprobs_mode(ctx: ServerContext) -> CheckResult:
+    """The behaviour logprobs must be those of the distribution that was sampled (`processed_logprobs`)."""
+    mode, how = logprobs_mode(ctx)
+    if mode == "processed_logprobs":
+        return CheckResult("logprobs mode", True, f"processed_logprobs ({how})")
+    changes = sampling_changes_logprobs(ctx.cfg)
+    if not changes:
+        return CheckResult("logprobs mode", True, f"{mode} ({how}); equal to processed logprobs for this config "
+                           f"(temperature 1, no truncation), but not if you change its sampling")
+    return CheckResult("logprobs mode", False, f"the server returns {mode} ({how}), the logprobs of the model before "
+                       f"{', '.join(changes)}: every completion would be trained as if off-policy",
+                       f"restart it with --logprobs-mode processed_logprobs ({SERVE_HINT})")
+
+
 SERVER_CHECKS: list[Callable[[ServerContext], CheckResult]] = [
     check_reachable, check_version, check_lora_enabled, check_max_lora_rank, check_max_loras,
     check_runtime_lora_updating, check_dev_mode, check_base_model, check_probe_adapter,
 ]
+SERVER_CHECKS += [check_not_paused, check_logprobs_mode]  # faults (issue 13)
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -208,7 +288,8 @@ def title(check) -> str:
     return {check_version: "vLLM version", check_lora_enabled: "LoRA enabled", check_max_lora_rank: "max_lora_rank",
             check_max_loras: "max_loras", check_runtime_lora_updating: "runtime LoRA updating",
             check_dev_mode: "dev mode", check_base_model: "base model",
-            check_probe_adapter: "adapter readable by server"}.get(check, check.__name__.removeprefix("check_"))
+            check_probe_adapter: "adapter readable by server", check_not_paused: "not paused",
+            check_logprobs_mode: "logprobs mode"}.get(check, check.__name__.removeprefix("check_"))
 
 
 def _same_dir(a: str, b: str) -> bool:

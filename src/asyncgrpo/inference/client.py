@@ -259,6 +259,20 @@ class InferenceClient:
             out.append(float(entry[str(tok)]["logprob"]))
         return out
 
+    def first_token_logprobs(self, model: str, prompt_token_ids: list[int], *, temperature: float,
+                             top: int = 5) -> dict[str, float]:
+        """The `top` most likely first tokens after a prompt and their logprobs as the server reports them at
+        `temperature` (one token generated, no seed). Raw logprobs do not depend on the temperature; processed ones
+        (`--logprobs-mode processed_logprobs`) do: how `doctor` tells the two apart on a server without dev mode."""
+        body = {"model": model, "prompt": list(prompt_token_ids), "max_tokens": 1, "temperature": temperature,
+                "top_p": 1.0, "logprobs": top}
+        data = self._json("first_token_logprobs", self._request("first_token_logprobs", "POST", "/v1/completions",
+                                                                body=body, read_timeout_s=self.timeout_s))
+        entries = (data["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
+        if not entries or not entries[0]:
+            raise InferenceServerError(f"first_token_logprobs: {self.base_url} returned no top_logprobs")
+        return {str(tok): float(lp) for tok, lp in entries[0].items()}
+
     # ---- adapters ------------------------------------------------------------------------------------
 
     def load_adapter(self, name: str, path: str | Path, *, inplace: bool = False) -> None:
@@ -333,7 +347,8 @@ class InferenceClient:
             except requests.ReadTimeout as exc:
                 raise self._error(
                     f"{call}: {method} {url} got no answer within {read_timeout_s:g} s; the server is overloaded "
-                    "or stuck (is it paused? see is_paused()). Raise the client's timeout_s for long generations"
+                    f"or stuck (is it paused? GET {self.base_url}/is_paused; if true, resume it with "
+                    f"`curl -X POST {self.base_url}/resume`). Raise vllm_request_timeout for long generations"
                 ) from exc
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
                 # ChunkedEncodingError: the server died while it was sending its answer
@@ -359,8 +374,9 @@ class InferenceClient:
                     return resp
                 what = f"HTTP {resp.status_code}"
             delay = self.backoff_s * 2 ** (attempt - 1)
-            logger.warning("%s: %s %s: %s; retry %d/%d in %.1f s", call, method, url, what, attempt,
-                           attempts - 1, delay)  # fmt: skip
+            # Debug: a dead server makes every call in flight retry; the outage is logged once (recovery.py).
+            logger.debug("%s: %s %s: %s; retry %d/%d in %.1f s", call, method, url, what, attempt,
+                         attempts - 1, delay)  # fmt: skip
             time.sleep(delay)
         raise AssertionError("unreachable")
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import InferenceServerError
+from ..errors import ConfigError, InferenceServerError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,35 @@ def backoff_delays(timeout_s: float, first_s: float = FIRST_BACKOFF_S, max_s: fl
         total += step
         delay *= 2
     return delays
+
+
+def connect_retry_s(connect_retries: int = 5, backoff_s: float = 0.5) -> float:
+    """The longest one call spends on an unreachable server before it is reported: every attempt's connect timeout
+    (a node that drops packets) plus the backoffs between attempts (InferenceClient's defaults, which train uses)."""
+    from .client import CONNECT_TIMEOUT_S
+
+    return (connect_retries + 1) * CONNECT_TIMEOUT_S + backoff_s * (2 ** connect_retries - 1)
+
+
+def outage_s(cfg) -> float:
+    """The longest rank 0 can be kept from the next collective by one inference-server outage that the run is built
+    to survive: a call gives up on the dead server (connection retries), the server is waited for
+    (`vllm_server_timeout`), then the groups or the sync it held up are redone (`vllm_request_timeout`)."""
+    return connect_retry_s() + cfg.vllm_server_timeout + cfg.vllm_request_timeout
+
+
+def check_outage_fits_ddp_timeout(cfg, world_size: int) -> None:
+    """At start: with several ranks, the others wait in a collective (at most `ddp_timeout`) while rank 0 waits out
+    an outage; a ddp_timeout shorter than the outage kills them while the server is coming back."""
+    need = outage_s(cfg)
+    if world_size > 1 and cfg.ddp_timeout <= need:
+        raise ConfigError(
+            "ddp_timeout", f"{cfg.ddp_timeout} s is not longer than an inference-server outage this run waits out: "
+            f"vllm_server_timeout {cfg.vllm_server_timeout:g} s + vllm_request_timeout {cfg.vllm_request_timeout:g} s "
+            f"+ {connect_retry_s():g} s of connection retries = {need:g} s; ranks other than 0 would time out in a "
+            f"collective while rank 0 waits for the server",
+            f"set ddp_timeout above {need:g} (e.g. {int(need) + 60}), or lower vllm_server_timeout or "
+            f"vllm_request_timeout")
 
 
 class ServerRecovery:
@@ -56,6 +85,7 @@ class ServerRecovery:
         self._down: set[str] = set()
         self._failed: dict[str, InferenceServerError] = {}
         self.recoveries = 0  # servers brought back (logged, and read by tests)
+        self._failed_calls: dict[str, int] = {}  # calls that failed on a server during its current outage
 
     def epoch(self, client) -> int:
         """Read before a call: `recover(client, epoch)` then knows whether someone recovered it since."""
@@ -72,6 +102,8 @@ class ServerRecovery:
         url = client.base_url
         with self._lock:
             server_lock = self._server_locks.setdefault(url, threading.Lock())
+            if self._epoch.get(url, 0) == seen_epoch:  # a failure of this outage (not of one already over)
+                self._failed_calls[url] = self._failed_calls.get(url, 0) + 1
         with server_lock:
             with self._lock:
                 if url in self._failed:
@@ -97,8 +129,11 @@ class ServerRecovery:
                 self._epoch[url] = seen_epoch + 1
                 self._down.discard(url)
                 self.recoveries += 1
-            log.warning("inference server %s is back after %.1f s; the current adapter is registered on it", url,
-                        waited)
+                failed = self._failed_calls.pop(url, 0)
+            # One line per outage (and the one above), whatever the number of requests that failed meanwhile.
+            log.warning("inference server %s is back after %.1f s; the current adapter is registered on it; %d "
+                        "call%s failed during the outage (lost rollouts are generated again)", url, waited, failed,
+                        "" if failed == 1 else "s")
             self._notify()
 
     def _wait_healthy(self, client) -> float:

@@ -12,6 +12,10 @@ again, before any new one, to a server that is up (counted in `resent_groups`), 
 skipped. The server is recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`,
 re-register the current adapter) and gets no request until it is back. One that never returns fails the run with
 the server's name. A request aborted by a sync (`sync_pause_mode: abort`) is lost and sent again the same way.
+
+Stopping: the first failure stops the producer on the spot (no request is sent after it) and hands the error to the
+trainer through the queue. `stop()` does not wait for requests still in flight: each runs on a daemon thread of
+its own, whose answer is discarded, so a failed run exits at once instead of after up to `vllm_request_timeout`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -36,6 +39,8 @@ from ..timeline import Timeline
 from .queue import Group, RolloutQueue
 
 log = logging.getLogger(__name__)
+
+STOP_PROCESSING_S = 30.0  # stop() waits this long at most for answers being scored (reward functions run there)
 
 
 def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -110,8 +115,10 @@ class RolloutProducer:
         self._resend: deque[tuple[PromptRow, int]] = deque()  # prompts whose generation was lost: sent first
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
-        self.max_inflight = cfg.inflight_requests(groups_per_step)
-        self._pool = ThreadPoolExecutor(max_workers=self.max_inflight, thread_name_prefix="rollout")
+        self.max_inflight = cfg.inflight_requests(groups_per_step)  # request threads alive at once, at most
+        self.error: BaseException | None = None  # the failure that stopped the producer, if one did
+        self._processing = 0  # answers being scored now (stop() waits for these, not for requests in flight)
+        self._local = threading.local()
         # statistics, read by the trainer for logging
         self.generated_tokens = 0
         self.lost_groups = 0
@@ -135,11 +142,30 @@ class RolloutProducer:
             self.queue.cond.notify_all()
 
     def stop(self) -> None:
+        """Send nothing more; requests in flight are abandoned (their daemon threads end with their HTTP call, or
+        with the process), not waited for."""
         with self.queue.cond:
             self._stop = True
             self.queue.cond.notify_all()
-        self._thread.join(timeout=30)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+            # Answers being scored finish (CPU work, short); requests still waiting on a server are not waited for.
+            self.queue.cond.wait_for(lambda: self._processing == 0, timeout=STOP_PROCESSING_S)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)  # the scheduler only waits on the queue's condition: it returns at once
+
+    def _fail(self, exc: BaseException) -> None:
+        """The first failure stops the producer (nothing more is sent) and goes to the trainer; later ones, often
+        the same fault seen by other requests, are only logged at debug level."""
+        with self.queue.cond:
+            first = self.error is None and not self._stop
+            if first:
+                self.error = exc
+            self._stop = True
+            self.queue.cond.notify_all()
+        if first:
+            log.error("rollout failed, no more requests are sent: %s", exc)
+            self.queue.fail(exc)
+        else:
+            log.debug("after the producer stopped: %s", exc)
 
     @property
     def inflight(self) -> int:
@@ -186,9 +212,10 @@ class RolloutProducer:
                 if prompt is None:
                     index = self.stream.position  # the prompt's place in the data order: its group's `index`
                     prompt = next(self.stream), index
-                self._pool.submit(self._make_group, client, *prompt, version, adapter)
+                threading.Thread(target=self._make_group, args=(client, *prompt, version, adapter),
+                                 name="rollout-request", daemon=True).start()
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which re-raises it
-            self.queue.fail(exc)
+            self._fail(exc)
 
     # ---- one request ----------------------------------------------------------------------------------
     def _make_group(self, client: InferenceClient, row: PromptRow, index: int, version: int, adapter: str) -> None:
@@ -200,17 +227,29 @@ class RolloutProducer:
                 self._lose_group(row, index)
                 self._recover_in_background(client, seen, exc)
                 return
-            if group is not None:
+            if group is not None and not self._stop:
                 self.queue.put(group)
         except BaseException as exc:  # noqa: BLE001
-            if not self._stop:
-                log.error("rollout failed: %s", exc)
-                self.queue.fail(exc)
+            self._fail(exc)
         finally:
             with self.queue.cond:
                 self._inflight -= 1
                 self._inflight_by_adapter[adapter] -= 1
+                if getattr(self._local, "processing", False):
+                    self._local.processing = False
+                    self._processing -= 1
                 self.queue.cond.notify_all()
+
+    def _begin_processing(self) -> bool:
+        """A request's answer came: False if the producer has stopped (drop it). Else it counts as being processed
+        until `_make_group` ends, and `stop()` waits for it: scoring runs torch, which must not still run in a daemon
+        thread while the interpreter exits (C++ terminate). Requests still waiting for an answer are not waited for."""
+        with self.queue.cond:
+            if self._stop:
+                return False
+            self._processing += 1
+            self._local.processing = True
+            return True
 
     def _lose_group(self, row: PromptRow, index: int) -> None:
         """This prompt's generation is lost: count it, and queue the prompt to be sent again before any new one."""
@@ -224,8 +263,9 @@ class RolloutProducer:
         keep generating meanwhile."""
         if self._stop:
             return
-        log.warning("rollout request to %s lost (%d groups lost so far; the prompt is sent again): %s",
-                    client.base_url, self.lost_groups, exc)
+        # Debug only: every request in flight fails with its server; ServerRecovery logs the outage once, with a count.
+        log.debug("rollout request to %s lost (%d groups lost so far; the prompt is sent again): %s",
+                  client.base_url, self.lost_groups, exc)
         threading.Thread(target=self._recover, args=(client, seen_epoch, exc), name="recover-server",
                          daemon=True).start()
 
@@ -233,9 +273,7 @@ class RolloutProducer:
         try:
             self.recovery.recover(client, seen_epoch, cause=exc)
         except BaseException as error:  # noqa: BLE001 - the server is gone: the trainer re-raises it
-            if not self._stop:
-                log.error("%s", error)
-                self.queue.fail(error)
+            self._fail(error)
 
     def _generate(self, client: InferenceClient, row: PromptRow, index: int, version: int,
                   adapter: str) -> Group | None:
@@ -248,6 +286,8 @@ class RolloutProducer:
                                           top_p=cfg.top_p, seed=seed)
         finally:
             self.server_busy.exit()
+        if not self._begin_processing():
+            return None  # stopped while the request ran: its answer is dropped
         if any(c.finish_reason == "abort" for c in completions):
             self._lose_group(row, index)  # aborted by a sync with sync_pause_mode: abort
             return None

@@ -4,9 +4,13 @@ The two sync modes differ only inside AdapterPublisher.
 
 Never a half-written adapter: files go into a hidden temporary directory beside the target (weights first,
 `adapter_config.json` last, so a partial directory is not even a loadable adapter), are fsynced, and the
-directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory.
+directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory, and only after
+each file's size and sha256 (recorded in `asyncgrpo_manifest.json` at write) are checked again. Files are 0644 and
+directories 0755, so a vLLM running as another user on shared storage can read them.
 
-Never a paused server left behind: `/resume` runs in `finally`, and every answer is checked.
+Never a paused server left behind: `/resume` runs in `finally`, and every answer is checked. The publisher also
+remembers which servers it has paused right now, so that `halt()` (called by the SIGTERM/SIGINT handler on the main
+thread, shutdown.py) can resume them before the process exits, even while this thread is stuck in a call.
 
 A server found unreachable during a sync is waited for (inference/recovery.py, up to `vllm_server_timeout`); once
 back it gets the current version re-registered and then the new one. All or nothing still holds: if it never
@@ -15,11 +19,14 @@ returns, the servers that got the new version drop it and the sync fails.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +34,24 @@ from pathlib import Path
 import torch
 
 from ..errors import AsyncGRPOError, InferenceServerError, ServerUnreachableError, SyncError
+from ..inference.recovery import ServerGoneError
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
+MANIFEST_NAME = "asyncgrpo_manifest.json"  # size and sha256 of each file, recorded at write, checked before a load
+FILE_MODE, DIR_MODE = 0o644, 0o755  # readable to a vLLM running as another user (shared storage)
 _VERSION_DIR = re.compile(r"^v(\d{6})$")
+# Test-only: a file path. The first sync that pauses a server creates this file and then holds the server paused
+# until `halt()` (a SIGTERM), so a test can signal the trainer at a known point of a sync without sleeping.
+HOLD_PAUSED_ENV = "ASYNCGRPO_TEST_HOLD_PAUSED"
+HOLD_PAUSED_MAX_S = 600.0  # the hold gives up after this, so a forgotten test process cannot hang for ever
+
+
+def resume_hint(url: str) -> str:
+    """The manual fix for a server left paused."""
+    return f"resume it by hand with `curl -X POST {url}/resume` (POST /resume)"
 
 
 def fsync_path(path: Path) -> None:
@@ -50,7 +69,10 @@ class AdapterStore:
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                self.root.mkdir()
+                os.chmod(self.root, DIR_MODE)  # ours (a run's directory): readable to a server run by another user
         except OSError as exc:
             raise AsyncGRPOError(f"cannot create lora_adapter_path {str(self.root)!r} ({exc}); set lora_adapter_path "
                                  f"to a writable directory the inference server can read") from exc
@@ -88,7 +110,11 @@ class AdapterStore:
             weights = {k: v.detach().contiguous() for k, v in tensors.items()}
             save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             fsync_path(tmp / WEIGHTS_NAME)
-            self._write_config(tmp, peft_config, base_model)  # last: a partial directory has no config
+            self._write_config(tmp, peft_config, base_model)  # last loadable file: a partial directory has no config
+            write_manifest(tmp, [WEIGHTS_NAME, CONFIG_NAME])
+            for p in tmp.iterdir():
+                os.chmod(p, FILE_MODE)
+            os.chmod(tmp, DIR_MODE)
             fsync_path(tmp)
             os.rename(tmp, final)
             fsync_path(self.root)
@@ -114,6 +140,80 @@ class AdapterStore:
             p = self.path(v)
             if p not in in_use:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, names: list[str]) -> None:
+    """Record each file's size and sha256 as written (read back from disk, so it is what the server will read)."""
+    manifest = {name: {"size": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+                for name in names}
+    with open(directory / MANIFEST_NAME, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_adapter_files(directory: Path) -> None:
+    """Before a server is asked to load `directory`: each file still has the size and sha256 recorded when it was
+    written; a SyncError names the bad file and the fix. A directory without a manifest (not written by
+    AdapterStore) is not checked."""
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.exists():
+        return
+    fix = ("the adapter directory was changed after asyncgrpo wrote it (disk full, a storage fault, or another "
+           "process writing there). Fix: check the storage of lora_adapter_path and that nothing else writes under "
+           "it, then restart the run from its last checkpoint (resume_from_checkpoint: latest)")
+    for name, want in json.loads(manifest_path.read_text()).items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise SyncError(f"adapter file {path} cannot be read before loading it ({exc}); {fix}") from exc
+        if size != want["size"]:
+            raise SyncError(f"adapter file {path} has {size} bytes, but {want['size']} were written; {fix}")
+        digest = _sha256(path)
+        if digest != want["sha256"]:
+            raise SyncError(f"adapter file {path} has sha256 {digest[:16]}..., but {want['sha256'][:16]}... was "
+                            f"written (same size: its content changed); {fix}")
+
+
+_TMP_DIR = re.compile(r"^\.tmp-v\d{6}-(\d+)$")
+
+
+def clean_stale_temporaries(adapter_root: str | Path) -> list[Path]:
+    """At start: remove the temporary version directories that writers killed midway left in any run's directory
+    under `adapter_root` (`lora_adapter_path`); returns them. One whose writer process is still alive on this host
+    (another run sharing the directory, writing right now) is left alone."""
+    removed = []
+    for tmp in Path(adapter_root).glob("*/.tmp-v*"):
+        m = _TMP_DIR.match(tmp.name)
+        if not m or not tmp.is_dir() or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    if removed:
+        log.warning("removed %d temporary adapter director%s left by killed runs under %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", adapter_root)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 @dataclass
@@ -163,6 +263,64 @@ class AdapterPublisher:
         self.pause_mode = pause_mode
         self.current_name: str | None = None  # the version every server serves to new requests
         self.loaded: dict[str, Path] = {}  # adapter name -> directory, for every version still loaded
+        # Servers paused by a sync in progress; `halt()` resumes them. The lock is held across the pause call itself,
+        # so a halt either sees the pause and undoes it, or comes first and the pause is never sent.
+        self._pause_lock = threading.Lock()
+        self._paused: dict[str, object] = {}  # base_url -> client
+        self._halted = threading.Event()
+        self._held = False  # the test-only hold (HOLD_PAUSED_ENV) happens once per process
+
+    def halt(self) -> list[str]:
+        """Stop syncing for good and resume every server a sync in progress has paused; returns their URLs.
+        Safe from a signal handler on another thread than the publisher's (it never waits for the sync itself)."""
+        with self._pause_lock:
+            self._halted.set()
+            paused = list(self._paused.items())
+            self._paused.clear()  # a second halt (the signal watcher's, then the handler's) finds nothing to do
+        resumed = []
+        for url, client in paused:
+            try:
+                client.resume()
+                resumed.append(url)
+                log.warning("resumed %s, which a weight sync in progress had paused", url)
+            except Exception as exc:  # noqa: BLE001 - try every server, report each that could not be resumed
+                log.error("could not resume %s (%s); %s", url, exc, resume_hint(url))
+        return resumed
+
+    def _pause(self, client) -> None:
+        with self._pause_lock:
+            if self._halted.is_set():
+                raise SyncError("the process is stopping (SIGTERM/SIGINT): this sync was not started")
+            self._paused[client.base_url] = client  # first: a pause that times out may still have paused it
+            try:
+                client.pause(mode=self.pause_mode)
+            except BaseException:
+                self._paused.pop(client.base_url, None)
+                with contextlib.suppress(Exception):  # best effort: the pause's own error is the one to report
+                    client.resume()
+                raise
+
+    def _resume(self, client) -> None:
+        try:
+            client.resume()
+        except InferenceServerError as exc:
+            if isinstance(exc, ServerUnreachableError):
+                raise  # down or restarting (a restarted server is not paused): recovery handles it
+            raise SyncError(f"{exc}\n  The server {client.base_url} may still be paused: "
+                            f"{resume_hint(client.base_url)}") from exc
+        finally:
+            with self._pause_lock:
+                self._paused.pop(client.base_url, None)
+
+    def _hold_for_test(self, client) -> None:
+        """Test-only (HOLD_PAUSED_ENV): hold the first pause until `halt()`, then abandon the sync."""
+        marker = os.environ.get(HOLD_PAUSED_ENV)
+        if not marker or self._held:
+            return
+        self._held = True
+        Path(marker).write_text(client.base_url)
+        self._halted.wait(HOLD_PAUSED_MAX_S)
+        raise SyncError("the sync was held paused by the test hook and then halted")
 
     def name(self, version: int) -> str:
         return f"{self.prefix}-v{version}"
@@ -171,6 +329,11 @@ class AdapterPublisher:
         """Serve the adapter in `path` as version `version` on every server. On failure every server is
         resumed and still serves the previous version, and a SyncError says which server failed and why."""
         path = contained_adapter_path(path, self.adapter_root)
+        try:
+            verify_adapter_files(path)  # once, before any server is asked to read it
+        except SyncError as exc:
+            raise SyncError(f"{exc}\n  No server was asked to load it; the servers still serve "
+                            f"{self.current_name or 'no adapter'}.") from exc
         name = self.name(version)
         timing = PublishTiming()
         t0 = time.perf_counter()
@@ -182,8 +345,8 @@ class AdapterPublisher:
             except Exception as exc:
                 for other in done:  # all servers or none: take the new version off those that got it
                     self._unload_quietly(other, name)
-                raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  The server is not paused "
-                                f"and still serves {self.current_name or 'no adapter'}.") from exc
+                raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  "
+                                f"{self._state_after_failure(client, exc)}") from exc
         self.loaded[name] = path
         self.current_name = name
         timing.server_s = time.perf_counter() - t0
@@ -198,6 +361,7 @@ class AdapterPublisher:
         served = client.adapter_paths().get(name)
         if served is not None and Path(served).resolve() == path.resolve():
             return  # still loaded: the server did not restart (a network fault)
+        verify_adapter_files(path)
         client.load_adapter(name, str(path))
         self._check_served(client, name, path)
         log.warning("re-registered %s (%s) on %s", name, path, client.base_url)
@@ -231,9 +395,10 @@ class AdapterPublisher:
             # The first version (nothing is generating yet), or versioned mode: load beside the old versions.
             self._load(client, name, path, timing)
         else:
-            client.pause(mode=self.pause_mode)
+            self._pause(client)  # recorded, so that a SIGTERM during the sync resumes the server (halt)
             paused_at = time.perf_counter()
             try:
+                self._hold_for_test(client)
                 self._load(client, name, path, timing)  # a failed load leaves nothing loaded under `name`
                 try:
                     client.reset_prefix_cache()
@@ -241,7 +406,7 @@ class AdapterPublisher:
                     self._unload_quietly(client, name)
                     raise
             finally:
-                client.resume()  # always: a paused server stalls every rollout
+                self._resume(client)  # always: a paused server stalls every rollout
                 paused_s = time.perf_counter() - paused_at
         # Read back (after resuming: no request uses `name` before publish() returns, so the check need not hold up
         # generation); a failed check takes the new version off before anyone sees it.
@@ -251,6 +416,37 @@ class AdapterPublisher:
             self._unload_quietly(client, name)
             raise
         return paused_s
+
+    def _state_after_failure(self, client, exc: BaseException) -> str:
+        """What a failed sync left on `client`, as far as is known (a dead server serves nothing)."""
+        dead = (ServerUnreachableError, ServerGoneError)
+        if isinstance(exc, dead) or isinstance(exc.__cause__, dead):
+            return "The server did not answer (it is down or restarting); nothing is being served by it now."
+        if client.base_url in self._paused:
+            return f"The server may still be paused: {resume_hint(client.base_url)}."
+        return f"The server is not paused and still serves {self.current_name or 'no adapter'}."
+
+    def unload_all(self, keep: str | None = None) -> list[str]:
+        """At the end of a run: unload every version this run loaded except `keep`, so that they stop holding the
+        servers' `--max-loras` slots. Best effort, and never slow: a server that does not answer /health now is
+        skipped (a dead server holds nothing; waiting for it would hold up the exit)."""
+        unloaded = []
+        names = [n for n in self.loaded if n != keep]
+        for client in self.clients:
+            if not names:
+                break
+            if not client.health():
+                log.warning("%s does not answer; the run's adapters were not unloaded from it", client.base_url)
+                continue
+            for name in names:
+                try:
+                    client.unload_adapter(name)
+                    unloaded.append(name)
+                except InferenceServerError as exc:
+                    if exc.status != 404:  # 404: not loaded there (a restarted server)
+                        log.warning("%s was not unloaded from %s: %s", name, client.base_url, exc)
+        self.loaded = {n: p for n, p in self.loaded.items() if n == keep}
+        return unloaded
 
     def retire(self, in_use: set[str]) -> None:
         """Unload every version but the current one that no request uses any more."""

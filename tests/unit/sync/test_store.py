@@ -81,3 +81,48 @@ def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_parti
                        ["base_model.model.layer.q_proj.lora_A.weight"], torch.full((8, 16), 1.0))
     assert store.clean_partial() == partial and not list(tmp_path.glob(".tmp-*"))
     assert store.write(2, tensors(2.0), CONFIG, base_model="b") == store.path(2)
+
+
+def test_a_same_size_corruption_is_caught_before_any_server_is_asked_to_load_it(tmp_path):
+    from asyncgrpo.sync.publish import WEIGHTS_NAME, AdapterPublisher
+
+    store = AdapterStore(tmp_path)
+    path = store.write(1, tensors(0.5), CONFIG, base_model="b")
+    weights = path / WEIGHTS_NAME
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one byte of a tensor flipped: same size, a valid-looking file
+    weights.write_bytes(bytes(data))
+
+    class NoServer:
+        base_url = "http://never-called:8000"
+
+        def __getattr__(self, name):
+            raise AssertionError(f"the server was called ({name}) for a corrupt adapter")
+
+    with pytest.raises(SyncError) as error:
+        AdapterPublisher([NoServer()], "run").publish(1, path)
+    message = str(error.value)
+    assert f"adapter file {weights} has sha256 " in message and "(same size: its content changed)" in message
+    assert "Fix: check the storage of lora_adapter_path" in message
+
+
+def test_a_truncated_file_is_named_with_both_sizes(tmp_path):
+    from asyncgrpo.sync.publish import WEIGHTS_NAME, verify_adapter_files
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+    weights = path / WEIGHTS_NAME
+    size = weights.stat().st_size
+    os.truncate(weights, size - 10)
+    with pytest.raises(SyncError, match=f"adapter file {weights} has {size - 10} bytes, but {size} were written"):
+        verify_adapter_files(path)
+
+
+def test_adapter_files_are_readable_by_other_users(tmp_path):
+    old = os.umask(0o077)  # a umask that would make the files 0600
+    try:
+        path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+    finally:
+        os.umask(old)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in path.iterdir()} == {
+        "adapter_model.safetensors": "0o644", "adapter_config.json": "0o644", "asyncgrpo_manifest.json": "0o644"}
+    assert oct(path.stat().st_mode & 0o777) == "0o755"

@@ -1,0 +1,103 @@
+"""SIGTERM / SIGINT: leave the inference servers serving, then exit with the signal's conventional code.
+
+`accelerate launch` and torchrun send SIGTERM to every rank when one of them dies, SLURM sends it on preemption, and
+an operator presses Ctrl-C (SIGINT). Python's default for SIGTERM is to die on the spot, so a weight sync in progress
+on rank 0's publisher thread would leave the server paused (`POST /pause` done, `POST /resume` never sent), stalling
+every later request to it, including the next run's.
+
+`exit_on_signal(on_signal)` installs handlers (main thread only, as Python requires) that call `on_signal` first
+(the trainer's `halt`: resume every server this process paused), then raise SystemExit(128 + signal number): 143
+for SIGTERM, 130 for SIGINT, what a shell reports for a process the signal killed. `finally` blocks still run. A
+second signal while the first is handled gets Python's default behaviour (an impatient operator's second Ctrl-C).
+
+Python runs a signal handler only when the main thread gets back to the interpreter; a main thread blocked inside one
+C call (a gloo/NCCL collective waiting for a dead rank) would run it only when that call returns, and the launcher
+sends SIGKILL ~30 s after SIGTERM. So `on_signal` is also called at once from a watcher thread, woken through
+`signal.set_wakeup_fd` (the C-level handler writes the signal number there whatever the main thread is doing); the
+exit itself still happens on the main thread. `on_signal` must therefore be safe to call twice, from two threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_code(signum: int) -> int:
+    """The conventional exit status of a process ended by signal `signum` (128 + its number)."""
+    return 128 + int(signum)
+
+
+@contextlib.contextmanager
+def exit_on_signal(on_signal: Callable[[], None]) -> Iterator[None]:
+    """Within the block, SIGTERM/SIGINT run `on_signal` and then raise SystemExit(128 + signum). Outside the main
+    thread (where handlers cannot be installed) the block runs without them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in HANDLED}
+
+    def handler(signum, frame):
+        for s, h in previous.items():  # a second signal is not handled twice
+            signal.signal(s, h)
+        name = signal.Signals(signum).name
+        log.warning("received %s: making sure no inference server is left paused, then exiting with %d", name,
+                    exit_code(signum))
+        try:
+            on_signal()
+        except Exception as exc:  # noqa: BLE001 - the process exits either way; say what could not be done
+            log.error("on %s, could not finish cleaning up: %s", name, exc)
+        raise SystemExit(exit_code(signum))
+
+    for s in HANDLED:
+        signal.signal(s, handler)
+    watcher = _Watcher(on_signal)
+    try:
+        yield
+    finally:
+        watcher.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class _Watcher:
+    """A daemon thread that calls `on_signal` as soon as SIGTERM/SIGINT arrive (through the wakeup fd), even while
+    the main thread is stuck in C code."""
+
+    def __init__(self, on_signal: Callable[[], None]):
+        self.on_signal = on_signal
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # set_wakeup_fd needs a non-blocking fd
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="signal-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data or self._closed:
+                return
+            if any(b in (int(s) for s in HANDLED) for b in data):
+                try:
+                    self.on_signal()
+                except Exception as exc:  # noqa: BLE001 - the main thread's handler reports and exits
+                    log.error("signal watcher: %s", exc)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        self._closed = True
+        os.close(self._write)  # the reader sees end of file and returns
+        self._thread.join(timeout=5)
+        os.close(self._read)

@@ -1,0 +1,75 @@
+"""The rollout producer after a failure: nothing more is sent, and `stop()` does not wait for the requests still in
+flight. A stub HTTP server stands in for vLLM: a real one cannot be made to fail one request while it holds the
+others on demand."""
+
+import json
+import threading
+
+import pytest
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import PromptRow
+from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.producer import RolloutProducer
+from asyncgrpo.rollout.queue import RolloutQueue
+
+INFLIGHT = 3
+
+
+class DigitTokenizer:
+    def __len__(self):
+        return 10
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i) for i in ids)
+
+
+def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_the_rest(stubs):
+    all_sent = threading.Event()  # INFLIGHT requests have reached the server
+    release = threading.Event()  # the held requests may answer (only at the end of the test)
+    prompts, timed_out = [], []
+    lock = threading.Lock()
+
+    def route(stub, handler):
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        prompt = json.loads(handler.body)["prompt"]
+        with lock:
+            prompts.append(prompt)
+            first = len(prompts) == 1
+            if len(prompts) == INFLIGHT:
+                all_sent.set()
+        if first:  # the first request to arrive fails, once all of them are in flight
+            all_sent.wait(30)
+            return 500, "application/json", '{"error": "engine dead"}'
+        if not release.wait(60):  # the others hang, as on a server that stopped generating
+            timed_out.append(prompt)
+        return 500, "application/json", '{"error": "late"}'
+
+    server = stubs(route)
+    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 2,
+                                     "per_device_train_batch_size": 4, "max_staleness": 1,
+                                     "max_inflight_requests": INFLIGHT, "vllm_server_timeout": 30})
+    rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(8)]
+    queue = RolloutQueue(cfg.max_staleness)  # max_staleness 1: two batches (4 groups) may be in flight
+    client = InferenceClient(server.url, timeout_s=120, connect_retries=0)
+    scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None, {"format_reward": {"pattern": "^7$"}})
+    producer = RolloutProducer(clients=[client], tokenizer=DigitTokenizer(), rows=rows, scorer=scorer, queue=queue,
+                               groups_per_step=2, cfg=cfg)
+    producer.start()
+    try:
+        producer.set_policy(0, "demo-v0")
+        with pytest.raises(InferenceServerError, match="engine dead"):
+            queue.take(2, trainer_version=0, timeout_s=60)
+        producer.stop()
+        # stop() returned while the other requests still hang on the server: it did not wait for them.
+        assert not release.is_set() and timed_out == []
+        assert producer.inflight == INFLIGHT - 1
+        # Nothing was sent after the failure: only the requests already in flight ever reached the server.
+        assert len(prompts) == INFLIGHT
+        assert producer.error is not None and "engine dead" in str(producer.error)
+    finally:
+        release.set()
+        producer.stop()

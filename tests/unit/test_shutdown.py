@@ -1,0 +1,132 @@
+"""SIGTERM/SIGINT in `train`: the callback (resume paused servers) runs first, then the process exits with
+128 + the signal number. Real signals, sent to this very process; the publisher side is a recording fake server
+(a real one is paused and signalled in tests/integration/test_paused_server.py)."""
+
+import os
+import signal
+import threading
+
+import pytest
+
+from asyncgrpo.errors import SyncError
+from asyncgrpo.shutdown import exit_on_signal
+from asyncgrpo.sync.publish import AdapterPublisher
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_runs_the_callback_then_exits_with_128_plus_its_number(signum, code):
+    before = signal.getsignal(signum)
+    calls = []
+    with pytest.raises(SystemExit) as exited:
+        with exit_on_signal(lambda: calls.append("halt")):
+            os.kill(os.getpid(), signum)
+            for _ in range(1000):  # the handler runs at the next bytecode boundary of the main thread
+                pass
+    assert exited.value.code == code
+    assert calls[:1] == ["halt"] and len(calls) <= 2  # by the handler, and maybe also by the watcher thread
+    assert signal.getsignal(signum) is before  # handlers restored on the way out
+
+
+def test_the_callback_also_runs_at_once_on_a_watcher_thread_and_the_wakeup_fd_is_restored():
+    # The watcher does not depend on the main thread reaching the interpreter (a collective stuck in C code).
+    from_watcher = threading.Event()
+
+    def on_signal():
+        if threading.current_thread() is not threading.main_thread():
+            from_watcher.set()
+        else:  # the main thread "stuck": it gets on only once the watcher has done the work
+            from_watcher.wait(10)
+
+    with pytest.raises(SystemExit):
+        with exit_on_signal(on_signal):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+    assert from_watcher.wait(10)
+    assert signal.set_wakeup_fd(-1) == -1  # ours was removed on the way out (nothing else had one)
+
+
+def test_a_failing_callback_still_exits_with_the_signal_code():
+    def broken():
+        raise RuntimeError("server gone")
+
+    with pytest.raises(SystemExit) as exited:
+        with exit_on_signal(broken):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+    assert exited.value.code == 143
+
+
+class PausableServer:
+    """Records pause/resume like vLLM's dev routes; `block_load` holds a load until released."""
+
+    def __init__(self, url="http://fake:8000"):
+        self.base_url = url
+        self.paused = False
+        self.calls = []
+        self.served = {}
+        self.loading = threading.Event()
+        self.release = threading.Event()
+
+    def pause(self, mode="keep"):
+        self.calls.append("pause")
+        self.paused = True
+
+    def resume(self):
+        self.calls.append("resume")
+        self.paused = False
+
+    def load_adapter(self, name, path, inplace=False):
+        self.loading.set()
+        assert self.release.wait(30), "the test never released the load"
+        self.served[name] = str(path)
+
+    def unload_adapter(self, name):
+        self.served.pop(name, None)
+
+    def reset_prefix_cache(self):
+        return True
+
+    def adapter_paths(self):
+        return dict(self.served)
+
+
+def test_halt_resumes_a_server_paused_by_a_sync_stuck_in_a_load(tmp_path):
+    server = PausableServer()
+    server.served["run-v0"] = str(tmp_path)
+    publisher = AdapterPublisher([server], "run")
+    publisher.current_name, publisher.loaded["run-v0"] = "run-v0", tmp_path
+    errors = []
+    syncing = threading.Thread(target=lambda: _publish(publisher, tmp_path, errors))
+    syncing.start()
+    assert server.loading.wait(30)  # the sync has paused the server and is inside the load
+    assert server.paused
+    assert publisher.halt() == ["http://fake:8000"]  # what the signal handler calls, on another thread
+    assert server.paused is False  # resumed while the sync is still stuck
+    server.release.set()
+    syncing.join(30)
+    with pytest.raises(SyncError, match="SIGTERM/SIGINT"):
+        publisher.publish(2, tmp_path)  # halted: no further sync pauses anything
+    assert server.calls == ["pause", "resume", "resume"]  # halt's resume, then the sync's own `finally`
+    assert publisher.halt() == []  # a second halt (watcher thread, then handler) resumes nothing again
+
+
+def _publish(publisher, path, errors):
+    try:
+        publisher.publish(1, path)
+    except Exception as exc:  # noqa: BLE001
+        errors.append(exc)
+
+
+def test_a_config_error_is_printed_by_rank_0_only_and_exits_2(monkeypatch, capsys):
+    from asyncgrpo.cli import main
+
+    argv = ["doctor", "--config", "configs/demo.yaml", "--no_such_key", "1"]
+    monkeypatch.setenv("RANK", "1")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncgrpo: error: config `no_such_key`: unknown key") and err.count("\n") == 1
