@@ -39,6 +39,9 @@ fi
 
 # --logprobs-mode processed_logprobs: logprobs of the distribution tokens were sampled from (after temperature
 # and top-p), i.e. the behaviour policy the GRPO loss needs; the default (raw_logprobs) ignores temperature.
+# --generation-config vllm: sampling fields a request leaves out get vLLM's neutral values, not the model's
+# generation_config.json (Qwen2.5-Instruct ships top_k 20 and repetition_penalty 1.05: sampling from that truncated,
+# penalised distribution while the trainer scores the full softmax is off-policy from the first step).
 exec vllm serve "$MODEL" \
     --host "$HOST" \
     --port "$PORT" \
@@ -49,4 +52,5 @@ exec vllm serve "$MODEL" \
     --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" \
     --dtype "$DTYPE" \
     --logprobs-mode processed_logprobs \
+    --generation-config vllm \
     "$@"

@@ -12,7 +12,8 @@ list on rank 0 before its first step (`require_healthy_setup`) and stops with ev
 - dev mode when `sync_mode: pause` (`/is_paused` exists: VLLM_SERVER_DEV_MODE=1);
 - the served base model is the trainer's (same directory, else equal config.json, else the same name);
 - the server reads what we write: a zero LoRA of rank `lora_r` with the served model's shapes is written under
-  `lora_adapter_path`, loaded under a unique name, read back, unloaded and deleted.
+  `lora_adapter_path`, loaded under a unique name, read back, unloaded and deleted;
+- the server applies no sampling defaults from the model's generation_config.json (`--generation-config vllm`).
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def test_doctor_passes_on_the_session_server(vllm_server, tmp_path):
                           cwd=REPO, env=cpu_launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert sum(line.strip().startswith("PASS") for line in lines) == 10  # the directory + 9 server checks
+    assert sum(line.strip().startswith("PASS") for line in lines) == 11  # the directory + 10 server checks
+    assert "PASS  no model sampling defaults: --generation-config vllm" in proc.stdout
     assert "PASS  max_lora_rank: --max-lora-rank 8 >= lora_r=8" in proc.stdout
     assert "PASS  adapter readable by server: a rank-8 probe adapter" in proc.stdout
     assert lines[-1] == "all checks passed"
