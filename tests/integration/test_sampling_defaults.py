@@ -40,15 +40,21 @@ def serve(model_dir, tmp_path_factory, generation_config: str):
         yield client
 
 
-def full_softmax_logprobs(model_dir, prompt: list[int], completion: list[int], temperature: float = 1.0):
-    """The completion's logprobs under the untruncated, unpenalised softmax: what the trainer scores."""
+@pytest.fixture(scope="module")
+def full_softmax(qwen_like):
+    """`full_softmax(completion)`: its logprobs after PROMPT under the untruncated, unpenalised softmax (fp32,
+    temperature 1), i.e. what the trainer scores."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / temperature, -1)
-    return logprobs[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+    model = AutoModelForCausalLM.from_pretrained(qwen_like.model_dir, dtype=torch.float32).eval()
+
+    def score(completion: list[int]) -> torch.Tensor:
+        ids = torch.tensor([PROMPT + list(completion)])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
+        return logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
+
+    return score
 
 
 def doctor_ctx(client, model_dir, *, read_back: bool) -> ServerContext:
@@ -73,21 +79,23 @@ def served(qwen_like, tmp_path_factory):
 class TestStockServer:
     """A server that fills omitted fields from the model's generation_config.json (stopped after this class)."""
 
-    def test_explicit_sampling_fields_give_the_full_softmax_and_omitting_them_does_not(self, stock, qwen_like):
+    def test_explicit_sampling_fields_give_the_full_softmax_and_omitting_them_does_not(self, stock, full_softmax):
         base = stock.base_model()
-        completions = stock.complete(base, PROMPT, n=8, max_tokens=3, temperature=1.0)
+        completions = stock.complete(base, PROMPT, n=32, max_tokens=3, temperature=1.0)
         for c in completions:
-            reference = full_softmax_logprobs(qwen_like.model_dir, PROMPT, c.token_ids)
+            reference = full_softmax(c.token_ids)
             assert torch.allclose(torch.tensor(c.logprobs), reference, atol=1e-4, rtol=0), (c.logprobs, reference)
         # The body the client sent before the fix (temperature and top_p only): the server samples from the
         # truncated, penalised distribution and reports its logprobs, not the trainer's.
-        old = requests.post(f"{stock.base_url}/v1/completions", timeout=60, json={
-            "model": base, "prompt": PROMPT, "n": 8, "max_tokens": 3, "temperature": 1.0, "top_p": 1.0,
-            "logprobs": 0, "return_token_ids": True}).json()
+        with requests.Session() as session:
+            session.trust_env = False  # a local server: never through a proxy
+            old = session.post(f"{stock.base_url}/v1/completions", timeout=60, json={
+                "model": base, "prompt": PROMPT, "n": 32, "max_tokens": 3, "temperature": 1.0, "top_p": 1.0,
+                "logprobs": 0, "return_token_ids": True}).json()
         off = max((torch.tensor(ch["logprobs"]["token_logprobs"])
-                   - full_softmax_logprobs(qwen_like.model_dir, PROMPT, ch["token_ids"])).abs().max().item()
+                   - full_softmax(ch["token_ids"])).abs().max().item()
                   for ch in old["choices"])
-        assert off > 1e-2, off
+        assert off > 1e-3, off  # measured 0.058 over 64 completions (explicit fields: 1.5e-6)
 
     @pytest.mark.parametrize("read_back", [True, False], ids=["server_info", "probe"])
     def test_doctor_refuses_a_server_that_applies_model_sampling_defaults(self, stock, qwen_like, read_back):

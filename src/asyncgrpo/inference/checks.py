@@ -237,8 +237,8 @@ def check_generation_config(ctx: ServerContext) -> CheckResult:
         return CheckResult(name, False, f"the server fills sampling fields a request leaves out from the model's "
                            f"generation_config.json ({where}): next-token logprobs move by up to {diff:.3g} when "
                            f"top_k, min_p and the penalties are left out", fix)
-    return CheckResult(name, True, f"{where}, but leaving sampling fields out changes no logprobs (max "
-                       f"{diff:.1e}): the model sets no sampling defaults")
+    return CheckResult(name, True, f"{where}, but leaving top_k, min_p and the penalties out changes no logprobs "
+                       f"(max {diff:.1e}): the model's file sets none of them")
 
 
 SERVER_CHECKS: list[Callable[[ServerContext], CheckResult]] = [
