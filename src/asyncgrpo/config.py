@@ -120,7 +120,9 @@ class AsyncGRPOConfig:
     temperature: float = 1.0
     """Sampling temperature on the inference server; the trainer scales its logits by the same value."""
     top_p: float = 1.0
-    """Nucleus sampling on the server. Keep 1.0: the loss assumes the full distribution."""
+    """Nucleus sampling on the server. Only 1.0 is accepted: the loss scores the full distribution, and a nucleus
+    would make every step off-policy. Every other sampling field (top_k, min_p, penalties) is sent at its neutral
+    value."""
     max_inflight_requests: int | None = None
     """HTTP generation requests (one prompt group each) the rollout producer keeps in flight. Unset: sized from the
     batch, the staleness and the servers: a whole step's groups, two steps' worth when
@@ -353,8 +355,11 @@ class AsyncGRPOConfig:
         if self.temperature <= 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}",
                               "sample with temperature 1.0 (the policy's own distribution)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}", "use 1.0")
+        if self.top_p != 1.0:
+            # The server would sample from the nucleus and report logprobs renormalised over it, while the loss
+            # scores the full softmax: every step would be off-policy (measured: max |log ratio| 0.66 at top_p 0.5).
+            raise ConfigError("top_p", f"{self.top_p} is not supported: the trainer scores the full distribution, "
+                              f"the server would sample from the top-p nucleus only", "set `top_p: 1.0` (the default)")
         if self.epsilon <= 0 or self.epsilon_upper <= 0:
             raise ConfigError("epsilon", "clip ranges must be > 0", "use epsilon: 0.2 (epsilon_high: 0.28 for DAPO)")
         if self.beta < 0:

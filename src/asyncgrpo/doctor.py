@@ -14,6 +14,7 @@ list on rank 0 before its first step (`require_healthy_setup`) and stops with ev
 - the server reads what we write: a zero LoRA of rank `lora_r` with the served model's shapes is written under
   `lora_adapter_path`, loaded under a unique name, read back, unloaded and deleted;
 - not paused (`GET /is_paused`); `train` resumes a paused server itself and logs that it did.
+- the server applies no sampling defaults from the model's generation_config.json (`--generation-config vllm`).
 """
 
 from __future__ import annotations
@@ -48,16 +49,17 @@ def write_probe_adapter(cfg, model_path: str, directory: Path) -> Path:
     """A zero LoRA (rank `lora_r`, `lora_target_modules`) with the shapes of `model_path`, built on the meta
     device (no weights read), written like a published version; returns its directory."""
     import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model, get_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .distributed import without_zero3_init
+    from .lora import lora_config
     from .sync.publish import AdapterStore
 
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_target_modules),
-                      task_type="CAUSAL_LM", bias="none")
     with torch.device("meta"), without_zero3_init():
-        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)), lora)
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        lora = lora_config(cfg, base)
+        model = get_peft_model(base, lora)
     tensors = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in get_peft_model_state_dict(model).items()}
     return AdapterStore(directory).write(0, tensors, lora, base_model=model_path)
 

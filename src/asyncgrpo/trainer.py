@@ -149,8 +149,10 @@ class AsyncGRPOTrainer:
         return resolve_model_path(self.cfg)
 
     def _build_model(self) -> None:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .lora import lora_config
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
@@ -159,8 +161,7 @@ class AsyncGRPOTrainer:
         # engine partitions the weights at prepare() anyway. The cost: each rank holds the whole base until then.
         with without_zero3_init():
             base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, cfg.torch_dtype))
-        self.peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none")
+        self.peft_config = lora_config(cfg, base)  # lora_target_modules, in the language model only (lora.py)
         model = get_peft_model(base, self.peft_config)
         model.train()  # transformers 5 returns models in eval mode
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -86,9 +86,10 @@ def test_doctor_passes_on_the_session_server(vllm_server, tmp_path):
                           cwd=REPO, env=cpu_launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert sum(line.strip().startswith("PASS") for line in lines) == 12  # the directory + 11 server checks
+    assert sum(line.strip().startswith("PASS") for line in lines) == 13  # the directory + 12 server checks
     assert "PASS  not paused: GET /is_paused answers false" in proc.stdout
     assert "PASS  logprobs mode: processed_logprobs (from /server_info)" in proc.stdout
+    assert "PASS  no model sampling defaults: --generation-config vllm" in proc.stdout
     assert "PASS  max_lora_rank: --max-lora-rank 8 >= lora_r=8" in proc.stdout
     assert "PASS  adapter readable by server: a rank-8 probe adapter" in proc.stdout
     assert lines[-1] == "all checks passed"

@@ -11,6 +11,8 @@ with the fix, or skip with the reason). `asyncgrpo doctor` prints them; `train` 
 - not paused (`GET /is_paused`): a run killed during a weight sync leaves the server paused;
 - logprobs mode: `processed_logprobs` (read from `/server_info`, else probed at two temperatures) whenever the
   config's sampling (temperature, top_p, ...) makes it differ from raw.
+- no model sampling defaults: `--generation-config vllm` (read back), or a probe shows the model's
+  generation_config.json changes no logprobs of a request that leaves sampling fields out.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InferenceServerError
+from .client import NEUTRAL_SAMPLING
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +271,56 @@ def check_logprobs_mode(ctx: ServerContext) -> CheckResult:
     return CheckResult("logprobs mode", False, f"the server returns {mode} ({how}), the logprobs of the model before "
                        f"{', '.join(changes)}: every completion would be trained as if off-policy",
                        f"restart it with --logprobs-mode processed_logprobs ({SERVE_HINT})")
+# Sampling fields vLLM takes from a model's generation_config.json (or --override-generation-config) for a request
+# that leaves them out (vLLM 0.32, ModelConfig.get_diff_sampling_param).
+SAMPLING_DEFAULT_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                         "top_p", "min_p")
+GENERATION_DEFAULTS_PROBE = {
+    # A hot temperature flattens the distribution, so that a top_k or min_p default cuts visible mass (a trained
+    # model puts nearly all of it on a few tokens at temperature 1); sent in both requests, it cancels out.
+    "temperature": 2.0,  # the most vLLM accepts
+    "k": 20,  # top logprobs compared: vLLM's default --max-logprobs
+    "tolerance": 1e-4,  # fp32 noise between two batches is ~1e-6; a default that matters moves logprobs by >1e-2
+    "prompt": list(range(3, 35)) * 2,  # each token twice: a repetition_penalty default changes their logits
+}
+
+
+def check_generation_config(ctx: ServerContext) -> CheckResult:
+    """The server fills omitted sampling fields with vLLM's neutral values (`--generation-config vllm`), not with
+    the model's generation_config.json. Read back from /server_info where it exists; otherwise (and when the
+    server does use the model's file) probe: the top next-token logprobs with every field sent at its neutral
+    value must equal those of a request that sends only the temperature."""
+    name = "no model sampling defaults"
+    fix = f"restart the server with --generation-config vllm ({SERVE_HINT})"
+    source = None
+    config = ctx.server_config()
+    if config is not None:
+        model_config = config.get("model_config") or {}
+        source = model_config.get("generation_config", "auto")
+        overrides = sorted(set(model_config.get("override_generation_config") or {}) & set(SAMPLING_DEFAULT_KEYS))
+        if overrides:
+            return CheckResult(name, False, f"--override-generation-config sets {', '.join(overrides)} for every "
+                               "request that leaves them out", "remove them from --override-generation-config")
+        if source == "vllm":
+            return CheckResult(name, True, "--generation-config vllm")
+    probe, model = GENERATION_DEFAULTS_PROBE, ctx.client.base_model()
+    temperature = {"temperature": probe["temperature"], "top_p": 1.0}
+    explicit = ctx.client.next_token_logprobs(model, probe["prompt"], k=probe["k"],
+                                              sampling={**temperature, **NEUTRAL_SAMPLING})
+    omitted = ctx.client.next_token_logprobs(model, probe["prompt"], k=probe["k"], sampling=temperature)
+    diff = max((abs(lp - omitted[t]) for t, lp in explicit.items() if t in omitted), default=float("inf"))
+    where = f"--generation-config {source}" if source else "/server_info absent, probed"
+    if diff > probe["tolerance"]:
+        return CheckResult(name, False, f"the server fills sampling fields a request leaves out from the model's "
+                           f"generation_config.json ({where}): next-token logprobs move by up to {diff:.3g} when "
+                           f"top_k, min_p and the penalties are left out", fix)
+    return CheckResult(name, True, f"{where}, but leaving top_k, min_p and the penalties out changes no logprobs "
+                       f"(max {diff:.1e}): the model's file sets none of them")
 
 
 SERVER_CHECKS: list[Callable[[ServerContext], CheckResult]] = [
     check_reachable, check_version, check_lora_enabled, check_max_lora_rank, check_max_loras,
-    check_runtime_lora_updating, check_dev_mode, check_base_model, check_probe_adapter,
+    check_runtime_lora_updating, check_dev_mode, check_base_model, check_probe_adapter, check_generation_config,
 ]
 SERVER_CHECKS += [check_not_paused, check_logprobs_mode]  # faults (issue 13)
 
@@ -289,7 +337,8 @@ def title(check) -> str:
             check_max_loras: "max_loras", check_runtime_lora_updating: "runtime LoRA updating",
             check_dev_mode: "dev mode", check_base_model: "base model",
             check_probe_adapter: "adapter readable by server", check_not_paused: "not paused",
-            check_logprobs_mode: "logprobs mode"}.get(check, check.__name__.removeprefix("check_"))
+            check_logprobs_mode: "logprobs mode",
+            check_generation_config: "no model sampling defaults"}.get(check, check.__name__.removeprefix("check_"))
 
 
 def _same_dir(a: str, b: str) -> bool:

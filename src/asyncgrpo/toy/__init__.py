@@ -14,7 +14,7 @@ from asyncgrpo.toy.task import larger_reward, make_split
 
 if TYPE_CHECKING:
     from asyncgrpo.toy.tokenizer import SPECIAL_TOKENS, build_tokenizer, decode_completion
-    from asyncgrpo.toy.world import ToyWorld, ToyWorldSpec, build_toy_world
+    from asyncgrpo.toy.world import ToyWorld, ToyWorldSpec, build_toy_world, with_generation_defaults
 
 _LAZY = {
     "SPECIAL_TOKENS": "asyncgrpo.toy.tokenizer",
@@ -23,6 +23,7 @@ _LAZY = {
     "ToyWorld": "asyncgrpo.toy.world",
     "ToyWorldSpec": "asyncgrpo.toy.world",
     "build_toy_world": "asyncgrpo.toy.world",
+    "with_generation_defaults": "asyncgrpo.toy.world",
 }
 
 __all__ = ["larger_reward", "make_split", *_LAZY]

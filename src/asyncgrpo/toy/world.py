@@ -403,6 +403,37 @@ def build_toy_world(
     return world
 
 
+QWEN_INSTRUCT_SAMPLING = {"top_k": 20, "repetition_penalty": 1.05}
+"""Sampling defaults Qwen2.5-Instruct ships in its generation_config.json (with temperature and top_p, which every
+request sets anyway): a server that applies them samples from a truncated, penalised distribution."""
+
+
+def with_generation_defaults(world: ToyWorld, defaults: dict[str, Any] | None = None) -> ToyWorld:
+    """A variant of `world` whose model directory also holds a generation_config.json with sampling `defaults`
+    (default: QWEN_INSTRUCT_SAMPLING), the way real instruct checkpoints ship one. Same weights, tokenizer and
+    data files; the default world's directory and cache key are untouched. Built once beside the world as
+    `<root>-gen-<digest>/model` (a copy of the 1.4 MB model directory), atomically like the world itself."""
+    defaults = dict(QWEN_INSTRUCT_SAMPLING if defaults is None else defaults)
+    digest = hashlib.sha256(json.dumps(defaults, sort_keys=True).encode()).hexdigest()[:8]
+    root = world.root.with_name(f"{world.root.name}-gen-{digest}")
+    if not (root / "model" / "generation_config.json").is_file():
+        with _exclusive_lock(root.with_name(root.name + ".lock")):
+            if not (root / "model" / "generation_config.json").is_file():
+                shutil.rmtree(root, ignore_errors=True)  # debris of a killed build
+                staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+                try:
+                    shutil.copytree(world.model_dir, staging / "model")
+                    base = world.model_dir / "generation_config.json"
+                    generation = json.loads(base.read_text()) if base.is_file() else {}
+                    generation.update(defaults, do_sample=True)
+                    (staging / "model" / "generation_config.json").write_text(json.dumps(generation, indent=2))
+                    _make_readable(staging)
+                    os.rename(staging, root)
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+    return dataclasses.replace(world, model_dir=root / "model")
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI: build or find the toy world; progress goes to stderr, its paths and base accuracy as JSON to stdout."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,0 +1,34 @@
+"""The LoRA configuration, built in one place for the trainer and for doctor's probe adapter.
+
+`lora_target_modules` names modules by their last component (`q_proj`, ...). A multimodal checkpoint has modules of
+those names in its vision or audio tower too: real Gemma 4 checkpoints (`Gemma4ForConditionalGeneration`) have
+`model.vision_tower.encoder.layers.N.self_attn.q_proj`, a `Gemma4ClippableLinear` that PEFT cannot wrap ("Target
+module Gemma4ClippableLinear(...) is not supported"), and vLLM applies LoRA to the language model only. So when the
+model has such a tower, the towers are excluded and the adapter covers the language model alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+# Sub-modules of multimodal checkpoints outside the language model (Gemma 3/4, LLaVA-style, Qwen2-VL).
+MULTIMODAL_TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector", "visual")
+TOWER_PATTERN = rf"(.*\.)?({'|'.join(MULTIMODAL_TOWERS)})\..*"  # PEFT full-matches a str exclude_modules
+
+
+def tower_exclusion(module_names: Iterable[str]) -> str | None:
+    """The exclude_modules pattern when any module lies inside a multimodal tower, else None (PEFT warns about an
+    exclusion that matches nothing)."""
+    pattern = re.compile(TOWER_PATTERN)
+    return TOWER_PATTERN if any(pattern.fullmatch(name) for name in module_names) else None
+
+
+def lora_config(cfg, model):
+    """PEFT's LoraConfig for `cfg` on `model` (a transformers model, possibly on the meta device): rank, alpha,
+    dropout and `lora_target_modules`, inside the language model only."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none",
+                      exclude_modules=tower_exclusion(name for name, _ in model.named_modules()))
