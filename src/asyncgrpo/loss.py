@@ -31,6 +31,88 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+# Positions per chunk are sized so that one chunk's fp32 logits take about this much memory (the backward holds
+# about three such buffers at a time): 2**26 elements = 256 MiB, ~440 positions at a 152k vocabulary.
+CHUNK_LOGIT_ELEMENTS = 2**26
+
+
+def chunk_positions(vocab_size: int, budget_elements: int = CHUNK_LOGIT_ELEMENTS) -> int:
+    """Positions per chunk so that a chunk's (positions x vocab) fp32 logits hold about `budget_elements`."""
+    return max(1, budget_elements // vocab_size)
+
+
+def _chunk_logits(hidden, weight, bias, softcap, temperature):
+    """(n, H) hidden -> (n, V) fp32 logits as the model computes them, softcapped, divided by the temperature; also
+    the tanh of the softcap (for its derivative), or None."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    squashed = None
+    if softcap is not None:
+        squashed = torch.tanh(logits / softcap)
+        logits = squashed * softcap
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits, squashed
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """Forward: per chunk of positions, logits -> log-softmax at the target; only the (N,) log-sum-exps are kept.
+    Backward: per chunk, the logits are recomputed and d logp / d logits = onehot - softmax is applied at once, so
+    neither pass holds more than one chunk of (chunk x V) fp32 tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        with torch.no_grad():
+            for s in range(0, hidden.shape[0], chunk):
+                logits, _ = _chunk_logits(hidden[s:s + chunk], weight, bias, softcap, temperature)  # (n, V)
+                lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+                out[s:s + chunk] = logits.gather(-1, targets[s:s + chunk].unsqueeze(-1)).squeeze(-1) - lse[s:s + chunk]
+        # The weight is saved by reference, as nn.Linear's backward does: FSDP / ZeRO-3 re-materialise it for backward.
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.softcap, ctx.chunk = temperature, softcap, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s:s + ctx.chunk]
+            logits, squashed = _chunk_logits(h, weight, bias, ctx.softcap, ctx.temperature)  # (n, V)
+            # d logp / d logits = onehot(target) - softmax, scaled by the incoming gradient; in place on `logits`.
+            grad = logits.sub_(lse[s:s + ctx.chunk].unsqueeze(-1)).exp_().neg_()
+            grad.scatter_add_(-1, targets[s:s + ctx.chunk].unsqueeze(-1), torch.ones_like(grad[:, :1]))
+            grad.mul_(grad_out[s:s + ctx.chunk].unsqueeze(-1))
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            if squashed is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
+                grad.mul_(1.0 - squashed.square_())
+            if need_h:
+                grad_h[s:s + ctx.chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(grad.t(), h.float())
+            if need_b:
+                grad_b.add_(grad.sum(0))
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+                None, None, None, None)
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                           temperature: float = 1.0, bias: torch.Tensor | None = None, softcap: float | None = None,
+                           chunk_size: int | None = None) -> torch.Tensor:
+    """What `token_logprobs(lm_head(hidden), targets, temperature)` gives, without ever holding more than one chunk of
+    logits: hidden (N, H) final hidden states at the scored positions only, weight (V, H) (and bias (V,)) the LM head,
+    targets (N,) -> (N,) fp32 logprobs. `softcap`: the model's final logit soft-capping (Gemma), applied before the
+    temperature as the model's own forward does. Gradients flow to `hidden` (and to `weight`/`bias` if they need
+    them). `chunk_size`: positions per chunk, default from `chunk_positions`."""
+    chunk = chunk_size or chunk_positions(weight.shape[0])
+    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), softcap, chunk)
+
+
 @dataclass
 class LossTerms:
     """The loss and detached statistics; sums are over masked tokens, so callers can reduce across ranks."""
