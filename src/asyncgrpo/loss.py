@@ -43,21 +43,22 @@ def chunk_positions(vocab_size: int, budget_elements: int = CHUNK_LOGIT_ELEMENTS
 
 def _chunk_logits(hidden, weight, bias, softcap, temperature):
     """(n, H) hidden -> (n, V) fp32 logits as the model computes them, softcapped, divided by the temperature; also
-    the tanh of the softcap (for its derivative), or None."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()
-    squashed = None
+    1 - tanh^2 of the softcap (its derivative), or None. Only called without autograd: scaled in place."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # a new tensor: ours to overwrite
+    slope = None
     if softcap is not None:
-        squashed = torch.tanh(logits / softcap)
-        logits = squashed * softcap
+        logits.div_(softcap).tanh_()
+        slope = 1.0 - logits.square()
+        logits.mul_(softcap)
     if temperature != 1.0:
-        logits = logits / temperature
-    return logits, squashed
+        logits.div_(temperature)
+    return logits, slope
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """Forward: per chunk of positions, logits -> log-softmax at the target; only the (N,) log-sum-exps are kept.
     Backward: per chunk, the logits are recomputed and d logp / d logits = onehot - softmax is applied at once, so
-    neither pass holds more than one chunk of (chunk x V) fp32 tensors."""
+    neither pass holds more than one (chunk x V) fp32 buffer (two with a softcap), all updated in place."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk):
@@ -66,8 +67,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         with torch.no_grad():
             for s in range(0, hidden.shape[0], chunk):
                 logits, _ = _chunk_logits(hidden[s:s + chunk], weight, bias, softcap, temperature)  # (n, V)
-                lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
-                out[s:s + chunk] = logits.gather(-1, targets[s:s + chunk].unsqueeze(-1)).squeeze(-1) - lse[s:s + chunk]
+                target = logits.gather(-1, targets[s:s + chunk].unsqueeze(-1)).squeeze(-1)  # (n,)
+                top = logits.amax(dim=-1)  # (n,): log-sum-exp in place, without a second (n, V) buffer
+                lse[s:s + chunk] = top + logits.sub_(top.unsqueeze(-1)).exp_().sum(-1).log_()
+                out[s:s + chunk] = target - lse[s:s + chunk]
+                del logits  # before the next chunk's: two would be alive at once
         # The weight is saved by reference, as nn.Linear's backward does: FSDP / ZeRO-3 re-materialise it for backward.
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.softcap, ctx.chunk = temperature, softcap, chunk
@@ -82,21 +86,22 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s:s + ctx.chunk]
-            logits, squashed = _chunk_logits(h, weight, bias, ctx.softcap, ctx.temperature)  # (n, V)
+            logits, slope = _chunk_logits(h, weight, bias, ctx.softcap, ctx.temperature)  # (n, V)
             # d logp / d logits = onehot(target) - softmax, scaled by the incoming gradient; in place on `logits`.
             grad = logits.sub_(lse[s:s + ctx.chunk].unsqueeze(-1)).exp_().neg_()
             grad.scatter_add_(-1, targets[s:s + ctx.chunk].unsqueeze(-1), torch.ones_like(grad[:, :1]))
             grad.mul_(grad_out[s:s + ctx.chunk].unsqueeze(-1))
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
-            if squashed is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
-                grad.mul_(1.0 - squashed.square_())
+            if slope is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
+                grad.mul_(slope)
             if need_h:
                 grad_h[s:s + ctx.chunk] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(grad.t(), h.float())
             if need_b:
                 grad_b.add_(grad.sum(0))
+            del logits, grad, slope  # before the next chunk's
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
                 None, None, None, None)
 

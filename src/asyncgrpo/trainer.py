@@ -23,9 +23,10 @@ from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkp
 from .config import AsyncGRPOConfig
 from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator, setup_logging, without_zero3_init,
                           wrap_lora_separately)
-from .loss import grpo_loss, token_logprobs
+from .logprobs import find_scoring_head, sequence_logprobs
+from .loss import grpo_loss
 from .rewards import reward_means
-from .rollout.queue import Group, RolloutQueue, split_by_tokens
+from .rollout.queue import Group, RolloutQueue, pack_by_tokens, split_by_tokens
 from .sync.gather import backend_of, gather_lora_state, lora_parameters
 from .timeline import Timeline, span
 
@@ -113,6 +114,10 @@ class AsyncGRPOTrainer:
         # engine partitions the weights at prepare() anyway. The cost: each rank holds the whole base until then.
         with without_zero3_init():
             base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, cfg.torch_dtype))
+        if cfg.gradient_checkpointing:
+            # Non-reentrant: it works with frozen inputs and FSDP/ZeRO-3 (PEFT also makes the embeddings' output
+            # require grad when it sees checkpointing on).
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                       target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none")
         model = get_peft_model(base, self.peft_config)
@@ -124,6 +129,8 @@ class AsyncGRPOTrainer:
                                       betas=(cfg.adam_beta1, cfg.adam_beta2))
         wrap_lora_separately(self.acc, model)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        # The LM head the chunked logprob path runs in place of the model's (None: full logits; logprobs.py says why).
+        self.scoring_head = find_scoring_head(self.acc.unwrap_model(self.model))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def _setup_rank0(self) -> None:
@@ -223,8 +230,24 @@ class AsyncGRPOTrainer:
             self.data_position = max(self.data_position, 1 + max(g.index for g in groups))
             shares = split_by_tokens(groups, self.world)
         share = broadcast_object(shares)[self.rank]
-        per_micro = self.cfg.per_device_train_batch_size // self.cfg.num_generations
-        return TrainBatch(groups, [self._collate(share[i:i + per_micro]) for i in range(0, len(share), per_micro)])
+        micro_batches = self._micro_batches(share)
+        stats.add(**{"train/micro_batches": len(micro_batches)})  # the same on every rank
+        return TrainBatch(groups, micro_batches)
+
+    def _micro_batches(self, share: list[Group]) -> list[dict[str, torch.Tensor]]:
+        """Collective (with a token budget): this rank's groups collated into micro-batches. Without a budget,
+        `per_device_train_batch_size` completions (whole groups) each; with `max_tokens_per_microbatch`, completions
+        sorted by length and packed within the budget, and as many micro-batches on every rank as on the rank that
+        needs most (FSDP and ZeRO run collectives inside each forward, so the counts must match)."""
+        budget = self.cfg.max_tokens_per_microbatch
+        if not budget:
+            per_micro = self.cfg.per_device_train_batch_size // self.cfg.num_generations
+            return [self._collate(share[i:i + per_micro]) for i in range(0, len(share), per_micro)]
+        singles = [g.completion(j) for g in share for j in range(len(g.completion_ids))]
+        lengths = [len(s.prompt_ids) + len(s.completion_ids[0]) for s in singles]
+        packed = pack_by_tokens(lengths, budget)
+        packed = pack_by_tokens(lengths, budget, count=int(dist_max(len(packed))))
+        return [self._collate([singles[i] for i in sorted(b)]) for b in packed]
 
     def _batch_stats(self, groups: list[Group], stats: StepStats, waited_s: float) -> None:
         """Rank 0: what this step's batch holds (rewards, staleness against the trainer's version now)."""
@@ -263,9 +286,10 @@ class AsyncGRPOTrainer:
                 "advantages": torch.tensor(advantages, dtype=torch.float32)}
 
     def policy_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32."""
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], self.cfg.temperature)
+        """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32, zero where
+        `mask` is 0. The LM head runs on the completion positions only, in chunks (logprobs.py): no (B, T, V) tensor."""
+        return sequence_logprobs(self.model, self.scoring_head, batch["input_ids"], batch["attention_mask"],
+                                 batch["mask"], self.cfg.temperature)
 
     @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
