@@ -68,6 +68,32 @@ def without_zero3_init():
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
+@contextlib.contextmanager
+def zero3_init_in(dtype: torch.dtype):
+    """Collective under ZeRO-3 (every rank builds the model): models built inside are partitioned as they are
+    built (`deepspeed.zero.Init`, as transformers does under ZeRO-3), so no rank ever holds the whole base, and they
+    keep `dtype`. zero.Init casts every weight to the DeepSpeed config's dtype (fp32 unless its `bf16`/`fp16` is on,
+    and those follow accelerate's `mixed_precision`), so transformers sees, for this block only, a copy of the config
+    whose `bf16`/`fp16` flags match `dtype`; the engine keeps its own config. A no-op without ZeRO-3."""
+    import copy
+
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    if not hf_deepspeed.is_deepspeed_zero3_enabled():
+        yield
+        return
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    config = copy.deepcopy(hf_deepspeed.deepspeed_config())
+    config["bf16"] = {**config.get("bf16", {}), "enabled": dtype == torch.bfloat16}
+    config["fp16"] = {**config.get("fp16", {}), "enabled": dtype == torch.float16}
+    keep_alive = hf_deepspeed.HfDeepSpeedConfig(config)  # sets transformers' weak reference to itself
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+        del keep_alive
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 

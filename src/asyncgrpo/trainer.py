@@ -21,8 +21,8 @@ import torch
 from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint, resolve_checkpoint,
                          restore_rng, save_checkpoint)
 from .config import AsyncGRPOConfig
-from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator, setup_logging, without_zero3_init,
-                          wrap_lora_separately)
+from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator, setup_logging, wrap_lora_separately,
+                          zero3_init_in)
 from .logprobs import find_scoring_head, sequence_logprobs
 from .loss import grpo_loss
 from .rewards import reward_means
@@ -107,13 +107,21 @@ class AsyncGRPOTrainer:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .data import local_model_dir
+
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        # Loaded plainly, also under ZeRO-3: zero.Init would cast a bf16 base to fp32 (DeepSpeed's dtype), and the
-        # engine partitions the weights at prepare() anyway. The cost: each rank holds the whole base until then.
-        with without_zero3_init():
-            base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, cfg.torch_dtype))
+        with self.acc.local_main_process_first():  # a hub model is downloaded once per node; the others read the cache
+            local_dir = local_model_dir(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(local_dir)
+        dtype = getattr(torch, cfg.torch_dtype)
+        # Under ZeRO-3 the base is partitioned as it is built, in `torch_dtype` (zero3_init_in); under FSDP with
+        # `fsdp_cpu_ram_efficient_loading` only local rank 0 reads the weights (transformers), the others get them
+        # from rank 0 when the model is sharded (accelerate).
+        with zero3_init_in(dtype):
+            base = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
+        if any(hasattr(p, "ds_id") for p in base.parameters()):
+            log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s", cfg.torch_dtype)
         if cfg.gradient_checkpointing:
             # Non-reentrant: it works with frozen inputs and FSDP/ZeRO-3 (PEFT also makes the embeddings' output
             # require grad when it sees checkpointing on).
