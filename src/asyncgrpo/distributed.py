@@ -94,6 +94,25 @@ def zero3_init_in(dtype: torch.dtype):
         del keep_alive
 
 
+def recompute_rotary_buffers(model) -> int:
+    """zero.Init also casts the tensors a module computes in `__init__` (rotary `inv_freq`, which transformers keeps in
+    fp32) to its dtype, and bf16 angles drift by ~1 rad at position 1k (shared/NOTES.md). Rebuild each rotary module
+    (they take the model config and hold no weights) outside zero.Init and take its fp32 buffers. Returns how many
+    modules were rebuilt."""
+    rebuilt = 0
+    for module in model.modules():
+        stale = {n: b for n, b in module.named_buffers(recurse=False)
+                 if b is not None and b.is_floating_point() and b.dtype != torch.float32}
+        if not stale or not type(module).__name__.endswith("RotaryEmbedding") or hasattr(module, "weight"):
+            continue
+        with without_zero3_init():
+            fresh = type(module)(module.config)
+        for name, old in stale.items():
+            module._buffers[name] = getattr(fresh, name).to(old.device)
+        rebuilt += 1
+    return rebuilt
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 

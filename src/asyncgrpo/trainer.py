@@ -21,8 +21,8 @@ import torch
 from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint, resolve_checkpoint,
                          restore_rng, save_checkpoint)
 from .config import AsyncGRPOConfig
-from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator, setup_logging, wrap_lora_separately,
-                          zero3_init_in)
+from .distributed import (broadcast_object, dist_max, dist_sum, make_accelerator, recompute_rotary_buffers,
+                          setup_logging, wrap_lora_separately, zero3_init_in)
 from .logprobs import find_scoring_head, sequence_logprobs
 from .loss import grpo_loss
 from .rewards import reward_means
@@ -121,7 +121,9 @@ class AsyncGRPOTrainer:
         with zero3_init_in(dtype):
             base = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
         if any(hasattr(p, "ds_id") for p in base.parameters()):
-            log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s", cfg.torch_dtype)
+            rebuilt = recompute_rotary_buffers(base)  # zero.Init rounded them to torch_dtype too
+            log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s; rotary buffers of %d "
+                     "modules recomputed in fp32", cfg.torch_dtype, rebuilt)
         if cfg.gradient_checkpointing:
             # Non-reentrant: it works with frozen inputs and FSDP/ZeRO-3 (PEFT also makes the embeddings' output
             # require grad when it sees checkpointing on).
