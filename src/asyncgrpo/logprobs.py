@@ -64,6 +64,7 @@ def find_scoring_head(model) -> ScoringHead | None:
 def _scoring(head: ScoringHead, forward):
     """Within: `head.module` runs `forward` (its hooks still run around it), and the model applies no softcap."""
     saved = [getattr(c, "final_logit_softcapping", None) for c in head.configs]
+    own_forward = vars(head.module).get("forward")  # e.g. a hook some library set on the instance: put back after
     head.module.forward = forward  # an instance attribute: found before the class's forward
     for c in head.configs:
         if hasattr(c, "final_logit_softcapping"):
@@ -71,7 +72,10 @@ def _scoring(head: ScoringHead, forward):
     try:
         yield
     finally:
-        del head.module.forward
+        if own_forward is None:
+            del head.module.forward
+        else:
+            head.module.forward = own_forward
         for c, value in zip(head.configs, saved):
             if hasattr(c, "final_logit_softcapping"):
                 c.final_logit_softcapping = value
