@@ -44,7 +44,7 @@ def chunk_positions(vocab_size: int, budget_elements: int = CHUNK_LOGIT_ELEMENTS
 def _chunk_logits(hidden, weight, bias, softcap, temperature):
     """(n, H) hidden -> (n, V) fp32 logits as the model computes them, softcapped, divided by the temperature; also
     1 - tanh^2 of the softcap (its derivative), or None. Only called without autograd: scaled in place."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # a new tensor: ours to overwrite
+    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()  # new: ours to overwrite
     slope = None
     if softcap is not None:
         logits.div_(softcap).tanh_()
@@ -64,7 +64,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk):
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
-        with torch.no_grad():
+        # Autocast off (forward and backward): the backward recomputes these logits and must get the very same ones,
+        # and a backward does not run under the forward's autocast.
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
                 logits, _ = _chunk_logits(hidden[s:s + chunk], weight, bias, softcap, temperature)  # (n, V)
                 target = logits.gather(-1, targets[s:s + chunk].unsqueeze(-1)).squeeze(-1)  # (n,)
@@ -79,6 +81,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _ChunkedTokenLogprobs._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None

@@ -108,3 +108,22 @@ def test_chunk_size_does_not_change_the_result_and_is_sized_from_the_vocabulary(
     all_at_once = _naive_and_chunked(1.0, chunk_size=100)[1]
     assert torch.allclose(one[0], all_at_once[0], atol=1e-6) and torch.allclose(one[1], all_at_once[1], atol=1e-6)
     assert chunk_positions(151936) == 2**26 // 151936 and chunk_positions(10**9) == 1
+
+
+def test_chunked_logprobs_ignore_autocast_so_the_backward_matches_the_forward():
+    """Under autocast (accelerate's DDP mixed precision) the head would run in bf16 in the forward but not in the
+    backward's recompute; the chunked path runs in the weights' dtype in both."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(6, 16, generator=g) * 4).requires_grad_()
+    weight = torch.randn(40, 16, generator=g)
+    targets = torch.randint(0, 40, (6,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = chunked_token_logprobs(hidden, weight, targets, temperature=0.9, chunk_size=4)
+        bf16 = token_logprobs(torch.nn.functional.linear(hidden, weight).unsqueeze(0), targets.unsqueeze(0), 0.9)
+    lp.sum().backward()
+    h2 = hidden.detach().clone().requires_grad_()
+    exact = token_logprobs(torch.nn.functional.linear(h2, weight).unsqueeze(0), targets.unsqueeze(0), 0.9).squeeze(0)
+    exact.sum().backward()
+    assert (bf16.squeeze(0) - exact).abs().max() > 1e-3  # autocast really changes a head run under it
+    assert torch.allclose(lp, exact, atol=1e-5, rtol=0)
+    assert torch.allclose(hidden.grad, h2.grad, atol=1e-5, rtol=0)
