@@ -39,8 +39,13 @@ BUDGET = ["--max_tokens_per_microbatch", "48"]
 BUDGET_BACKENDS = {"fsdp1", "fsdp2"}
 
 
+def packs_by_tokens(backend: str, dtype: str) -> bool:
+    """Whether `launch` gave this run a token budget (MEMORY + BUDGET)."""
+    return dtype == "float32" and backend in BUDGET_BACKENDS
+
+
 def launch(backend: str, out: Path, server_url: str, dtype: str) -> subprocess.CompletedProcess:
-    memory = [*MEMORY, *(BUDGET if backend in BUDGET_BACKENDS else [])] if dtype == "float32" else []
+    memory = [*MEMORY, *(BUDGET if packs_by_tokens(backend, dtype) else [])] if dtype == "float32" else []
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            f"launch/accelerate/{backend}_cpu.yaml", "--main_process_port", str(find_free_port()),
            "-m", "asyncgrpo", "train", *COMMON, *memory, "--output_dir", str(out), "--torch_dtype", dtype,
@@ -48,7 +53,8 @@ def launch(backend: str, out: Path, server_url: str, dtype: str) -> subprocess.C
     return subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
 
 
-def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_logprobs, tb_scalars) -> None:
+def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_logprobs, tb_scalars,
+                            packed: bool = False) -> None:
     summary = json.loads((out / "run_summary.json").read_text())
     assert (summary["version"], summary["backend"], summary["world_size"]) == (2, backend, 2)
     assert summary["base_dtype"] == dtype  # the backend kept the base in the dtype asked for
@@ -66,7 +72,7 @@ def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_lo
     ratios = [v for _, v in tb_scalars(out / "tensorboard", "train/max_abs_log_ratio")]
     assert len(ratios) == 2 and max(ratios) <= LOG_RATIO_BOUND[dtype], ratios
     micro_batches = [v for _, v in tb_scalars(out / "tensorboard", "train/micro_batches")]
-    if dtype == "float32" and backend in BUDGET_BACKENDS:  # within 48 tokens: at most 5 of the ~9-10-token sequences
+    if packed:  # within 48 tokens: at most 5 of the ~9-10-token sequences each
         assert len(micro_batches) == 2 and min(micro_batches) >= 3, micro_batches
     else:  # no budget: per_device_train_batch_size completions per micro-batch
         assert micro_batches == [1.0, 1.0], micro_batches
@@ -86,7 +92,8 @@ def test_sharded_training_publishes_the_trained_adapter(backend, dtype, vllm_ser
     assert proc.returncode == 0, proc.stderr[-5000:]
     if backend == "zero3":  # no rank held the whole base: zero.Init partitioned it as it was built, in `dtype`
         assert f"partitioned as it was built (zero.Init), in {dtype}" in proc.stderr
-    check_published_adapter(tmp_path, backend, dtype, client, peft_logprobs, tb_scalars)
+    check_published_adapter(tmp_path, backend, dtype, client, peft_logprobs, tb_scalars,
+                            packed=packs_by_tokens(backend, dtype))
 
 
 def test_deepspeed_launcher_runs_the_same_train_command(vllm_server, client, peft_logprobs, tb_scalars, tmp_path):
