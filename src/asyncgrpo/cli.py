@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="check the inference server(s) and adapter directory against a config")
     doctor.add_argument("--config", help="YAML config file; `--key value` after it overrides a config key")
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
-    bench.add_argument("name", choices=["policy_equivalence", "sync", "throughput", "staleness"])
+    bench.add_argument("name", choices=["memory", "policy_equivalence", "staleness", "sync", "throughput"])
     bench.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     bench.add_argument("--server", default=None, help="use a running vLLM server at this URL instead of starting one")
     bench.add_argument("--backend", default="fsdp2", choices=["ddp", "fsdp1", "fsdp2", "zero2", "zero3", "all"],
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="throughput: draw the trainer/server busy timelines of each run into this PNG; "
                             "staleness: held-out reward against max_staleness per correction")
+    bench.add_argument("--vocab_size", type=int, default=151936, help="memory: vocabulary of the random model")
+    bench.add_argument("--completion_tokens", type=int, default=1024, help="memory: completion tokens in the step")
     args, overrides = parser.parse_known_args(argv)
     handlers = {"train": cmd_train, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor}
     try:

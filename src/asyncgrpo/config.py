@@ -219,6 +219,17 @@ class AsyncGRPOConfig:
     seed: int = 0
     """Seed for data order, initialisation and sampling on the trainer side."""
 
+    # ---- memory ---------------------------------------------------------------------------------
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (transformers' gradient
+    checkpointing, non-reentrant): much less activation memory for about one more forward's compute. On in the GPU
+    recipes (TRL's name)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of one micro-batch: this rank's completions are sorted by length and packed so that each
+    micro-batch's padded size (sequences x longest prompt + completion) stays within it (a longer sequence gets a
+    micro-batch of its own); every rank runs the same number of micro-batches. The loss is unchanged (still a mean
+    over the global batch's tokens). 0 = off: `per_device_train_batch_size` completions (whole groups) per micro-batch."""
+
     # ---- asynchrony and weight sync -------------------------------------------------------------
     max_staleness: int = 1
     """Most policy versions a group may lag the trainer when its batch is taken from the queue. 0 = synchronous
@@ -333,6 +344,9 @@ class AsyncGRPOConfig:
         if self.num_generations < 2:
             raise ConfigError("num_generations", f"must be >= 2 for group-relative advantages, got "
                               f"{self.num_generations}", "set num_generations to 2 or more (8 is typical)")
+        if self.max_tokens_per_microbatch < 0:
+            raise ConfigError("max_tokens_per_microbatch", f"must be >= 0, got {self.max_tokens_per_microbatch}",
+                              "use 0 (off) or a token budget such as 16384")
         if self.per_device_train_batch_size % self.num_generations:
             raise ConfigError("per_device_train_batch_size",
                               f"{self.per_device_train_batch_size} is not a multiple of num_generations "

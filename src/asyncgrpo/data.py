@@ -92,6 +92,24 @@ def resolve_model_path(cfg) -> str:
     return str(toy_world(cfg).model_dir)
 
 
+def local_model_dir(path: str) -> str:
+    """A local directory holding the model `path` names: `path` itself when it is a directory, else its hub snapshot
+    (downloaded unless cached; weights as safetensors or .bin, never the `original/` or GGUF copies some repos add)."""
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(path, ignore_patterns=["original/*", "*.gguf", "*.pth", "*.pt", "*.onnx", "*.h5",
+                                                        "*.msgpack", "*.ot"])
+    except LocalEntryNotFoundError as exc:
+        raise ConfigError("model_name_or_path", f"{path!r} is not a local directory and not in the hub cache, and the "
+                          "hub cannot be reached (offline)",
+                          "pass a local model directory, or download it first with hub access "
+                          "(`huggingface-cli download ...`)") from exc
+
+
 def toy_world(cfg):
     from .toy import ToyWorldSpec, build_toy_world
 

@@ -187,6 +187,51 @@ def without_zero3_init():
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
+@contextlib.contextmanager
+def zero3_init_in(dtype: torch.dtype):
+    """Collective under ZeRO-3 (every rank builds the model): models built inside are partitioned as they are
+    built (`deepspeed.zero.Init`, as transformers does under ZeRO-3), so no rank ever holds the whole base, and they
+    keep `dtype`. zero.Init casts every weight to the DeepSpeed config's dtype (fp32 unless its `bf16`/`fp16` is on,
+    and those follow accelerate's `mixed_precision`), so transformers sees, for this block only, a copy of the config
+    whose `bf16`/`fp16` flags match `dtype`; the engine keeps its own config. A no-op without ZeRO-3."""
+    import copy
+
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    if not hf_deepspeed.is_deepspeed_zero3_enabled():
+        yield
+        return
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    config = copy.deepcopy(hf_deepspeed.deepspeed_config())
+    config["bf16"] = {**config.get("bf16", {}), "enabled": dtype == torch.bfloat16}
+    config["fp16"] = {**config.get("fp16", {}), "enabled": dtype == torch.float16}
+    keep_alive = hf_deepspeed.HfDeepSpeedConfig(config)  # sets transformers' weak reference to itself
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+        del keep_alive
+
+
+def recompute_rotary_buffers(model) -> int:
+    """zero.Init also casts the tensors a module computes in `__init__` (rotary `inv_freq`, which transformers keeps in
+    fp32) to its dtype, and bf16 angles drift by ~1 rad at position 1k (shared/NOTES.md). Rebuild each rotary module
+    (they take the model config and hold no weights) outside zero.Init and take its fp32 buffers. Returns how many
+    modules were rebuilt."""
+    rebuilt = 0
+    for module in model.modules():
+        stale = {n: b for n, b in module.named_buffers(recurse=False)
+                 if b is not None and b.is_floating_point() and b.dtype != torch.float32}
+        if not stale or not type(module).__name__.endswith("RotaryEmbedding") or hasattr(module, "weight"):
+            continue
+        with without_zero3_init():
+            fresh = type(module)(module.config)
+        for name, old in stale.items():
+            module._buffers[name] = getattr(fresh, name).to(old.device)
+        rebuilt += 1
+    return rebuilt
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 

@@ -21,11 +21,13 @@ from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkp
                          restore_rng, save_checkpoint)
 from .config import AsyncGRPOConfig
 from .distributed import (accumulation, broadcast_object, configure_backend, dist_max, dist_sum, fp32_buffer_check,
-                          make_accelerator, on_main, require_shared_dir, setup_logging, without_zero3_init)
+                          make_accelerator, on_main, recompute_rotary_buffers, require_shared_dir, setup_logging,
+                          zero3_init_in)
 from .inference.recovery import check_outage_fits_ddp_timeout
-from .loss import grpo_loss, loss_normaliser, token_logprobs
+from .logprobs import find_scoring_head, sequence_logprobs
+from .loss import grpo_loss, loss_normaliser
 from .rewards import reward_means
-from .rollout.queue import Group, RolloutQueue, split_by_tokens
+from .rollout.queue import Group, RolloutQueue, pack_by_tokens, split_by_tokens
 from .schedule import build_lr_scheduler
 from .sync.gather import backend_of, gather_lora_state, lora_parameters
 from .timeline import Timeline, span
@@ -152,15 +154,28 @@ class AsyncGRPOTrainer:
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .data import local_model_dir
         from .lora import lora_config
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        # Loaded plainly, also under ZeRO-3: zero.Init would cast a bf16 base to fp32 (DeepSpeed's dtype), and the
-        # engine partitions the weights at prepare() anyway. The cost: each rank holds the whole base until then.
-        with without_zero3_init():
-            base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, cfg.torch_dtype))
+        with self.acc.local_main_process_first():  # a hub model is downloaded once per node; the others read the cache
+            local_dir = local_model_dir(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(local_dir)
+        dtype = getattr(torch, cfg.torch_dtype)
+        # Under ZeRO-3 the base is partitioned as it is built, in `torch_dtype` (zero3_init_in); under FSDP with
+        # `fsdp_cpu_ram_efficient_loading` only local rank 0 reads the weights (transformers), the others get them
+        # from rank 0 when the model is sharded (accelerate).
+        with zero3_init_in(dtype):
+            base = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
+        if any(hasattr(p, "ds_id") for p in base.parameters()):
+            rebuilt = recompute_rotary_buffers(base)  # zero.Init rounded them to torch_dtype too
+            log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s; rotary buffers of %d "
+                     "modules recomputed in fp32", cfg.torch_dtype, rebuilt)
+        if cfg.gradient_checkpointing:
+            # Non-reentrant: it works with frozen inputs and FSDP/ZeRO-3 (PEFT also makes the embeddings' output
+            # require grad when it sees checkpointing on).
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.peft_config = lora_config(cfg, base)  # lora_target_modules, in the language model only (lora.py)
         model = get_peft_model(base, self.peft_config)
         model.train()  # transformers 5 returns models in eval mode
@@ -172,6 +187,8 @@ class AsyncGRPOTrainer:
         configure_backend(self.acc, model, max_grad_norm=cfg.max_grad_norm)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         fp32_buffer_check(self.model)
+        # The LM head the chunked logprob path runs in place of the model's (None: full logits; logprobs.py says why).
+        self.scoring_head = find_scoring_head(self.acc.unwrap_model(self.model))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def _setup_rank0(self) -> None:
@@ -274,10 +291,27 @@ class AsyncGRPOTrainer:
 
         groups = on_main(take, "taking a batch from the rollout queue") or []
         share = broadcast_object(split_by_tokens(groups, self.world) if self.main else None)[self.rank]
-        per_micro = self.cfg.per_device_train_batch_size // self.cfg.num_generations
-        # Collated once, moved to this rank's device once; kept there for the batch's num_iterations steps.
-        return TrainBatch(groups, [to_device(collate(share[i:i + per_micro], self.pad_id), self.acc.device)
-                                   for i in range(0, len(share), per_micro)])
+        micro_batches = self._micro_batches(share)
+        stats.add(**{"train/micro_batches": len(micro_batches)})  # the same on every rank
+        return TrainBatch(groups, micro_batches)
+
+    def _micro_batches(self, share: list[Group]) -> list[dict[str, torch.Tensor]]:
+        """Collective (with a token budget): this rank's groups collated into micro-batches, each moved to this
+        rank's device once and kept there for the batch's num_iterations steps. Without a budget,
+        `per_device_train_batch_size` completions (whole groups) each; with `max_tokens_per_microbatch`, completions
+        sorted by length and packed within the budget, and as many micro-batches on every rank as on the rank that
+        needs most (FSDP and ZeRO run collectives inside each forward, so the counts must match)."""
+        budget = self.cfg.max_tokens_per_microbatch
+        if not budget:
+            per_micro = self.cfg.per_device_train_batch_size // self.cfg.num_generations
+            parts = [share[i:i + per_micro] for i in range(0, len(share), per_micro)]
+        else:
+            singles = [g.completion(j) for g in share for j in range(len(g.completion_ids))]
+            lengths = [len(s.prompt_ids) + len(s.completion_ids[0]) for s in singles]
+            packed = pack_by_tokens(lengths, budget)
+            packed = pack_by_tokens(lengths, budget, count=int(dist_max(len(packed))))
+            parts = [[singles[i] for i in sorted(b)] for b in packed]
+        return [to_device(collate(part, self.pad_id), self.acc.device) for part in parts]
 
     def _batch_stats(self, groups: list[Group], stats: StepStats, waited_s: float) -> None:
         """Rank 0: what this step's batch holds (rewards, staleness against the trainer's version now)."""
@@ -300,9 +334,10 @@ class AsyncGRPOTrainer:
                 stats.add(**{f"reward/{name}": mean})
 
     def policy_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32."""
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], self.cfg.temperature)
+        """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32, zero where
+        `mask` is 0. The LM head runs on the completion positions only, in chunks (logprobs.py): no (B, T, V) tensor."""
+        return sequence_logprobs(self.model, self.scoring_head, batch["input_ids"], batch["attention_mask"],
+                                 batch["mask"], self.cfg.temperature)
 
     @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:

@@ -31,15 +31,30 @@ COMMON = ["--config", "configs/demo.yaml", "--max_steps", "2", "--per_device_tra
           "--vllm_request_timeout", "40"]
 
 
+# The fp32 runs also check the memory settings: gradient checkpointing on every backend, and micro-batches packed by
+# a token budget (toy sequences are ~9-10 tokens: 16 completions per rank in 3-4 micro-batches). On-policy, a second
+# micro-batch scored by already-updated weights would show in max_abs_log_ratio: one optimizer step per trainer step.
+MEMORY = ["--gradient_checkpointing", "true"]
+BUDGET = ["--max_tokens_per_microbatch", "48"]
+BUDGET_BACKENDS = {"fsdp1", "fsdp2", "zero2", "zero3"}
+
+
+def packs_by_tokens(backend: str, dtype: str) -> bool:
+    """Whether `launch` gave this run a token budget (MEMORY + BUDGET)."""
+    return dtype == "float32" and backend in BUDGET_BACKENDS
+
+
 def launch(backend: str, out: Path, server_url: str, dtype: str) -> subprocess.CompletedProcess:
+    memory = [*MEMORY, *(BUDGET if packs_by_tokens(backend, dtype) else [])] if dtype == "float32" else []
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            f"launch/accelerate/{backend}_cpu.yaml", "--main_process_port", str(find_free_port()),
-           "-m", "asyncgrpo", "train", *COMMON, "--output_dir", str(out), "--torch_dtype", dtype,
+           "-m", "asyncgrpo", "train", *COMMON, *memory, "--output_dir", str(out), "--torch_dtype", dtype,
            "--lora_adapter_path", str(out / "adapters"), "--vllm_server_base_url", server_url]
     return subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
 
 
-def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_logprobs, tb_scalars) -> None:
+def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_logprobs, tb_scalars,
+                            packed: bool = False) -> None:
     summary = json.loads((out / "run_summary.json").read_text())
     assert (summary["version"], summary["backend"], summary["world_size"]) == (2, backend, 2)
     assert summary["base_dtype"] == dtype  # the backend kept the base in the dtype asked for
@@ -56,6 +71,11 @@ def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_lo
     # On-policy, the trainer scored the server's samples as the server did, token by token.
     ratios = [v for _, v in tb_scalars(out / "tensorboard", "train/max_abs_log_ratio")]
     assert len(ratios) == 2 and max(ratios) <= LOG_RATIO_BOUND[dtype], ratios
+    micro_batches = [v for _, v in tb_scalars(out / "tensorboard", "train/micro_batches")]
+    if packed:  # within 48 tokens: at most 5 of the ~9-10-token sequences each
+        assert len(micro_batches) == 2 and min(micro_batches) >= 3, micro_batches
+    else:  # no budget: per_device_train_batch_size completions per micro-batch
+        assert micro_batches == [1.0, 1.0], micro_batches
     if dtype == "bfloat16":
         assert max(ratios) > 1e-4, ratios  # a bf16 base cannot score exactly like the fp32 server: it really was bf16
 
@@ -70,7 +90,10 @@ def test_sharded_training_publishes_the_trained_adapter(backend, dtype, vllm_ser
                                                          tb_scalars, tmp_path):
     proc = launch(backend, tmp_path, vllm_server.base_url, dtype)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    check_published_adapter(tmp_path, backend, dtype, client, peft_logprobs, tb_scalars)
+    if backend == "zero3":  # no rank held the whole base: zero.Init partitioned it as it was built, in `dtype`
+        assert f"partitioned as it was built (zero.Init), in {dtype}" in proc.stderr
+    check_published_adapter(tmp_path, backend, dtype, client, peft_logprobs, tb_scalars,
+                            packed=packs_by_tokens(backend, dtype))
 
 
 def test_deepspeed_launcher_runs_the_same_train_command(vllm_server, client, peft_logprobs, tb_scalars, tmp_path):

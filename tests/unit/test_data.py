@@ -333,3 +333,24 @@ def test_mappings_can_be_overridden_on_the_command_line(tmp_path):
     assert cfg.chat_template_kwargs == {"enable_thinking": False}
     assert cfg.reward_kwargs == {"format_reward": {"pattern": "<answer>"}}
     assert cfg.data_files == ["a.jsonl", "b.jsonl"]
+
+
+def test_model_dir_is_a_local_directory_as_given_or_the_hub_cache_snapshot(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from asyncgrpo.data import local_model_dir
+
+    assert local_model_dir(str(tmp_path)) == str(tmp_path)
+    # What the local main process downloaded: the others (offline here) find it in the cache, no hub needed.
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (cache / "models--acme--tiny" / "refs").mkdir()
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert local_model_dir("acme/tiny") == str(snapshot)
+    with pytest.raises(ConfigError) as err:
+        local_model_dir("acme/absent")
+    assert err.value.field == "model_name_or_path" and "acme/absent" in str(err.value)

@@ -1,6 +1,6 @@
 import torch
 
-from asyncgrpo.loss import group_advantages, grpo_loss, token_logprobs
+from asyncgrpo.loss import chunk_positions, chunked_token_logprobs, group_advantages, grpo_loss, token_logprobs
 
 
 def test_group_advantages_are_centred_and_scaled_per_group():
@@ -58,3 +58,72 @@ def test_kl_term_is_zero_at_the_reference_and_positive_away_from_it():
     k3 = torch.exp(torch.tensor(-0.5)) + 0.5 - 1
     assert torch.isclose(away.kl_sum, 2 * k3)
     assert torch.isclose(away.loss, 0.1 * k3)
+
+
+def _naive_and_chunked(temperature, softcap=None, bias=False, chunk_size=3, weight_grad=False):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 8, generator=g, dtype=torch.float64).float()
+    weight = torch.randn(50, 8, generator=g).requires_grad_(weight_grad)
+    b = torch.randn(50, generator=g).requires_grad_(weight_grad) if bias else None
+    targets = torch.randint(0, 50, (10,), generator=g)
+    upstream = torch.randn(10, generator=g)  # a gradient other than ones, as the GRPO loss sends
+    results = []
+    for chunked in (False, True):
+        h = hidden.clone().requires_grad_()
+        if chunked:
+            lp = chunked_token_logprobs(h, weight, targets, temperature=temperature, bias=b, softcap=softcap,
+                                        chunk_size=chunk_size)
+        else:
+            logits = torch.nn.functional.linear(h, weight, b)
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            lp = token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature).squeeze(0)
+        weight.grad = None
+        (lp * upstream).sum().backward()
+        results.append((lp.detach(), h.grad, None if weight.grad is None else weight.grad.clone()))
+    return results
+
+
+def test_chunked_logprobs_and_their_gradients_equal_the_naive_ones_at_any_temperature():
+    for temperature in (1.0, 0.7, 1.3):
+        (lp, gh, _), (clp, cgh, _) = _naive_and_chunked(temperature)
+        assert torch.allclose(clp, lp, atol=1e-5, rtol=0), temperature
+        assert torch.allclose(cgh, gh, atol=1e-5, rtol=0), temperature
+        assert clp.dtype == torch.float32
+    # the temperature matters: the same logits at another temperature give other values (the check above can fail)
+    assert not torch.allclose(_naive_and_chunked(1.0)[1][0], _naive_and_chunked(0.7)[1][0], atol=1e-3)
+
+
+def test_chunked_logprobs_apply_softcap_and_bias_and_give_the_head_its_gradient():
+    (lp, gh, gw), (clp, cgh, cgw) = _naive_and_chunked(0.8, softcap=3.0, bias=True, chunk_size=4, weight_grad=True)
+    assert torch.allclose(clp, lp, atol=1e-5, rtol=0)
+    assert torch.allclose(cgh, gh, atol=1e-5, rtol=0)
+    assert torch.allclose(cgw, gw, atol=1e-5, rtol=0)
+    uncapped = _naive_and_chunked(0.8, bias=True)[1][0]
+    assert (uncapped - clp).abs().max() > 1e-2  # the softcap changed the values: the comparison has teeth
+
+
+def test_chunk_size_does_not_change_the_result_and_is_sized_from_the_vocabulary():
+    one = _naive_and_chunked(1.0, chunk_size=1)[1]
+    all_at_once = _naive_and_chunked(1.0, chunk_size=100)[1]
+    assert torch.allclose(one[0], all_at_once[0], atol=1e-6) and torch.allclose(one[1], all_at_once[1], atol=1e-6)
+    assert chunk_positions(151936) == 2**26 // 151936 and chunk_positions(10**9) == 1
+
+
+def test_chunked_logprobs_ignore_autocast_so_the_backward_matches_the_forward():
+    """Under autocast (accelerate's DDP mixed precision) the head would run in bf16 in the forward but not in the
+    backward's recompute; the chunked path runs in the weights' dtype in both."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(6, 16, generator=g) * 4).requires_grad_()
+    weight = torch.randn(40, 16, generator=g)
+    targets = torch.randint(0, 40, (6,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = chunked_token_logprobs(hidden, weight, targets, temperature=0.9, chunk_size=4)
+        bf16 = token_logprobs(torch.nn.functional.linear(hidden, weight).unsqueeze(0), targets.unsqueeze(0), 0.9)
+    lp.sum().backward()
+    h2 = hidden.detach().clone().requires_grad_()
+    exact = token_logprobs(torch.nn.functional.linear(h2, weight).unsqueeze(0), targets.unsqueeze(0), 0.9).squeeze(0)
+    exact.sum().backward()
+    assert (bf16.squeeze(0) - exact).abs().max() > 1e-3  # autocast really changes a head run under it
+    assert torch.allclose(lp, exact, atol=1e-5, rtol=0)
+    assert torch.allclose(hidden.grad, h2.grad, atol=1e-5, rtol=0)

@@ -16,6 +16,10 @@ def run_bench(args, overrides: list[str]) -> int:
             from . import sync
 
             result = sync.run(args.backend, server_url=args.server, overrides=overrides, model=args.model)
+        elif args.name == "memory":
+            from . import memory
+
+            result = memory.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens)
         elif args.name == "throughput":
             result = throughput.run(server_url=args.server, overrides=overrides, plot=args.plot)
         elif args.name == "staleness":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -30,6 +31,14 @@ class Group:
     def n_completion_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
 
+    def completion(self, j: int) -> Group:
+        """This group with its j-th completion only (micro-batches packed by length split groups)."""
+        return dataclasses.replace(self, completion_ids=[self.completion_ids[j]],
+                                   behaviour_logprobs=[self.behaviour_logprobs[j]], rewards=[self.rewards[j]],
+                                   advantages=[self.advantages[j]], finish_reasons=self.finish_reasons[j:j + 1],
+                                   reward_parts={k: [v[j]] for k, v in self.reward_parts.items()},
+                                   masked=self.masked[j:j + 1])
+
 
 def scale_by_batch_std(groups: list[Group], eps: float = 1e-4) -> None:
     """`scale_rewards: batch`: divide the groups' centred advantages by the std of every reward in the batch (torch's
@@ -54,6 +63,26 @@ def split_by_tokens(groups: list[Group], parts: int) -> list[list[Group]]:
         load[rank] += cost[i]
         members[rank].append(i)
     return [[groups[i] for i in sorted(m)] for m in members]
+
+
+def pack_by_tokens(lengths: list[int], budget: int, count: int | None = None) -> list[list[int]]:
+    """Indices of sequences (of `lengths` tokens each) packed into micro-batches: longest first, each micro-batch a
+    run of consecutive lengths whose padded size (sequences x its longest) is at most `budget`; a sequence longer than
+    the budget goes alone. `count`: then the micro-batch of largest padded size is halved until there are exactly
+    `count` (every rank must run the same number of forwards; halving keeps each within the budget)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    packed: list[list[int]] = []
+    for i in order:
+        if packed and (len(packed[-1]) + 1) * lengths[packed[-1][0]] <= budget:
+            packed[-1].append(i)
+        else:
+            packed.append([i])
+    assert count is None or len(packed) <= count <= len(lengths), (len(packed), count, len(lengths))
+    while count is not None and len(packed) < count:
+        j = max((k for k in range(len(packed)) if len(packed[k]) > 1), key=lambda k: len(packed[k]) * lengths[packed[k][0]])
+        half = len(packed[j]) // 2
+        packed[j:j + 1] = [packed[j][:half], packed[j][half:]]
+    return packed
 
 
 class RolloutQueue:

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from asyncgrpo.rollout.queue import Group, RolloutQueue, split_by_tokens
+from asyncgrpo.rollout.queue import Group, RolloutQueue, pack_by_tokens, split_by_tokens
 
 
 def group(version: int, tag: str = "") -> Group:
@@ -78,3 +78,31 @@ def test_split_by_tokens_gives_each_rank_as_many_groups_and_about_as_many_tokens
     assert split_by_tokens(groups, 1) == [groups]
     with pytest.raises(ValueError, match="8 groups do not split evenly over 3 ranks"):
         split_by_tokens(groups, 3)
+
+
+def _padded(batch, lengths):
+    return len(batch) * max(lengths[i] for i in batch)
+
+
+def test_token_budget_packs_every_sequence_exactly_once_within_the_budget():
+    lengths = [5, 40, 12, 12, 90, 7, 33, 20, 8, 61, 3, 25]
+    packed = pack_by_tokens(lengths, budget=80)
+    assert sorted(i for b in packed for i in b) == list(range(len(lengths)))
+    assert all(_padded(b, lengths) <= 80 for b in packed if len(b) > 1)
+    assert [b for b in packed if _padded(b, lengths) > 80] == [[4]]  # 90 tokens: alone, over the budget
+    # sorted by length: padding is what a micro-batch of similar lengths leaves, far less than an unsorted split
+    padding = sum(_padded(b, lengths) - sum(lengths[i] for i in b) for b in packed)
+    assert padding < 0.25 * sum(lengths)
+    assert len(packed) < len(lengths)  # sequences share micro-batches
+
+
+def test_token_budget_split_reaches_the_count_every_rank_runs_and_stays_within_budget():
+    lengths = [10] * 8
+    assert [len(b) for b in pack_by_tokens(lengths, budget=80)] == [8]
+    for count in (1, 2, 3, 5, 8):
+        packed = pack_by_tokens(lengths, budget=80, count=count)
+        assert len(packed) == count
+        assert sorted(i for b in packed for i in b) == list(range(8))
+        assert all(_padded(b, lengths) <= 80 for b in packed)
+    with pytest.raises(AssertionError):
+        pack_by_tokens(lengths, budget=80, count=9)  # more micro-batches than sequences: a caller bug
