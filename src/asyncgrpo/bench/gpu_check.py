@@ -222,18 +222,13 @@ def synthetic_micro_batches(args, vocab: int) -> list[dict]:
              "advantages": advantages[i:i + per]} for i in range(0, n_seq, per)]
 
 
-def to_device(batch: dict, device) -> dict:
-    """One copy per micro-batch: pinned host memory, then an asynchronous copy (CUDA); as is on CPU."""
-    if device.type != "cuda":
-        return dict(batch)
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+def policy_logprobs(model, batch: dict, *, naive: bool = False):
+    """The trainer's own scoring path (logprobs.sequence_logprobs: the LM head on completion positions only, in
+    chunks, no (B, T, V) fp32 tensor); `naive=True` takes full logits instead, for the comparison."""
+    from ..logprobs import find_scoring_head, sequence_logprobs
 
-
-def policy_logprobs(model, batch: dict):
-    from ..loss import token_logprobs
-
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-    return token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:])  # (B, T-1), fp32
+    head = None if naive else find_scoring_head(model)
+    return sequence_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["mask"], 1.0)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -244,6 +239,7 @@ def train_steps(args, model, optimizer, micro_batches, device, use_dist_sum: boo
 
     from ..distributed import dist_sum
     from ..loss import grpo_loss
+    from ..trainer import to_device
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():  # the behaviour policy: the model itself before the first step
@@ -351,6 +347,7 @@ def run(args) -> dict:
         if not result:  # the steps failed (e.g. dist_sum on NCCL): measure them without the project's collectives
             result = train_steps(args, model, optimizer, micro_batches, device, use_dist_sum=False)
         checks.append(device_check("gather_fsdp2_after_training", expected, lambda: check_gather(model, device)))
+        chunked_vs_naive = compare_chunked_naive(model, micro_batches[0], device)
         n_params = sum(p.numel() for p in model.parameters())
         n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
@@ -362,6 +359,7 @@ def run(args) -> dict:
             "step_time_s": round(result["step_time_s"], 4), "step_times_s": result["step_times_s"],
             "tokens_per_step": tokens, "tokens_per_s": round(tokens / result["step_time_s"], 1),
             "on_policy_max_abs_log_ratio": result["on_policy_max_abs_log_ratio"],
+            "chunked_vs_naive_max_abs_logprob_diff": chunked_vs_naive,
             "losses": result["losses"],
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                       "intermediate": args.intermediate, "vocab": args.vocab, "dtype": args.dtype,
@@ -373,6 +371,20 @@ def run(args) -> dict:
         }
     finally:
         dist.destroy_process_group()
+
+
+def compare_chunked_naive(model, batch: dict, device) -> float:
+    """Max |chunked - naive| logprob over one micro-batch's completion tokens (bf16 base: both read the same
+    bf16 hidden states; the head's matmul differs only in how the chunks are cut)."""
+    import torch
+
+    from ..trainer import to_device
+
+    moved = to_device(batch, device)
+    with torch.no_grad():
+        chunked = policy_logprobs(model, moved)
+        naive = policy_logprobs(model, moved, naive=True)
+    return round(float(((chunked - naive).abs() * moved["mask"]).max()), 6)
 
 
 def versions(device) -> dict:

@@ -40,6 +40,7 @@ def test_cpu_smoke_prints_one_json_line_with_every_device_check_passed():
     assert result["model"]["lora_params"] == 2 * 16 * (64 + 64 + 2 * (64 + 32) + 64 + 64 + 3 * (64 + 128))
     assert len(result["step_times_s"]) == 3 and result["step_time_s"] > 0
     assert result["on_policy_max_abs_log_ratio"] == 0.0  # step 1 is on-policy: the same model, the same tokens
+    assert result["chunked_vs_naive_max_abs_logprob_diff"] < 1e-4  # the trainer's chunked scoring path, checked
     assert result["losses"][1] != result["losses"][0]  # the first step changed the adapter
 
 
