@@ -15,8 +15,9 @@ demo: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q tests
 
+# The fast tier alone: everything not marked `integration` (tests/integration/conftest.py marks its whole directory).
 test-unit: setup
-	$(VENV)/bin/python -m pytest -q tests/unit
+	$(VENV)/bin/python -m pytest -q -m "not integration" tests
 
 bench: setup
 	$(VENV)/bin/asyncgrpo bench policy_equivalence --json
