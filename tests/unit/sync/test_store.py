@@ -81,3 +81,58 @@ def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_parti
                        ["base_model.model.layer.q_proj.lora_A.weight"], torch.full((8, 16), 1.0))
     assert store.clean_partial() == partial and not list(tmp_path.glob(".tmp-*"))
     assert store.write(2, tensors(2.0), CONFIG, base_model="b") == store.path(2)
+
+
+def test_only_complete_version_directories_are_versions(tmp_path):
+    store = AdapterStore(tmp_path)
+    store.write(2, tensors(0.5), CONFIG, base_model="b")
+    (tmp_path / "v000009").write_text("a file, not a version")
+    (tmp_path / "v12").mkdir()  # not six digits
+    (tmp_path / "v0000011").mkdir()  # seven
+    (tmp_path / "xv000004").mkdir()
+    (tmp_path / "v000003").mkdir()
+    assert store.versions() == [2, 3]
+    assert store.path(7) == tmp_path.resolve() / "v000007"
+
+
+def test_a_new_store_removes_what_a_killed_writer_left(tmp_path):
+    (tmp_path / ".tmp-v000003-999").mkdir()
+    (tmp_path / ".tmp-v000003-999" / "adapter_model.safetensors").write_bytes(b"half")
+    (tmp_path / ".tmp-note").write_text("a file is not a writer's directory")
+    AdapterStore(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-note"]
+
+
+def test_an_empty_adapter_is_refused_and_writes_nothing(tmp_path):
+    store = AdapterStore(tmp_path)
+    with pytest.raises(SyncError, match="no tensors"):
+        store.write(1, {}, CONFIG, base_model="b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_fails_leaves_no_directory_behind(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    store = AdapterStore(tmp_path)
+    with pytest.raises(OSError, match="No space"):
+        store.write(1, tensors(0.5), CONFIG, base_model="b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_config_lists_target_modules_sorted(tmp_path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj", "k_proj"], task_type="CAUSAL_LM")
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), config, base_model="/m")
+    written = json.loads((path / "adapter_config.json").read_text())
+    assert written["target_modules"] == ["k_proj", "q_proj", "v_proj"] and written["r"] == 4
+
+
+def test_unreadable_root_is_a_user_error_naming_the_key(tmp_path):
+    from asyncgrpo.errors import AsyncGRPOError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AsyncGRPOError, match="lora_adapter_path"):
+        AdapterStore(tmp_path / "file" / "adapters")
