@@ -76,7 +76,8 @@ class ParkingCondition(threading.Condition):
 
 
 class Harness:
-    def __init__(self, *, max_staleness: int, max_inflight: int, groups_per_step: int = 2, scale_rewards=True):
+    def __init__(self, *, max_staleness: int, max_inflight: int, groups_per_step: int = 2, scale_rewards=True,
+                 start_position: int = 0):
         cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 4,
                                          "per_device_train_batch_size": 4 * groups_per_step,
                                          "max_staleness": max_staleness, "max_inflight_requests": max_inflight,
@@ -87,7 +88,9 @@ class Harness:
         rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(40)]
         scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None, {"format_reward": {"pattern": "^7$"}})
         self.producer = RolloutProducer(clients=[self.server], tokenizer=DigitTokenizer(), rows=rows, scorer=scorer,
-                                        queue=self.queue, groups_per_step=groups_per_step, cfg=cfg)
+                                        queue=self.queue, groups_per_step=groups_per_step, cfg=cfg,
+                                        start_position=start_position)
+        self.rows = rows
 
     def settled(self, action=None) -> tuple[int, int, int]:
         """Run `action`, let the producer decide, and return (in flight, queued, requests sent) once it has parked."""
@@ -190,3 +193,16 @@ def test_a_group_carries_its_rewards_scaled_advantages_and_behaviour_logprobs(ha
     assert (group.index, group.version, group.adapter) == (0, 0, "pol-v0")
     assert group.prompt_ids == h.server.requests[0][1]
     assert h.producer.generated_tokens == 4
+
+
+def test_a_resumed_producer_continues_at_the_checkpoints_data_position(harness):
+    from asyncgrpo.data import PromptStream
+
+    h = harness(max_staleness=0, max_inflight=2, groups_per_step=2, start_position=13)
+    h.settled(lambda: h.producer.set_policy(0, "pol-v0"))
+    h.release(2)
+    batch = h.queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)
+    assert [g.index for g in batch] == [13, 14]
+    stream = PromptStream(h.rows, seed=0)
+    order = [next(stream).prompt_ids for _ in range(15)]  # the uninterrupted run's data order
+    assert [g.prompt_ids for g in batch] == order[13:15]
