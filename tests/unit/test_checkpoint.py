@@ -315,7 +315,7 @@ def test_a_checkpoint_of_another_layout_is_refused_with_both_named(tmp_path):
     assert "fsdp2 run of 2 ranks" in str(err.value) and "ddp on 1" in str(err.value)
 
 
-def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_path):
+def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_path, child_env):
     """A real kill: a child process saves checkpoint-6 and is SIGKILLed while writing the optimizer state."""
     import os
     import signal
@@ -344,7 +344,8 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_p
         model, optimizer, config = t.make_model()
         t.save(model, optimizer, config, {str(tmp_path)!r}, step=6)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=child_env)
     try:
         assert proc.stdout.readline().strip() == "midway"
     finally:

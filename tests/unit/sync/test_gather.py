@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import subprocess
 import sys
 import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +26,6 @@ import torch
 from asyncgrpo.sync.gather import gather_lora_state
 
 WORLD = 2
-SRC = Path(__file__).resolve().parents[3] / "src"  # the sources under test (under a mutation tool: its copy)
 
 
 class Tiny(torch.nn.Module):
@@ -158,13 +155,12 @@ def serve(init_file: str, rank: int) -> None:
 
 # ---- the tests (rank 0) ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, child_env):
     import torch.distributed as dist
 
     init_file = str(tmp_path_factory.mktemp("gather") / "init")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, __file__, init_file, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             env=env, text=True)
+                             env=child_env, text=True)
     init_process_group(init_file, 0)
 
     def run(name: str):

@@ -50,7 +50,7 @@ def test_prune_keeps_the_newest_and_the_served_version(tmp_path):
     assert store.versions() == [2, 4, 5]
 
 
-def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_partial(tmp_path):
+def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_partial(tmp_path, child_env):
     store = AdapterStore(tmp_path)
     store.write(1, tensors(1.0), CONFIG, base_model="b")
     # A child process writes version 2 and is SIGKILLed in the middle of writing the weights file:
@@ -69,7 +69,8 @@ def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_parti
         cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
         AdapterStore({str(tmp_path)!r}).write(2, {{"a.lora_A.weight": torch.ones(64, 64)}}, cfg, base_model="b")
     """)
-    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=child_env)
     assert proc.stdout.readline().strip() == "midway"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
