@@ -67,13 +67,3 @@ def stubs():
     for stub in started:
         stub.close()
 
-
-@pytest.fixture(scope="session")
-def child_env():
-    """The environment for a child Python process that must import the same asyncgrpo sources as this test process
-    (under a mutation tool these are its mutated copy, found beside the copied tests, not the installed package)."""
-    import os
-    from pathlib import Path
-
-    src = Path(__file__).resolve().parents[2] / "src"
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH")) if p)}

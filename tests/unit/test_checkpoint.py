@@ -315,42 +315,45 @@ def test_a_checkpoint_of_another_layout_is_refused_with_both_named(tmp_path):
     assert "fsdp2 run of 2 ranks" in str(err.value) and "ddp on 1" in str(err.value)
 
 
-def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_path, child_env):
-    """A real kill: a child process saves checkpoint-6 and is SIGKILLed while writing the optimizer state."""
+def _save_half_then_block(out, ready) -> None:
+    """In a forked child: save checkpoint-6, but stop in the middle of the optimizer file and wait to be killed."""
+    import threading
+
+    real_write = ckpt._write_file
+
+    def half_then_block(path, write):
+        if path.name == ckpt.OPTIMIZER:
+            with open(path, "wb") as f:
+                f.write(b"half of an optimizer")
+                f.flush()
+            ready.set()
+            threading.Event().wait()  # until SIGKILL
+        real_write(path, write)
+
+    ckpt._write_file = half_then_block
+    model, optimizer, config = make_model()
+    save(model, optimizer, config, out, step=6)
+
+
+def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_path):
+    """A real kill: a child process (forked, so it runs this very code) saves checkpoint-6 and is SIGKILLed while
+    writing the optimizer state."""
+    import multiprocessing
     import os
     import signal
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
 
     model, optimizer, config = make_model()
     save(model, optimizer, config, tmp_path, step=3)
-    test_module = Path(__file__)
-    child = textwrap.dedent(f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("ckpt_test", {str(test_module)!r})
-        t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)
-        from asyncgrpo import checkpoint as ckpt
-        real_write = ckpt._write_file
-        def half_then_block(path, write):
-            if path.name == ckpt.OPTIMIZER:
-                with open(path, "wb") as f:
-                    f.write(b"half of an optimizer"); f.flush()
-                print("midway", flush=True)
-                sys.stdin.read()
-            real_write(path, write)
-        ckpt._write_file = half_then_block
-        model, optimizer, config = t.make_model()
-        t.save(model, optimizer, config, {str(tmp_path)!r}, step=6)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=child_env)
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    child = fork.Process(target=_save_half_then_block, args=(tmp_path, ready), daemon=True)
+    child.start()
     try:
-        assert proc.stdout.readline().strip() == "midway"
+        assert ready.wait(60), "the child never reached the middle of the save"
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3]
     assert ckpt.resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-3"
     partial = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-checkpoint-6-")]

@@ -1,9 +1,9 @@
 """The LoRA gather of each backend on two real gloo ranks, with shards of uneven size on dim 0.
 
-Rank 0 is the test process itself and rank 1 a child process running this file (`python test_gather.py INIT 1`), so
-that rank 0's calls are traced in-process (by coverage and mutation tools) while both ranks run the real collectives.
-The test writes a scenario's name to the child's stdin and runs the same scenario as rank 0; the child answers
-`ok NAME` (or its traceback) on stdout. Every scenario builds the same seeded PEFT model on both ranks, shards it the
+Rank 0 is the test process itself and rank 1 a child forked from it (so it runs the very code under test, mutated or
+not, and starts in milliseconds); rank 0's calls are traced in-process by coverage and mutation tools while both ranks
+run the real collectives. The test sends a scenario's name to the child and runs the same scenario as rank 0; the
+child answers `ok NAME` or its traceback. Every scenario builds the same seeded PEFT model on both ranks, shards it the
 way the backend does, gathers, and rank 0 compares the result with the unsharded adapter's state dict.
 
 FSDP1 and FSDP2 shard with the real wrappers (FullyShardedDataParallel, fully_shard). ZeRO-3's partitions are laid
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import subprocess
-import sys
 import traceback
 from types import SimpleNamespace
 
@@ -139,43 +137,49 @@ def init_process_group(init_file: str, rank: int) -> None:
                             timeout=datetime.timedelta(seconds=60))  # a rank that dies fails the other, never hangs
 
 
-def serve(init_file: str, rank: int) -> None:
-    """The child rank: run each scenario named on stdin, answer on stdout."""
+def serve(init_file: str, rank: int, conn) -> None:
+    """The child rank: run each scenario named on `conn` until it is closed, answer on it."""
     init_process_group(init_file, rank)
-    for line in sys.stdin:
-        name = line.strip()
+    while True:
+        try:
+            name = conn.recv()
+        except EOFError:
+            return
         try:
             state, _ = SCENARIOS[name](rank)
             assert state is None, "only rank 0 gets the tensors"
-            print(f"ok {name}", flush=True)
+            conn.send(f"ok {name}")
         except BaseException:
-            print(f"failed {name}: " + traceback.format_exc().replace("\n", " | "), flush=True)
+            conn.send(f"failed {name}:\n{traceback.format_exc()}")
             raise
 
 
 # ---- the tests (rank 0) ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, child_env):
+def ranks(tmp_path_factory):
+    import multiprocessing
+
     import torch.distributed as dist
 
     init_file = str(tmp_path_factory.mktemp("gather") / "init")
-    child = subprocess.Popen([sys.executable, __file__, init_file, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             env=child_env, text=True)
+    mine, theirs = multiprocessing.Pipe()
+    child = multiprocessing.get_context("fork").Process(target=serve, args=(init_file, 1, theirs), daemon=True)
+    child.start()
     init_process_group(init_file, 0)
 
     def run(name: str):
-        child.stdin.write(name + "\n")
-        child.stdin.flush()
+        mine.send(name)
         result = SCENARIOS[name](0)
-        answer = child.stdout.readline().strip()
+        assert mine.poll(60), f"rank 1 did not answer {name}"
+        answer = mine.recv()
         assert answer == f"ok {name}", answer
         return result
 
     try:
         yield run
     finally:
-        child.stdin.close()
-        child.wait(timeout=60)
+        mine.close()
+        child.join(timeout=60)
         dist.destroy_process_group()
 
 
@@ -235,7 +239,3 @@ def test_an_unsupported_backend_is_refused_with_the_launch_configs_named():
     acc = accelerator(0, "deepspeed", state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=0)))
     with pytest.raises(AsyncGRPOError, match="the zero0 backend is not supported.*launch/accelerate/"):
         gather_lora_state(acc, peft_model())
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))

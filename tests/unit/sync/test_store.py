@@ -1,11 +1,10 @@
 """The adapter store: versions are complete or absent, never half-written."""
 
 import json
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
+import threading
 
 import pytest
 import torch
@@ -50,30 +49,37 @@ def test_prune_keeps_the_newest_and_the_served_version(tmp_path):
     assert store.versions() == [2, 4, 5]
 
 
-def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_partial(tmp_path, child_env):
+def _write_half_then_block(root, ready) -> None:
+    """In a forked child: write version 2, but stop in the middle of the weights file and wait to be killed."""
+    import safetensors.torch
+
+    def half_then_block(tensors, path, metadata=None):
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+        ready.set()
+        threading.Event().wait()  # until SIGKILL
+
+    safetensors.torch.save_file = half_then_block
+    AdapterStore(root).write(2, {"a.lora_A.weight": torch.ones(64, 64)}, CONFIG, base_model="b")
+
+
+def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_partial(tmp_path):
     store = AdapterStore(tmp_path)
     store.write(1, tensors(1.0), CONFIG, base_model="b")
-    # A child process writes version 2 and is SIGKILLed in the middle of writing the weights file:
-    # its safetensors writer is replaced by one that writes half the bytes, reports, and blocks.
-    child = textwrap.dedent(f"""
-        import sys, torch, safetensors.torch
-        from peft import LoraConfig
-        from asyncgrpo.sync.publish import AdapterStore
-        def half_then_block(tensors, path, metadata=None):
-            data = safetensors.torch.save(tensors, metadata=metadata)
-            with open(path, "wb") as f:
-                f.write(data[: len(data) // 2]); f.flush()
-            print("midway", flush=True)
-            sys.stdin.read()
-        safetensors.torch.save_file = half_then_block
-        cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
-        AdapterStore({str(tmp_path)!r}).write(2, {{"a.lora_A.weight": torch.ones(64, 64)}}, cfg, base_model="b")
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=child_env)
-    assert proc.stdout.readline().strip() == "midway"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # A child process (forked: the same code, started at once) writes version 2 and is SIGKILLed in the middle of
+    # writing the weights file.
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    child = fork.Process(target=_write_half_then_block, args=(str(tmp_path), ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60), "the child never reached the middle of the write"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
     assert store.versions() == [1]
     assert not store.path(2).exists()
     partial = list(tmp_path.glob(".tmp-*"))
