@@ -24,6 +24,7 @@ import torch
 from asyncgrpo.sync.gather import gather_lora_state
 
 WORLD = 2
+COLLECTIVE_TIMEOUT_S = 30  # a rank that skips a collective fails the other one after this, never hangs it
 
 
 class Tiny(torch.nn.Module):
@@ -134,7 +135,7 @@ def init_process_group(init_file: str, rank: int) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))  # a rank that dies fails the other, never hangs
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 def serve(init_file: str, rank: int, conn) -> None:
@@ -169,9 +170,13 @@ def ranks(tmp_path_factory):
 
     def run(name: str):
         mine.send(name)
-        result = SCENARIOS[name](0)
-        assert mine.poll(60), f"rank 1 did not answer {name}"
-        answer = mine.recv()
+        try:
+            result = SCENARIOS[name](0)
+            assert mine.poll(COLLECTIVE_TIMEOUT_S), f"rank 1 did not finish {name}"
+            answer = mine.recv()
+        except BaseException:
+            child.kill()  # it may wait in a collective rank 0 never reached: fail now, not at the timeout
+            raise
         assert answer == f"ok {name}", answer
         return result
 
@@ -179,7 +184,9 @@ def ranks(tmp_path_factory):
         yield run
     finally:
         mine.close()
-        child.join(timeout=60)
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
         dist.destroy_process_group()
 
 
