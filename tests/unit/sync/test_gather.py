@@ -139,16 +139,12 @@ def init_process_group(init_file: str, rank: int) -> None:
 
 
 def serve(init_file: str, rank: int, conn) -> None:
-    """The child rank: run each scenario named on `conn` until it is closed, answer on it."""
+    """The child rank: run each scenario named on `conn` until it gets None, answer on it."""
     init_process_group(init_file, rank)
-    while True:
+    while (name := conn.recv()) is not None:
         try:
-            name = conn.recv()
-        except EOFError:
-            return
-        try:
-            state, _ = SCENARIOS[name](rank)
-            assert state is None, "only rank 0 gets the tensors"
+            state, stats = SCENARIOS[name](rank)
+            assert state is None and stats == {"gathered_bytes": 0}, "only rank 0 gets the tensors and counts bytes"
             conn.send(f"ok {name}")
         except BaseException:
             conn.send(f"failed {name}:\n{traceback.format_exc()}")
@@ -166,6 +162,7 @@ def ranks(tmp_path_factory):
     mine, theirs = multiprocessing.Pipe()
     child = multiprocessing.get_context("fork").Process(target=serve, args=(init_file, 1, theirs), daemon=True)
     child.start()
+    theirs.close()
     init_process_group(init_file, 0)
 
     def run(name: str):
@@ -183,7 +180,8 @@ def ranks(tmp_path_factory):
     try:
         yield run
     finally:
-        mine.close()
+        if child.is_alive():
+            mine.send(None)  # done
         child.join(timeout=10)
         if child.is_alive():
             child.kill()
@@ -238,6 +236,14 @@ def test_zero3_cuts_each_parameter_out_of_the_gathered_partitions(ranks):
     assert_exact(state)
     partition_elements = sum(math.ceil(t.numel() / WORLD) for t in expected_state().values())
     assert stats["gathered_bytes"] == WORLD * partition_elements * 4  # the partitions, padding included
+
+
+def test_zero3_without_partitioned_parameters_copies_them_like_ddp():
+    # ZeRO-3 on one rank leaves parameters whole (no ds_tensor): no collective at all
+    acc = accelerator(0, "deepspeed", state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    stats = {}
+    assert_exact(gather_lora_state(acc, peft_model(), stats))
+    assert stats["gathered_bytes"] == lora_bytes()
 
 
 def test_an_unsupported_backend_is_refused_with_the_launch_configs_named():
