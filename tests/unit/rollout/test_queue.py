@@ -78,3 +78,15 @@ def test_split_by_tokens_gives_each_rank_as_many_groups_and_about_as_many_tokens
     assert split_by_tokens(groups, 1) == [groups]
     with pytest.raises(ValueError, match="8 groups do not split evenly over 3 ranks"):
         split_by_tokens(groups, 3)
+
+
+def test_split_by_tokens_places_the_largest_groups_first_and_never_overfills_a_rank():
+    # Costs (one completion each, no prompt) 2, 5, 3, 3, 4, 3 over 2 ranks of 3 groups. Largest first, each to the
+    # least-loaded rank with room: 5 -> r0, 4 -> r1, 3 -> r1, 3 -> r0, 3 -> r1 (now full), 2 -> r0: 10 and 10.
+    # (In data order it would be 8 / 12, smallest first 9 / 11.)
+    groups = [sized(i, 0, [n]) for i, n in enumerate([2, 5, 3, 3, 4, 3])]
+    shares = split_by_tokens(groups, 2)
+    assert [[g.index for g in s] for s in shares] == [[0, 1, 3], [2, 4, 5]]
+    # One huge group and three small ones: the small ones may not all go to the emptier rank.
+    shares = split_by_tokens([sized(i, 0, [n]) for i, n in enumerate([10, 1, 1, 1])], 2)
+    assert [[g.index for g in s] for s in shares] == [[0, 3], [1, 2]]
