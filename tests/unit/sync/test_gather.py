@@ -114,6 +114,30 @@ def fsdp1(rank):
     return _gather(accelerator(rank, "fsdp", is_fsdp2=False), model)
 
 
+def fsdp1_nested(rank):
+    """An FSDP unit per LoRA-wrapped projection inside the root unit (which then holds no parameter of its own), the
+    layout transformers' auto-wrap gives; after a forward, so FSDP's lazy init has run."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FSDP(peft_model(), use_orig_params=True, device_id=torch.device("cpu"),
+                 auto_wrap_policy=ModuleWrapPolicy({LoraLinear}))
+    assert len(FSDP.fsdp_modules(model)) == 3 and model._handle is None  # the layout under test
+    model(torch.ones(2, 5))
+    return _gather(accelerator(rank, "fsdp", is_fsdp2=False), model)
+
+
+def fsdp1_no_shard(rank):
+    """NO_SHARD: every rank holds every parameter whole; rank 0's copy is the adapter."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    model = FSDP(peft_model(), use_orig_params=True, device_id=torch.device("cpu"),
+                 sharding_strategy=ShardingStrategy.NO_SHARD)
+    return _gather(accelerator(rank, "fsdp", is_fsdp2=False), model)
+
+
 def zero3(rank):
     """ZeRO-3's layout: every parameter flattened, padded to a multiple of the ranks, rank r holding elements
     [r*k, (r+1)*k) in `ds_tensor`."""
@@ -128,7 +152,8 @@ def zero3(rank):
     return _gather(acc, model)
 
 
-SCENARIOS = {f.__name__: f for f in (ddp, zero2, fsdp2, fsdp2_other_layout, fsdp1, zero3)}
+SCENARIOS = {f.__name__: f for f in (ddp, zero2, fsdp2, fsdp2_other_layout, fsdp1, fsdp1_nested, fsdp1_no_shard,
+                                     zero3)}
 
 
 def init_process_group(init_file: str, rank: int) -> None:
@@ -229,6 +254,15 @@ def test_fsdp1_puts_each_ranks_slice_at_its_offset_in_the_flat_parameter(ranks):
     state, stats = ranks("fsdp1")
     assert_exact(state)
     assert stats["gathered_bytes"] == lora_bytes()  # every LoRA element once, no base weight
+
+
+@pytest.mark.filterwarnings("ignore:.*has both parameters with requires_grad=True and False:UserWarning")  # LoRA's way
+@pytest.mark.filterwarnings("ignore:The `NO_SHARD` sharding strategy is deprecated:FutureWarning")
+@pytest.mark.parametrize("layout", ["fsdp1_nested", "fsdp1_no_shard"])
+def test_fsdp1_nested_units_and_no_shard_give_the_same_adapter(ranks, layout):
+    state, stats = ranks(layout)
+    assert_exact(state)
+    assert stats["gathered_bytes"] == lora_bytes()  # NO_SHARD: rank 0's copy only, not one per rank
 
 
 def test_zero3_cuts_each_parameter_out_of_the_gathered_partitions(ranks):
