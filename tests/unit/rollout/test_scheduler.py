@@ -183,7 +183,8 @@ def test_max_inflight_requests_caps_what_is_sent_whatever_the_staleness_allows(h
 ])
 def test_a_group_carries_its_rewards_scaled_advantages_and_behaviour_logprobs(harness, scale, expected):
     h = harness(max_staleness=0, max_inflight=2, groups_per_step=1, scale_rewards=scale)
-    h.settled(lambda: h.producer.set_policy(0, "pol-v0"))
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (1, 0, 1)
+    assert h.producer.adapters_in_use() == {"pol-v0"}  # one request is enough to keep an adapter loaded
     h.release(1)
     (group,) = h.queue.take(1, trainer_version=0, timeout_s=DEADLINE_S)
     assert group.rewards == [1.0, 0.0, 0.0, 0.0]

@@ -207,3 +207,36 @@ def test_retire_stops_on_a_server_error_other_than_not_found(tmp_path):
     with pytest.raises(InferenceServerError):
         publisher.retire(in_use=set())
     assert "pol-v1" in publisher.loaded  # still tracked: a later retire tries again
+
+
+class Clock:
+    """A fake `time.perf_counter` that only the fake server's calls move: timings become exact sums."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_timings_are_summed_over_servers(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from asyncgrpo.sync import publish
+
+    clock = Clock()
+    monkeypatch.setattr(publish, "time", SimpleNamespace(perf_counter=clock))
+    cost = {"pause": 0.25, "load": 2.0, "reset": 0.5, "resume": 0.125}
+
+    class Timed(Server):
+        def _call(self, *call):
+            clock.now += cost.get(call[0], 0.0)
+            super()._call(*call)
+
+    v1, v2 = versions(tmp_path, 2)
+    servers = [Timed("http://a:8000"), Timed("http://b:8000")]
+    publisher = AdapterPublisher(servers, "pol", adapter_root=tmp_path)
+    first = publisher.publish(1, v1)  # loaded without a pause
+    assert (first.load_s, first.paused_s, first.server_s) == (4.0, 0.0, 4.0)
+    second = publisher.publish(2, v2)  # per server: pause, then paused for load + reset + resume
+    assert (second.load_s, second.paused_s, second.server_s) == (4.0, 2 * 2.625, 2 * 2.875)
