@@ -257,12 +257,18 @@ def test_python_numpy_and_torch_rng_states_are_all_restored(tmp_path):
     import numpy as np
 
     model, optimizer, config = make_model()
+    cuda = torch.cuda.is_available()  # on a GPU host the CUDA generators too
+
+    def draw():
+        return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(),
+                torch.rand(3, device="cuda").tolist() if cuda else None)
+
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     path = save(model, optimizer, config, tmp_path)
-    draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+    draws = draw()
     random.seed(11), np.random.seed(12), torch.manual_seed(13)  # anything else
     ckpt.restore_rng(path, rank=0)
-    assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == draws
+    assert draw() == draws
 
 
 def test_a_rank_the_checkpoint_did_not_have_keeps_its_own_rng(tmp_path):
