@@ -21,7 +21,7 @@ from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.producer import RolloutProducer
 from asyncgrpo.rollout.queue import RolloutQueue
 
-DEADLINE_S = 30.0
+DEADLINE_S = 15.0  # every wait here is milliseconds when the rule holds; a broken rule fails at this deadline
 
 
 class DigitTokenizer:
