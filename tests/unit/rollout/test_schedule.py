@@ -41,3 +41,9 @@ def test_request_seeds_are_fixed_numbers_below_2_to_the_31():
     assert request_seed(3, 5, 8) == 3 * 1_000_003 + 5 * 8
     assert request_seed(3000, 0, 8) == 3_000_009_000 - 2**31  # wraps at 2**31, not 2**32
     assert all(0 <= request_seed(s, i, 16) < 2**31 for s in (0, 7, 10**6) for i in (0, 1, 10**9))
+
+
+def test_a_publish_every_other_step_rounds_the_version_down():
+    # Batch b trains at step b; with a publish every 2 steps the trainer then holds version b // 2.
+    c = cfg(weight_sync_steps=2, max_staleness=0)
+    assert [version_needed(b, c) for b in range(5)] == [0, 0, 1, 1, 2]
