@@ -367,3 +367,15 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_p
     assert [p.name for p in ckpt.clean_partial(tmp_path)] == partial
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
     ckpt.read_manifest(tmp_path / "checkpoint-3")  # untouched by the killed save
+
+
+def test_a_save_creates_output_dir_records_the_base_model_and_replaces_the_same_step(tmp_path):
+    model, optimizer, config = make_model()
+    out = tmp_path / "runs" / "new"  # does not exist yet
+    path = save(model, optimizer, config, out, step=3)
+    assert json.loads((path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    (path / "stale-file").write_text("from the first save")
+    train_one_step(model, optimizer)
+    again = save(model, optimizer, config, out, step=3)  # a resumed run reaching step 3 again
+    assert again == path and not (path / "stale-file").exists()
+    ckpt.read_manifest(path)
