@@ -90,3 +90,14 @@ def test_split_by_tokens_places_the_largest_groups_first_and_never_overfills_a_r
     # One huge group and three small ones: the small ones may not all go to the emptier rank.
     shares = split_by_tokens([sized(i, 0, [n]) for i, n in enumerate([10, 1, 1, 1])], 2)
     assert [[g.index for g in s] for s in shares] == [[0, 3], [1, 2]]
+
+
+def test_batches_taken_and_dropped_groups_add_up_over_calls():
+    q = RolloutQueue(max_staleness=0)
+    for version in (0, 0, 1, 1, 2, 2):
+        q.put(group(version))
+    assert [g.version for g in q.take(2, trainer_version=0, timeout_s=1)] == [0, 0]
+    assert [g.version for g in q.take(1, trainer_version=2, timeout_s=1)] == [2]  # drops both version-1 groups
+    q.put(group(1))
+    assert [g.version for g in q.take(1, trainer_version=2, timeout_s=1)] == [2]  # and this late one
+    assert (q.batches_taken, q.dropped_stale) == (3, 3)
