@@ -4,7 +4,7 @@ Runs mutmut (configured in pyproject.toml, [tool.mutmut]) and prints one JSON li
 killed, how many survived or timed out, per module, and the survivors by name (`mutmut show NAME` prints the diff).
 A measurement, like the benchmarks: not part of CI. docs/testing.md lists the survivors and why each one stays.
 
-    python scripts/mutate.py                         # every mutant (about 20 minutes on 2 cores)
+    python scripts/mutate.py                         # every mutant (~30 minutes on a shared 2-core machine)
     python scripts/mutate.py "asyncgrpo.loss.*"      # only these mutants (mutmut's name patterns)
     python scripts/mutate.py --report                # only summarise the results of the last run
 """
