@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup demo test test-unit bench
+.PHONY: setup demo test test-unit bench mutate
 
 setup:
 	@bash scripts/setup.sh
@@ -15,10 +15,17 @@ demo: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q tests
 
+# The fast tier alone: everything not marked `integration` (tests/integration/conftest.py marks its whole directory).
 test-unit: setup
-	$(VENV)/bin/python -m pytest -q tests/unit
+	$(VENV)/bin/python -m pytest -q -m "not integration" tests
 
 bench: setup
 	$(VENV)/bin/asyncgrpo bench policy_equivalence --json
 	$(VENV)/bin/asyncgrpo bench sync --backend all --json
 	$(VENV)/bin/asyncgrpo bench throughput --json --plot docs/throughput.png
+
+# Mutation testing of loss.py, rollout/, sync/ and checkpoint.py against the unit tests; one JSON line
+# (docs/testing.md: the figure and every surviving mutant). About 20-30 minutes on 2 cores; not part of CI.
+mutate: setup
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[mutate]"
+	$(VENV)/bin/python scripts/mutate.py

@@ -1,10 +1,22 @@
 """One real vLLM CPU server for the whole integration session, serving the toy world's base model."""
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test in this directory is `integration` (real vLLM server, real launches), so that
+    `pytest -m "not integration"` (make test-unit) runs the fast tier alone. The hook sees the whole session's items:
+    mark only ours."""
+    for item in items:
+        if _HERE in Path(item.path).parents:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -67,3 +67,4 @@ def stubs():
     yield start
     for stub in started:
         stub.close()
+

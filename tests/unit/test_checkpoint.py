@@ -247,3 +247,170 @@ def test_checkpoint_restores_the_schedule_where_it_stopped(tmp_path):
     old_scheduler = build_lr_scheduler(old_optimizer, config)
     ckpt.load_checkpoint(path, ACC, old, old_optimizer, lr_scheduler=old_scheduler)
     assert old_optimizer.param_groups[0]["lr"] == pytest.approx(step3)
+
+
+# ---- corruption, RNG, a real Accelerator, a real kill --------------------------------------------------------------
+@pytest.mark.parametrize("name", ["optimizer.pt", "adapter/adapter_model.safetensors", "rng-rank0.pt"])
+def test_a_same_size_corruption_is_caught_by_the_sha256(tmp_path, name):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    data = bytearray((path / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the size the manifest lists still matches
+    (path / name).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        ckpt.read_manifest(path)
+    assert f"{name} is corrupt" in str(err.value)
+    assert ckpt.read_manifest(path, verify_files=False)["state"]["step"] == 3  # the manifest itself is fine
+
+
+def test_a_file_the_manifest_lists_but_that_is_gone_is_named(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    (path / "rng-rank0.pt").unlink()
+    with pytest.raises(CheckpointError, match="is missing rng-rank0.pt"):
+        ckpt.read_manifest(path)
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
+    import hashlib
+
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != ckpt.MANIFEST)
+    assert sorted(manifest["files"]) == on_disk == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                                                    "optimizer.pt", "rng-rank0.pt"]
+    for name, entry in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert manifest["format_version"] == ckpt.FORMAT_VERSION
+    assert manifest["state"] == {"step": 3, "version": 3, "data_position": 12, "run_id": "abcd1234", "backend": "ddp",
+                                 "world_size": 1}
+
+
+def test_python_numpy_and_torch_rng_states_are_all_restored(tmp_path):
+    import numpy as np
+
+    model, optimizer, config = make_model()
+    cuda = torch.cuda.is_available()  # on a GPU host the CUDA generators too
+
+    def draw():
+        return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(),
+                torch.rand(3, device="cuda").tolist() if cuda else None)
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = save(model, optimizer, config, tmp_path)
+    draws = draw()
+    random.seed(11), np.random.seed(12), torch.manual_seed(13)  # anything else
+    ckpt.restore_rng(path, rank=0)
+    assert draw() == draws
+
+
+def test_a_rank_the_checkpoint_did_not_have_keeps_its_own_rng(tmp_path):
+    import numpy as np
+
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    ckpt.restore_rng(path, rank=1)  # saved by one rank, resumed on two
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == (
+        random.seed(5) or random.random(), np.random.seed(5) or float(np.random.rand()),
+        torch.manual_seed(5) and torch.rand(1).item())
+
+
+def test_round_trip_through_a_real_single_process_accelerator(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    acc = Accelerator(cpu=True)
+    try:
+        model, optimizer, config = make_model()
+        model, optimizer = acc.prepare(model, optimizer)
+        train_one_step(model, optimizer)
+        state = ckpt.TrainerState(step=4, version=2, data_position=37, run_id="r1", backend=ckpt.backend_of(acc),
+                                  world_size=acc.num_processes)
+        path = ckpt.save_checkpoint(acc, model, optimizer, state, output_dir=tmp_path, peft_config=config,
+                                    base_model="tiny")
+        expected = lora_state(acc.unwrap_model(model))
+
+        fresh, fresh_optimizer, _ = make_model(seed=1)  # other LoRA weights, no optimizer state
+        fresh, fresh_optimizer = acc.prepare(fresh, fresh_optimizer)
+        loaded = ckpt.load_checkpoint(ckpt.resolve_checkpoint("latest", tmp_path), acc, fresh, fresh_optimizer)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert path == tmp_path / "checkpoint-4"
+    assert (loaded.step, loaded.version, loaded.data_position, loaded.backend, loaded.world_size) == (4, 2, 37, "ddp", 1)
+    got = lora_state(fresh)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert len(fresh_optimizer.state_dict()["state"]) == len(expected)  # Adam moments of every LoRA tensor
+
+
+def test_a_checkpoint_of_another_layout_is_refused_with_both_named(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["state"].update(backend="fsdp2", world_size=2)  # as an FSDP2 run of two ranks writes it
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_checkpoint(path, ACC, *make_model()[:2])
+    assert "fsdp2 run of 2 ranks" in str(err.value) and "ddp on 1" in str(err.value)
+
+
+def _save_half_then_block(out, ready) -> None:
+    """In a forked child: save checkpoint-6, but stop in the middle of the optimizer file and wait to be killed."""
+    import threading
+
+    real_write = ckpt._write_file
+
+    def half_then_block(path, write):
+        if path.name == ckpt.OPTIMIZER:
+            with open(path, "wb") as f:
+                f.write(b"half of an optimizer")
+                f.flush()
+            ready.set()
+            threading.Event().wait()  # until SIGKILL
+        real_write(path, write)
+
+    ckpt._write_file = half_then_block
+    model, optimizer, config = make_model()
+    save(model, optimizer, config, out, step=6)
+
+
+def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_path):
+    """A real kill: a child process (forked, so it runs this very code) saves checkpoint-6 and is SIGKILLed while
+    writing the optimizer state."""
+    import multiprocessing
+    import os
+    import signal
+
+    model, optimizer, config = make_model()
+    save(model, optimizer, config, tmp_path, step=3)
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    child = fork.Process(target=_save_half_then_block, args=(tmp_path, ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60), "the child never reached the middle of the save"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3]
+    assert ckpt.resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-3"
+    partial = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-checkpoint-6-")]
+    assert len(partial) == 1
+    assert [p.name for p in ckpt.clean_partial(tmp_path)] == partial
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
+    ckpt.read_manifest(tmp_path / "checkpoint-3")  # untouched by the killed save
+
+
+def test_a_save_creates_output_dir_records_the_base_model_and_replaces_the_same_step(tmp_path):
+    model, optimizer, config = make_model()
+    out = tmp_path / "runs" / "new"  # does not exist yet
+    path = save(model, optimizer, config, out, step=3)
+    assert json.loads((path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    (path / "stale-file").write_text("from the first save")
+    train_one_step(model, optimizer)
+    again = save(model, optimizer, config, out, step=3)  # a resumed run reaching step 3 again
+    assert again == path and not (path / "stale-file").exists()
+    ckpt.read_manifest(path)

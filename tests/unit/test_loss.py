@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from asyncgrpo.loss import chunk_positions, chunked_token_logprobs, group_advantages, grpo_loss, token_logprobs
@@ -127,3 +128,170 @@ def test_chunked_logprobs_ignore_autocast_so_the_backward_matches_the_forward():
     assert (bf16.squeeze(0) - exact).abs().max() > 1e-3  # autocast really changes a head run under it
     assert torch.allclose(lp, exact, atol=1e-5, rtol=0)
     assert torch.allclose(hidden.grad, h2.grad, atol=1e-5, rtol=0)
+
+
+# ---- group advantages, written out by hand -------------------------------------------------------------------------
+def test_group_advantages_use_the_sample_std_of_each_group_plus_eps():
+    # Group 0: mean 0.25, centred (0.75, -0.25, -0.25, -0.25), sample std sqrt(0.75 / 3) = 0.5 -> / 0.5001.
+    # Group 1: mean 3, centred (-1, 1, -1, 1), sample std sqrt(4 / 3) = 1.1547005 -> / 1.1548005 = 0.8659504.
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 2.0, 4.0]], dtype=torch.float64)
+    expected = torch.tensor([[1.4997000599880024, -0.49990001999600085, -0.49990001999600085, -0.49990001999600085],
+                             [-0.8659504102790668, 0.8659504102790668, -0.8659504102790668, 0.8659504102790668]],
+                            dtype=torch.float64)
+    assert torch.allclose(group_advantages(r), expected, rtol=0, atol=1e-12)
+    assert torch.allclose(group_advantages(r, eps=0.0)[0], torch.tensor([1.5, -0.5, -0.5, -0.5], dtype=torch.float64))
+
+
+def test_unscaled_advantages_only_subtract_each_groups_own_mean():
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 2.0, 4.0]])
+    assert torch.equal(group_advantages(r, scale=False), torch.tensor([[0.75, -0.25, -0.25, -0.25],
+                                                                       [-1.0, 1.0, -1.0, 1.0]]))
+
+
+# ---- the clipped surrogate, token by token -------------------------------------------------------------------------
+EPS_LOW, EPS_HIGH = 0.2, 0.28  # asymmetric, so that swapping the two bounds changes the answer
+
+
+def _case():
+    """Three sequences (float64), behaviour logprob -1 everywhere, chosen ratios; padding has a far-off ratio.
+    row 0, A = +2: ratio 1.5 (above 1 + 0.28: clipped), 1.25 (inside [0.8, 1.28], but above 1 + eps_low),
+                   0.5 (below 0.8: a positive advantage is not clipped below), padding (ratio 3)
+    row 1, A = -1: ratio 0.5 (below 0.8: clipped), 0.78 (below 0.8, above 1 - eps_high: clipped),
+                   1.5 (above 1.28: a negative advantage is not clipped above), 0.9
+    row 2, A = 0:  ratio 0.5, 1.5 (outside the range, but no advantage: nothing clipped), padding, padding"""
+    ratios = torch.tensor([[1.5, 1.25, 0.5, 3.0], [0.5, 0.78, 1.5, 0.9], [0.5, 1.5, 3.0, 3.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float64)
+    behaviour = torch.full((3, 4), -1.0, dtype=torch.float64)
+    logp = (behaviour + ratios.log()).requires_grad_()
+    adv = torch.tensor([2.0, -1.0, 0.0], dtype=torch.float64)
+    return logp, behaviour, adv, mask, ratios
+
+
+def test_each_clip_bound_applies_to_its_own_advantage_sign():
+    logp, behaviour, adv, mask, _ = _case()
+    terms = grpo_loss(logp, behaviour, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    # per token -min(r A, clip(r) A):
+    # row 0: -min(3, 2.56) = -2.56, -2.5, -min(1, 1.6) = -1; row 1: -min(-0.5, -0.8) = 0.8, 0.8, 1.5, 0.9; row 2: 0
+    assert abs(terms.loss.item() - (-2.56 - 2.5 - 1.0 + 0.8 + 0.8 + 1.5 + 0.9) / 9.0) < 1e-12
+    terms.loss.backward()
+    # Unclipped tokens: d/dlogp of -(r A) / N = -r A / N; clipped ones and padding: 0.
+    expected_grad = torch.tensor([[0.0, -2 * 1.25 / 9, -2 * 0.5 / 9, 0.0],
+                                  [0.0, 0.0, 1.5 / 9, 0.9 / 9],
+                                  [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert torch.allclose(logp.grad, expected_grad, rtol=0, atol=1e-12)
+
+
+def test_clipped_tokens_count_only_masked_tokens_clipped_in_their_advantages_direction():
+    logp, behaviour, adv, mask, _ = _case()
+    terms = grpo_loss(logp, behaviour, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    assert terms.clipped_tokens.item() == 3.0  # (0, 0) above 1.28 with A > 0; (1, 0) and (1, 1) below 0.8 with A < 0
+
+
+def test_loss_statistics_are_sums_over_masked_tokens():
+    logp, behaviour, adv, mask, ratios = _case()
+    terms = grpo_loss(logp, behaviour, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    assert terms.n_tokens.item() == 9.0
+    assert abs(terms.ratio_sum.item() - (1.5 + 1.25 + 0.5 + 0.5 + 0.78 + 1.5 + 0.9 + 0.5 + 1.5)) < 1e-12
+    assert abs(terms.max_abs_log_ratio.item() - abs(torch.log(torch.tensor(0.5, dtype=torch.float64)).item())) < 1e-12
+    assert terms.kl_sum.item() == 0.0  # beta 0: no KL term at all
+    for stat in (terms.n_tokens, terms.clipped_tokens, terms.ratio_sum, terms.max_abs_log_ratio, terms.kl_sum):
+        assert not stat.requires_grad  # statistics never carry the graph into logging or reductions
+
+
+def test_a_batch_with_no_tokens_has_zero_statistics():
+    empty = torch.zeros(0, 3)
+    terms = grpo_loss(empty, empty, torch.zeros(0), empty, epsilon_low=0.2, epsilon_high=0.2, normaliser=1.0)
+    assert (terms.loss.item(), terms.n_tokens.item(), terms.max_abs_log_ratio.item()) == (0.0, 0.0, 0.0)
+
+
+def test_kl_is_summed_over_masked_tokens_and_added_to_the_loss_per_token():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64, requires_grad=True)
+    ref = logp.detach() - torch.tensor([[0.5, -0.25, 4.0]], dtype=torch.float64)  # the last token is padding
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    terms = grpo_loss(logp, logp.detach(), torch.tensor([1.0], dtype=torch.float64), mask, epsilon_low=0.2,
+                      epsilon_high=0.2, normaliser=2.0, beta=0.1, ref_logprobs=ref)
+    k3 = [torch.exp(torch.tensor(d, dtype=torch.float64)).item() - d - 1 for d in (-0.5, 0.25)]  # d = ref - logp
+    assert abs(terms.kl_sum.item() - sum(k3)) < 1e-12
+    # surrogate -1 per token (ratio 1, A = 1) plus 0.1 x k3, averaged over the normaliser
+    assert abs(terms.loss.item() - (-2.0 + 0.1 * sum(k3)) / 2.0) < 1e-12
+    terms.loss.backward()
+    # d k3 / d logp = 1 - exp(ref - logp): the KL pulls logp back toward the reference
+    expected = [(-1.0 + 0.1 * (1 - torch.exp(torch.tensor(-d, dtype=torch.float64)).item())) / 2.0 for d in (0.5, -0.25)]
+    assert torch.allclose(logp.grad[0, :2], torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert logp.grad[0, 2].item() == 0.0
+
+
+def test_micro_batches_and_ranks_add_up_to_one_token_level_mean():
+    """The trainer splits a global batch over ranks and micro-batches and passes every call the global token count
+    divided by the ranks (DDP then averages gradients over ranks): the result is the plain mean over all tokens of the
+    global batch, whatever the length of each micro-batch."""
+    torch.manual_seed(0)
+    logp = torch.randn(8, 5, dtype=torch.float64) * 0.1 - 1.0
+    behaviour = logp + torch.randn(8, 5, dtype=torch.float64) * 0.3
+    adv = torch.randn(8, dtype=torch.float64)
+    lengths = [5, 1, 2, 5, 3, 1, 4, 2]  # uneven, so that a local token count would weight micro-batches wrongly
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in lengths], dtype=torch.float64)
+    kw = dict(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)
+
+    whole = logp.clone().requires_grad_()
+    reference = grpo_loss(whole, behaviour, adv, mask, normaliser=float(sum(lengths)), **kw)
+    reference.loss.backward()
+
+    world, normaliser = 2, sum(lengths) / 2
+    grads, losses, tokens = [], [], 0.0
+    for rank in range(world):  # rank r holds rows 4r..4r+3, in two micro-batches of two rows
+        param = logp.clone().requires_grad_()
+        for rows in (slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4)):
+            terms = grpo_loss(param[rows], behaviour[rows], adv[rows], mask[rows], normaliser=normaliser, **kw)
+            terms.loss.backward()  # gradients accumulate over micro-batches
+            losses.append(terms.loss.item())
+            tokens += terms.n_tokens.item()
+        grads.append(param.grad)
+    assert tokens == sum(lengths)
+    assert abs(sum(losses) / world - reference.loss.item()) < 1e-12
+    assert torch.allclose(sum(grads) / world, whole.grad, rtol=0, atol=1e-12)  # DDP's all-reduce mean
+
+
+def test_token_logprobs_are_fp32_for_every_position_of_a_bf16_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5).to(torch.bfloat16)
+    targets = torch.tensor([[0, 4, 2], [1, 1, 3]])
+    lp = token_logprobs(logits, targets)
+    assert lp.dtype == torch.float32 and lp.shape == (2, 3)
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.equal(lp, expected)
+
+
+def test_a_ratio_exactly_on_a_bound_is_not_clipped_and_keeps_its_gradient():
+    # epsilon 0 puts both bounds at ratio 1, where an on-policy token sits exactly
+    logp = torch.tensor([[-1.0], [-1.0]], dtype=torch.float64, requires_grad=True)
+    terms = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 1,
+                      dtype=torch.float64), epsilon_low=0.0, epsilon_high=0.0, normaliser=2.0)
+    terms.loss.backward()
+    assert terms.clipped_tokens.item() == 0.0
+    assert logp.grad[:, 0].tolist() == [-0.5, 0.5]
+
+
+def test_a_boolean_mask_gives_the_same_terms_in_the_logprobs_dtype():
+    logp, behaviour, adv, mask, _ = _case()
+    as_float = grpo_loss(logp, behaviour, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    as_bool = grpo_loss(logp, behaviour, adv, mask.bool(), epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    for name in ("loss", "n_tokens", "clipped_tokens", "ratio_sum", "max_abs_log_ratio"):
+        a, b = getattr(as_float, name), getattr(as_bool, name)
+        assert b.dtype == torch.float64 and torch.equal(a, b), name
+
+
+def test_a_kl_penalty_without_reference_logprobs_is_refused():
+    logp = torch.zeros(1, 2)
+    with pytest.raises(AssertionError, match="^beta > 0 needs reference logprobs$"):
+        grpo_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), epsilon_low=0.2, epsilon_high=0.2, normaliser=2.0,
+                  beta=0.1)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_token_logprobs_divide_the_logits_by_any_temperature(temperature):
+    torch.manual_seed(1)
+    logits = torch.randn(1, 4, 6)
+    targets = torch.tensor([[5, 0, 3, 3]])
+    expected = torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(token_logprobs(logits, targets, temperature=temperature), expected)

@@ -4,6 +4,7 @@ whether a request is in flight at that moment is timing)."""
 
 import json
 
+import pytest
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import PromptRow
@@ -23,7 +24,8 @@ class DigitTokenizer:
         return "".join(str(i) for i in ids)
 
 
-def test_a_group_lost_with_its_server_is_generated_again_before_new_prompts(stubs):
+@pytest.mark.parametrize("drops", [1, 2])
+def test_a_group_lost_with_its_server_is_generated_again_before_new_prompts(stubs, drops):
     prompts_sent = []
 
     def route(stub, handler):
@@ -31,8 +33,8 @@ def test_a_group_lost_with_its_server_is_generated_again_before_new_prompts(stub
             return 200, "text/plain", ""
         body = json.loads(stub.requests[-1]["body"])
         prompts_sent.append(body["prompt"])
-        if len(prompts_sent) == 1:
-            return None  # the server dies under the first request: no answer at all
+        if len(prompts_sent) <= drops:
+            return None  # the server dies under the first request(s): no answer at all
         choices = [{"index": i, "text": "7", "token_ids": [7], "logprobs": {"token_logprobs": [-0.5]},
                     "finish_reason": "stop"} for i in range(body["n"])]
         return 200, "application/json", json.dumps({"model": body["model"], "choices": choices})
@@ -53,7 +55,7 @@ def test_a_group_lost_with_its_server_is_generated_again_before_new_prompts(stub
         groups = queue.take(2, trainer_version=0, timeout_s=30)
     finally:
         producer.stop()
-    assert (producer.lost_groups, producer.resent_groups) == (1, 1)
-    assert prompts_sent[0] == prompts_sent[1]  # the lost prompt went out again, before the next one
+    assert (producer.lost_groups, producer.resent_groups) == (drops, drops)
+    assert all(p == prompts_sent[0] for p in prompts_sent[:drops + 1])  # the lost prompt went out again, before the next one
     assert sorted(g.index for g in groups) == [0, 1]  # so the batch holds the first two prompts: none skipped
     assert all(g.rewards == [1.0, 1.0] for g in groups)

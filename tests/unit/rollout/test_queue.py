@@ -106,3 +106,26 @@ def test_token_budget_split_reaches_the_count_every_rank_runs_and_stays_within_b
         assert all(_padded(b, lengths) <= 80 for b in packed)
     with pytest.raises(AssertionError):
         pack_by_tokens(lengths, budget=80, count=9)  # more micro-batches than sequences: a caller bug
+
+
+def test_split_by_tokens_places_the_largest_groups_first_and_never_overfills_a_rank():
+    # Costs (one completion each, no prompt) 2, 5, 3, 3, 4, 3 over 2 ranks of 3 groups. Largest first, each to the
+    # least-loaded rank with room: 5 -> r0, 4 -> r1, 3 -> r1, 3 -> r0, 3 -> r1 (now full), 2 -> r0: 10 and 10.
+    # (In data order it would be 8 / 12, smallest first 9 / 11.)
+    groups = [sized(i, 0, [n]) for i, n in enumerate([2, 5, 3, 3, 4, 3])]
+    shares = split_by_tokens(groups, 2)
+    assert [[g.index for g in s] for s in shares] == [[0, 1, 3], [2, 4, 5]]
+    # One huge group and three small ones: the small ones may not all go to the emptier rank.
+    shares = split_by_tokens([sized(i, 0, [n]) for i, n in enumerate([10, 1, 1, 1])], 2)
+    assert [[g.index for g in s] for s in shares] == [[0, 3], [1, 2]]
+
+
+def test_batches_taken_and_dropped_groups_add_up_over_calls():
+    q = RolloutQueue(max_staleness=0)
+    for version in (0, 0, 1, 1, 2, 2):
+        q.put(group(version))
+    assert [g.version for g in q.take(2, trainer_version=0, timeout_s=1)] == [0, 0]
+    assert [g.version for g in q.take(1, trainer_version=2, timeout_s=1)] == [2]  # drops both version-1 groups
+    q.put(group(1))
+    assert [g.version for g in q.take(1, trainer_version=2, timeout_s=1)] == [2]  # and this late one
+    assert (q.batches_taken, q.dropped_stale) == (3, 3)

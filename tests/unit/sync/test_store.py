@@ -1,11 +1,10 @@
 """The adapter store: versions are complete or absent, never half-written."""
 
 import json
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
+import threading
 
 import pytest
 import torch
@@ -50,29 +49,37 @@ def test_prune_keeps_the_newest_and_the_served_version(tmp_path):
     assert store.versions() == [2, 4, 5]
 
 
+def _write_half_then_block(root, ready) -> None:
+    """In a forked child: write version 2, but stop in the middle of the weights file and wait to be killed."""
+    import safetensors.torch
+
+    def half_then_block(tensors, path, metadata=None):
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+        ready.set()
+        threading.Event().wait()  # until SIGKILL
+
+    safetensors.torch.save_file = half_then_block
+    AdapterStore(root).write(2, {"a.lora_A.weight": torch.ones(64, 64)}, CONFIG, base_model="b")
+
+
 def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_partial(tmp_path):
     store = AdapterStore(tmp_path)
     store.write(1, tensors(1.0), CONFIG, base_model="b")
-    # A child process writes version 2 and is SIGKILLed in the middle of writing the weights file:
-    # its safetensors writer is replaced by one that writes half the bytes, reports, and blocks.
-    child = textwrap.dedent(f"""
-        import sys, torch, safetensors.torch
-        from peft import LoraConfig
-        from asyncgrpo.sync.publish import AdapterStore
-        def half_then_block(tensors, path, metadata=None):
-            data = safetensors.torch.save(tensors, metadata=metadata)
-            with open(path, "wb") as f:
-                f.write(data[: len(data) // 2]); f.flush()
-            print("midway", flush=True)
-            sys.stdin.read()
-        safetensors.torch.save_file = half_then_block
-        cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
-        AdapterStore({str(tmp_path)!r}).write(2, {{"a.lora_A.weight": torch.ones(64, 64)}}, cfg, base_model="b")
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "midway"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # A child process (forked: the same code, started at once) writes version 2 and is SIGKILLed in the middle of
+    # writing the weights file.
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    child = fork.Process(target=_write_half_then_block, args=(str(tmp_path), ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60), "the child never reached the middle of the write"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
     assert store.versions() == [1]
     assert not store.path(2).exists()
     partial = list(tmp_path.glob(".tmp-*"))
@@ -126,3 +133,58 @@ def test_adapter_files_are_readable_by_other_users(tmp_path):
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in path.iterdir()} == {
         "adapter_model.safetensors": "0o644", "adapter_config.json": "0o644", "asyncgrpo_manifest.json": "0o644"}
     assert oct(path.stat().st_mode & 0o777) == "0o755"
+
+
+def test_only_complete_version_directories_are_versions(tmp_path):
+    store = AdapterStore(tmp_path)
+    store.write(2, tensors(0.5), CONFIG, base_model="b")
+    (tmp_path / "v000009").write_text("a file, not a version")
+    (tmp_path / "v12").mkdir()  # not six digits
+    (tmp_path / "v0000011").mkdir()  # seven
+    (tmp_path / "xv000004").mkdir()
+    (tmp_path / "v000003").mkdir()
+    assert store.versions() == [2, 3]
+    assert store.path(7) == tmp_path.resolve() / "v000007"
+
+
+def test_a_new_store_removes_what_a_killed_writer_left(tmp_path):
+    (tmp_path / ".tmp-v000003-999").mkdir()
+    (tmp_path / ".tmp-v000003-999" / "adapter_model.safetensors").write_bytes(b"half")
+    (tmp_path / ".tmp-note").write_text("a file is not a writer's directory")
+    AdapterStore(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-note"]
+
+
+def test_an_empty_adapter_is_refused_and_writes_nothing(tmp_path):
+    store = AdapterStore(tmp_path)
+    with pytest.raises(SyncError, match="no tensors"):
+        store.write(1, {}, CONFIG, base_model="b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_fails_leaves_no_directory_behind(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    store = AdapterStore(tmp_path)
+    with pytest.raises(OSError, match="No space"):
+        store.write(1, tensors(0.5), CONFIG, base_model="b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_config_lists_target_modules_sorted(tmp_path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj", "k_proj"], task_type="CAUSAL_LM")
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), config, base_model="/m")
+    written = json.loads((path / "adapter_config.json").read_text())
+    assert written["target_modules"] == ["k_proj", "q_proj", "v_proj"] and written["r"] == 4
+
+
+def test_unreadable_root_is_a_user_error_naming_the_key(tmp_path):
+    from asyncgrpo.errors import AsyncGRPOError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AsyncGRPOError, match="lora_adapter_path"):
+        AdapterStore(tmp_path / "file" / "adapters")

@@ -1,0 +1,78 @@
+"""`make mutate`: mutation testing of the core rules (loss.py, rollout/, sync/, checkpoint.py) against the unit tests.
+
+Runs mutmut (configured in pyproject.toml, [tool.mutmut]) and prints one JSON line: how many mutants the unit tests
+killed, how many survived or timed out, per module, and the survivors by name (`mutmut show NAME` prints the diff).
+A measurement, like the benchmarks: not part of CI. docs/testing.md lists the survivors and why each one stays.
+
+    python scripts/mutate.py                         # every mutant (~30 minutes on a shared 2-core machine)
+    python scripts/mutate.py "asyncgrpo.loss.*"      # only these mutants (mutmut's name patterns)
+    python scripts/mutate.py --report                # only summarise the results of the last run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_mutmut(patterns: list[str], children: int) -> None:
+    # A fresh copy each time: mutmut keeps results of unchanged functions, but a test changed since is not seen.
+    shutil.rmtree(REPO / "mutants", ignore_errors=True)
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *patterns]
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL)  # its progress line redraws itself: too long
+    if proc.returncode != 0:
+        sys.exit(f"mutate: `{' '.join(cmd)}` exited with {proc.returncode} (run it by hand to see why)")
+
+
+def summarise(wall_s: float | None) -> dict:
+    from mutmut import __version__
+    from mutmut.stats import status_by_exit_code
+
+    counts: Counter[str] = Counter()
+    modules: dict[str, dict[str, int]] = {}
+    survivors: list[str] = []
+    for meta in sorted((REPO / "mutants" / "src").rglob("*.py.meta")):
+        module = str(meta.relative_to(REPO / "mutants" / "src"))[: -len(".meta")]
+        per_module: Counter[str] = Counter()
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            status = status_by_exit_code[code].replace(" ", "_")
+            if status == "not_checked":
+                continue  # outside the patterns of this run
+            per_module[status] += 1
+            if status != "killed":
+                survivors.append(f"{name}: {status}")
+        if per_module:
+            modules[module] = dict(per_module)
+            counts.update(per_module)
+    tested = sum(counts.values())
+    return {"tool": f"mutmut {__version__}", "killed": counts["killed"], "survived": counts["survived"],
+            "timeout": counts["timeout"], "no_tests": counts["no_tests"],
+            "other": tested - counts["killed"] - counts["survived"] - counts["timeout"] - counts["no_tests"],
+            "total": tested, "killed_fraction": round(counts["killed"] / tested, 4) if tested else None,
+            "wall_s": None if wall_s is None else round(wall_s, 1), "modules": modules, "not_killed": survivors}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("patterns", nargs="*", help="mutant name patterns (default: every mutant)")
+    parser.add_argument("--children", type=int, default=2, help="mutants tested at once (default 2)")
+    parser.add_argument("--report", action="store_true", help="summarise the last run without running again")
+    args = parser.parse_args()
+    wall_s = None
+    if not args.report:
+        t0 = time.monotonic()
+        run_mutmut(args.patterns, args.children)
+        wall_s = time.monotonic() - t0
+    print(json.dumps(summarise(wall_s)))
+
+
+if __name__ == "__main__":
+    main()

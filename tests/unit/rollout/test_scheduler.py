@@ -1,0 +1,209 @@
+"""What the rollout producer sends, for which batch and under which version, with requests in flight.
+
+The server is a Python fake (no HTTP) that holds every generation request until the test releases it: a real vLLM
+server cannot be told to keep exactly these requests in flight, and the point here is the producer's accounting, not
+the transport (tests/integration/test_training.py runs the producer against a real server). The queue's condition is
+instrumented to say when the producer thread has parked (its send rule is false), so every assertion is taken in a
+state where the producer has finished deciding; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import PromptRow
+from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.producer import RolloutProducer
+from asyncgrpo.rollout.queue import RolloutQueue
+
+DEADLINE_S = 15.0  # every wait here is milliseconds when the rule holds; a broken rule fails at this deadline
+
+
+class DigitTokenizer:
+    """Ids 0-9 are the digits."""
+
+    def __len__(self):
+        return 10
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i) for i in ids)
+
+
+class HeldServer:
+    """A fake inference client: request i (in arrival order) answers once `release` has let i requests through.
+    Each completion of a group is one token; completion 0 is "7" (reward 1), the others "3" (reward 0)."""
+
+    base_url = "http://held:8000"
+
+    def __init__(self):
+        self.requests: list[tuple[str, list[int]]] = []  # (adapter, prompt ids) in arrival order
+        self.held = 0  # requests that arrived and wait to be released
+        self._released = 0
+        self._cond = threading.Condition()
+
+    def complete(self, adapter, prompt_ids, *, n, max_tokens, temperature, top_p, seed):
+        with self._cond:
+            self.requests.append((adapter, list(prompt_ids)))
+            mine = len(self.requests)
+            self.held += 1
+            self._cond.wait_for(lambda: self._released >= mine)
+            self.held -= 1
+        return [SimpleNamespace(token_ids=[7 if i == 0 else 3], logprobs=[-0.25 * (i + 1)], finish_reason="stop",
+                                text="", model=adapter) for i in range(n)]
+
+    def release(self, k: int = 10**9) -> None:
+        with self._cond:
+            self._released += k
+            self._cond.notify_all()
+
+
+class ParkingCondition(threading.Condition):
+    """The queue's condition, recording when the producer thread waits on it (its send rule just said no)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parked = threading.Event()
+
+    def wait(self, timeout=None):
+        if threading.current_thread().name == "rollout-producer":
+            self.parked.set()
+        return super().wait(timeout)
+
+
+class Harness:
+    def __init__(self, *, max_staleness: int, max_inflight: int, groups_per_step: int = 2, scale_rewards=True,
+                 start_position: int = 0):
+        cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 4,
+                                         "per_device_train_batch_size": 4 * groups_per_step,
+                                         "max_staleness": max_staleness, "max_inflight_requests": max_inflight,
+                                         "scale_rewards": scale_rewards})
+        self.queue = RolloutQueue(cfg.max_staleness)
+        self.cond = self.queue.cond = ParkingCondition()
+        self.server = HeldServer()
+        rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(40)]
+        scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None, {"format_reward": {"pattern": "^7$"}})
+        self.producer = RolloutProducer(clients=[self.server], tokenizer=DigitTokenizer(), rows=rows, scorer=scorer,
+                                        queue=self.queue, groups_per_step=groups_per_step, cfg=cfg,
+                                        start_position=start_position)
+        self.rows = rows
+
+    def settled(self, action=None) -> tuple[int, int, int]:
+        """Run `action`, let the producer decide, and return (in flight, queued, requests sent) once it has parked."""
+        with self.cond:
+            self.cond.parked.clear()
+            if action is not None:
+                action()
+            self.cond.notify_all()
+        assert self.cond.parked.wait(DEADLINE_S), "the producer never parked"
+        deadline = time.monotonic() + DEADLINE_S
+        while self.server.held != self.producer.inflight:  # requests just sent are on their way to the server
+            assert time.monotonic() < deadline, "requests in flight never reached the server"
+            time.sleep(0.005)
+        with self.cond:
+            return self.producer.inflight, self.queue.queued_locked, len(self.server.requests)
+
+    def release(self, k: int) -> None:
+        """Let `k` held requests answer, and wait until they are out of flight. Only where the send rule keeps the
+    producer from sending in their place (otherwise in flight would not go down)."""
+        target = self.producer.inflight - k
+        self.server.release(k)
+        deadline = time.monotonic() + DEADLINE_S
+        while self.producer.inflight > target:
+            assert time.monotonic() < deadline, "released requests never finished"
+            time.sleep(0.005)  # polling a counter, not waiting for a server
+
+
+@pytest.fixture
+def harness():
+    made = []
+
+    def make(**kw) -> Harness:
+        made.append(Harness(**kw))
+        made[-1].producer.start()
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.server.release()  # the pool's threads must finish before stop() can join them
+        h.producer.stop()
+
+
+def test_nothing_is_sent_before_the_first_policy_is_served(harness):
+    h = harness(max_staleness=1, max_inflight=8)
+    assert h.settled() == (0, 0, 0)
+
+
+def test_requests_in_flight_count_toward_the_batch_they_will_fill(harness):
+    # max_staleness 0: batch k may only be generated by version k. Two groups per step.
+    h = harness(max_staleness=0, max_inflight=8)
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (2, 0, 2)  # batch 0's two groups, no more
+    h.release(2)
+    assert h.settled() == (0, 2, 2)  # queued groups count too: batch 1 still waits for version 1
+    assert [g.index for g in h.queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)] == [0, 1]
+    assert h.settled() == (0, 0, 2)  # batch 0 was taken; the next one is batch 1, which needs version 1
+    assert h.settled(lambda: h.producer.set_policy(1, "pol-v1")) == (2, 0, 4)
+    assert [adapter for adapter, _ in h.server.requests] == ["pol-v0", "pol-v0", "pol-v1", "pol-v1"]
+    h.release(2)
+    batch = h.queue.take(2, trainer_version=1, timeout_s=DEADLINE_S)
+    assert [(g.index, g.version, g.adapter) for g in batch] == [(2, 1, "pol-v1"), (3, 1, "pol-v1")]
+    assert h.queue.dropped_stale == 0
+
+
+def test_one_step_of_staleness_generates_the_next_batch_on_the_previous_version(harness):
+    h = harness(max_staleness=1, max_inflight=8)
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (4, 0, 4)  # batches 0 and 1 under version 0
+    assert h.producer.adapters_in_use() == {"pol-v0"}
+    h.release(2)
+    assert [g.version for g in h.queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)] == [0, 0]
+    assert h.settled() == (2, 0, 4)  # batch 2 needs version 1
+    assert h.settled(lambda: h.producer.set_policy(1, "pol-v1")) == (4, 0, 6)
+    # batch 1's requests still run on version 0, batch 2's on version 1: both adapters must stay loaded
+    assert h.producer.adapters_in_use() == {"pol-v0", "pol-v1"}
+    h.release(2)
+    assert h.producer.adapters_in_use() == {"pol-v1"}
+    batch = h.queue.take(2, trainer_version=1, timeout_s=DEADLINE_S)
+    assert [(g.index, g.version) for g in batch] == [(2, 0), (3, 0)]  # one version stale: allowed, not dropped
+    assert h.queue.dropped_stale == 0
+
+
+def test_max_inflight_requests_caps_what_is_sent_whatever_the_staleness_allows(harness):
+    h = harness(max_staleness=5, max_inflight=3)
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (3, 0, 3)
+
+
+@pytest.mark.parametrize("scale,expected", [
+    # rewards (1, 0, 0, 0): mean 0.25, sample std 0.5, advantages (r - mean) / (std + 1e-4)
+    (True, [0.75 / 0.5001, -0.25 / 0.5001, -0.25 / 0.5001, -0.25 / 0.5001]),
+    (False, [0.75, -0.25, -0.25, -0.25]),
+])
+def test_a_group_carries_its_rewards_scaled_advantages_and_behaviour_logprobs(harness, scale, expected):
+    h = harness(max_staleness=0, max_inflight=2, groups_per_step=1, scale_rewards=scale)
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (1, 0, 1)
+    assert h.producer.adapters_in_use() == {"pol-v0"}  # one request is enough to keep an adapter loaded
+    h.release(1)
+    (group,) = h.queue.take(1, trainer_version=0, timeout_s=DEADLINE_S)
+    assert group.rewards == [1.0, 0.0, 0.0, 0.0]
+    assert group.advantages == pytest.approx(expected, abs=1e-6)
+    assert group.completion_ids == [[7], [3], [3], [3]]
+    assert group.behaviour_logprobs == [[-0.25], [-0.5], [-0.75], [-1.0]]
+    assert (group.index, group.version, group.adapter) == (0, 0, "pol-v0")
+    assert group.prompt_ids == h.server.requests[0][1]
+    assert h.producer.generated_tokens == 4
+
+
+def test_a_resumed_producer_continues_at_the_checkpoints_data_position(harness):
+    from asyncgrpo.data import PromptStream
+
+    h = harness(max_staleness=0, max_inflight=2, groups_per_step=2, start_position=13)
+    h.settled(lambda: h.producer.set_policy(0, "pol-v0"))
+    h.release(2)
+    batch = h.queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)
+    assert [g.index for g in batch] == [13, 14]
+    stream = PromptStream(h.rows, seed=0)
+    order = [next(stream).prompt_ids for _ in range(15)]  # the uninterrupted run's data order
+    assert [g.prompt_ids for g in batch] == order[13:15]
