@@ -279,7 +279,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != ckpt.MANIFEST)
     assert sorted(manifest["files"]) == on_disk == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
-                                                    "optimizer.pt", "rng-rank0.pt"]
+                                                    "adapter/asyncgrpo_manifest.json", "optimizer.pt", "rng-rank0.pt"]
     for name, entry in manifest["files"].items():
         data = (path / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -33,7 +33,6 @@ import contextlib
 import datetime
 import functools
 import json
-import os
 import socket
 import statistics
 import sys
@@ -144,14 +143,15 @@ def init_one_rank_group(device):
     import torch
     import torch.distributed as dist
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    # A TCP rendezvous rather than MASTER_ADDR/RANK/WORLD_SIZE: nothing is left in os.environ for code run after it
+    # in the same process (an Accelerator would take those variables for a launch).
+    init = f"tcp://127.0.0.1:{_free_port()}"
     timeout = datetime.timedelta(seconds=120)  # a collective that hangs fails the check instead of the machine's time
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", init_method=init, rank=0, world_size=1, timeout=timeout, device_id=device)
     else:
-        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1, timeout=timeout)
 
 
 class OneProcess:
