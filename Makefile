@@ -23,6 +23,7 @@ bench: setup
 	$(VENV)/bin/asyncgrpo bench policy_equivalence --json
 	$(VENV)/bin/asyncgrpo bench sync --backend all --json
 	$(VENV)/bin/asyncgrpo bench throughput --json --plot docs/throughput.png
+	$(VENV)/bin/asyncgrpo bench memory --json
 
 # Mutation testing of loss.py, rollout/, sync/ and checkpoint.py against the unit tests; one JSON line
 # (docs/testing.md: the figure and every surviving mutant). About 20-30 minutes on 2 cores; not part of CI.
