@@ -574,5 +574,7 @@ class AsyncGRPOTrainer:
         if hasattr(self, "writer"):
             self.writer.close()
         if hasattr(self, "acc"):
+            if self.finished:  # every rank reached the end: leave the process group together (a gloo rank that tore it
+                self.acc.wait_for_everyone()  # down while rank 0 was still unloading adapters was seen to abort at exit)
             self.acc.end_training()
 
