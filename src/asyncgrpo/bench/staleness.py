@@ -31,6 +31,8 @@ import statistics
 import time
 from pathlib import Path
 
+from .throughput import save_figure
+
 STALENESS = (0, 2, 4, 8)
 CORRECTIONS = ("none", "token_truncate", "token_mask")
 SEEDS = (0, 1, 2)
@@ -88,12 +90,7 @@ def plot_cells(rows: list[dict], path: str | Path) -> Path:
     ax.set_xlabel("max_staleness (versions)")
     ax.set_ylabel("held-out reward (mean of seeds)")
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run_cell(cfg, world, client) -> dict:

@@ -118,6 +118,13 @@ def plot_timelines(records: list[dict], path: str | Path, title: str = "") -> Pa
     axes[-1, 0].set_xlabel("seconds (coloured = busy, grey = idle)")
     if title:
         fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out `fig`, write it as a PNG at `path` (its directory created), close it; the benches' plots end here."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
