@@ -27,7 +27,9 @@ been run for the docs yet.
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -149,6 +151,7 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
             server_url = server.base_url
         client = InferenceClient(server_url, timeout_s=base.vllm_request_timeout)
         cells = []
+        total = len(stalenesses) * len(corrections) * len(seeds)
         for staleness in stalenesses:
             for correction in corrections:
                 for seed in seeds:
@@ -159,6 +162,11 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
                         *cell_overrides(staleness, correction, seed, groups_per_step)])
                     cell = {"max_staleness": staleness, "correction": correction, "seed": seed}
                     cells.append(cell | run_cell(cfg, world, client))
+                    with open(work / "cells.jsonl", "a") as f:  # a long grid: each cell kept as it finishes
+                        f.write(json.dumps(cells[-1]) + "\n")
+                    print(f"[bench staleness] cell {len(cells)}/{total} {name}: held-out reward "
+                          f"{cells[-1]['heldout_reward']} ({time.monotonic() - started:.0f} s)", file=sys.stderr,
+                          flush=True)
     rows = summarise(cells)
     result = {"cells": cells, "summary": rows, "trainer_delay_s": TRAINER_DELAY_S,
               "workload": dict(zip(WORKLOAD[::2], WORKLOAD[1::2])), "overrides": overrides,
