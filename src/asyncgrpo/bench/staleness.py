@@ -143,7 +143,9 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
     with contextlib.ExitStack() as stack:
         if server_url is None:
             server = VLLMServer(world.model_dir, find_free_port(), max_loras=max(stalenesses) + 3, max_model_len=256,
-                                max_num_seqs=base.num_generations * groups_per_step * (max(stalenesses) + 1),
+                                # requests beyond a batch wait in vLLM's queue; its default token budget (2048)
+                                # must be >= max_num_seqs
+                                max_num_seqs=min(1024, base.num_generations * groups_per_step * (max(stalenesses) + 1)),
                                 log_path=work / "vllm.log")
             server.start()
             stack.callback(server.stop)
