@@ -32,7 +32,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 @dataclass
 class AsyncGRPOConfig:
-    """Every knob of a run. Each field's docstring is its reference documentation (README renders them)."""
+    """Every knob of a run. Each field's docstring is its reference documentation (rendered in docs/configuration.md)."""
 
     # ---- model and LoRA -------------------------------------------------------------------------
     model_name_or_path: str = "toy"
@@ -491,7 +491,7 @@ class AsyncGRPOConfig:
         for key, value in values.items():
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
-                fix = f"did you mean `{close[0]}`?" if close else "remove it (see README, config reference)"
+                fix = f"did you mean `{close[0]}`?" if close else "remove it (see docs/configuration.md)"
                 raise ConfigError(key, "unknown key", fix)
             kwargs[key] = _coerce(key, value, hints[key])
         return cls(**kwargs)
@@ -608,7 +608,7 @@ def _coerce(key: str, value, hint):
 
 
 def field_docs() -> dict[str, str]:
-    """Field name -> docstring, read from this module's source (used by README generation and `--help`)."""
+    """Field name -> docstring, read from this module's source (for docs/configuration.md and `--help`)."""
     import ast
     import inspect
 
@@ -622,7 +622,7 @@ def field_docs() -> dict[str, str]:
 
 
 def reference_markdown() -> str:
-    """The config reference table for README.md: `python -m asyncgrpo.config`."""
+    """The config reference table for docs/configuration.md: `python -m asyncgrpo.config`."""
     defaults = AsyncGRPOConfig.__dataclass_fields__
     rows = ["| key | default | what it does |", "| --- | --- | --- |"]
     for name, doc in field_docs().items():

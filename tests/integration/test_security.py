@@ -67,5 +67,5 @@ def test_the_key_guards_only_v1_routes(keyed_server):
         with pytest.raises(InferenceServerError) as err:
             anonymous.models()
         assert err.value.status == 401
-        assert not anonymous.is_paused()  # a dev route: answers without the key (vLLM's behaviour, see README)
+        assert not anonymous.is_paused()  # a dev route: answers without the key (vLLM's behaviour: docs/security.md)
     assert requests.get(f"{keyed_server.base_url}/v1/models", timeout=10).status_code == 401

