@@ -194,7 +194,8 @@ class AsyncGRPOConfig:
     policy, the trainer at the batch's first pass (TRL's "old" logprobs), and every token is weighted by the ratio
     proximal / behaviour, truncated or masked per `vllm_importance_sampling_mode`. The proximal logprobs are the
     first pass's own, detached and kept for the batch's `num_iterations` passes: no extra forward. With
-    `num_iterations: 1` this is truncated/masked importance-sampling policy gradient. docs/losses.md says when."""
+    `num_iterations: 1` this is truncated/masked importance-sampling policy gradient, which drops the clip's trust
+    region: on the toy it did not beat `false` up to `max_staleness: 8` (docs/losses.md, measured)."""
     vllm_importance_sampling_mode: str = "token_truncate"
     """How the weight proximal / behaviour is bounded (TRL's names): `token_truncate` (per token, capped at
     `vllm_importance_sampling_cap`), `token_mask` (per token, 0 above the cap), `sequence_truncate`,
