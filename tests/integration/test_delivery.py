@@ -175,3 +175,28 @@ def test_a_corrupted_upload_is_rejected_and_nothing_is_loaded(world, vllm_server
     with pytest.raises(InferenceServerError) as info:  # the trainer's client reports it the same way
         ReceiverClient(receiver_url, KEY).load(name)
     assert info.value.status == 404
+
+
+def test_doctor_checks_the_receiver_and_loads_its_probe_through_it(vllm_server, receiver, tmp_path, monkeypatch):
+    from asyncgrpo.data import resolve_model_path
+    from asyncgrpo.doctor import run_checks
+
+    receiver_url, receiver_dir = receiver
+    cfg = AsyncGRPOConfig.load(default_config_path(), [
+        "--lora_adapter_path", str(tmp_path / "trainer-adapters"), "--vllm_server_base_url", vllm_server.base_url,
+        "--adapter_delivery", "http", "--adapter_receiver_url", receiver_url])
+    model_path = resolve_model_path(cfg)
+
+    def results(key: str) -> dict[str, object]:
+        monkeypatch.setenv(API_KEY_ENV, key)
+        client = InferenceClient(vllm_server.base_url, api_key=key, connect_retries=0)
+        return {r.name: r for where, r in run_checks(cfg, [client], model_path) if where == vllm_server.base_url}
+
+    good = results(KEY)
+    assert good["adapter receiver"].ok is True
+    probe = good["adapter readable by server"]
+    assert probe.ok is True and f"uploaded to {receiver_dir}/asyncgrpo-doctor-" in probe.detail
+    assert not any(n.startswith("asyncgrpo-doctor-") for n in InferenceClient(vllm_server.base_url).adapter_paths())
+    bad = results("wrong-key")  # vLLM has no key here; the receiver refuses this one
+    assert bad["adapter receiver"].ok is False and "HTTP 401" in bad["adapter receiver"].detail
+    assert bad["adapter readable by server"].ok is False
