@@ -108,7 +108,9 @@ def _server_results(ctx: ServerContext) -> list[CheckResult]:
             out.append(CheckResult(title(check), None, "not checked: the server is not reachable"))
             continue
         try:
-            out.append(check(ctx))
+            result = check(ctx)
+            if result is not None:  # None: the check does not apply to this config (e.g. no receiver with shared_fs)
+                out.append(result)
         except InferenceServerError as exc:
             out.append(CheckResult(title(check), False, str(exc), "see the message"))
     return out

@@ -210,10 +210,11 @@ def check_probe_adapter(ctx: ServerContext) -> CheckResult:
                        f"and unloaded")
 
 
-def check_receiver(ctx: ServerContext) -> CheckResult:
-    """With `adapter_delivery: http`: the receiver beside the server answers /health and accepts our API key."""
+def check_receiver(ctx: ServerContext) -> CheckResult | None:
+    """With `adapter_delivery: http`: the receiver beside the server answers /health and accepts our API key
+    (None, no line at all, with shared_fs)."""
     if ctx.delivery is None or ctx.delivery.name != "http":
-        return CheckResult("adapter receiver", True, "not used (adapter_delivery: shared_fs)")
+        return None
     receiver = ctx.delivery.receivers[ctx.client.base_url]
     if not receiver.health():
         return CheckResult("adapter receiver", False, f"no answer from {receiver.base_url}/health",

@@ -97,3 +97,18 @@ def test_an_unreachable_receiver_is_reported_with_the_command_that_starts_it(tmp
         client.committed()
     assert "launch/vllm/receiver.sh" in str(info.value) and "adapter_receiver_url" in str(info.value)
     assert not client.health()
+
+
+def test_the_doctor_adds_a_receiver_line_only_with_http_delivery(receiver):
+    from asyncgrpo.inference.checks import ServerContext, check_receiver
+
+    rec, url = receiver
+    shared = AsyncGRPOConfig(lora_adapter_path="a")
+    assert check_receiver(ServerContext(shared, Unreachable(), "m", delivery=make_delivery(shared))) is None
+    cfg = AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=VLLM,
+                          adapter_receiver_url=url)
+    ok = check_receiver(ServerContext(cfg, Unreachable(), "m", delivery=HttpDelivery({VLLM: ReceiverClient(url, KEY)})))
+    assert ok.ok is True and url in ok.detail
+    bad = check_receiver(ServerContext(cfg, Unreachable(), "m",
+                                       delivery=HttpDelivery({VLLM: ReceiverClient(url, "wrong")})))
+    assert bad.ok is False and "HTTP 401" in bad.detail and "ASYNCGRPO_VLLM_API_KEY" in bad.fix
