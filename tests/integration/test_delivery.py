@@ -200,3 +200,46 @@ def test_doctor_checks_the_receiver_and_loads_its_probe_through_it(vllm_server, 
     bad = results("wrong-key")  # vLLM has no key here; the receiver refuses this one
     assert bad["adapter receiver"].ok is False and "HTTP 401" in bad["adapter receiver"].detail
     assert bad["adapter readable by server"].ok is False
+
+
+def test_a_really_restarted_server_gets_the_current_version_back_from_the_receivers_copy(
+        world, tmp_path, random_adapter, peft_logprobs):
+    """A vLLM of this test's own, killed and started again on its port (what recovery.py calls `restore` for): the
+    receiver beside it kept its copy, so the version is loaded again from there without a second upload."""
+    from asyncgrpo.inference.server import VLLMServer
+
+    server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
+                        log_path=tmp_path / "vllm.log")
+    receiver_dir = (tmp_path / "receiver").resolve()
+    port = find_free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference.receiver", "--dir", str(receiver_dir),
+                             "--host", "127.0.0.1", "--port", str(port), "--vllm-url", server.base_url],
+                            env={**os.environ, API_KEY_ENV: KEY}, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        server.start()
+        server.wait_ready(600)  # minutes on a loaded 2-core machine
+        client = InferenceClient(server.base_url)
+        store = AdapterStore(tmp_path / "trainer-adapters")
+        publisher = AdapterPublisher([client], "restart", sync_mode="pause", adapter_root=store.root,
+                                     delivery=HttpDelivery({client.base_url: ReceiverClient(f"http://127.0.0.1:{port}",
+                                                                                            KEY)}))
+        publisher.publish(1, store.write(1, *random_adapter(seed=11), base_model=str(world.model_dir)))
+        v2 = store.write(2, *random_adapter(seed=12), base_model=str(world.model_dir))
+        publisher.publish(2, v2)  # paused: a current version exists
+        copy = receiver_dir / publisher.name(2) / "adapter_model.safetensors"
+        written = copy.stat().st_mtime_ns
+        server.stop()
+        server.start()
+        server.wait_ready(600)
+        assert client.adapter_paths() == {}  # a restarted vLLM knows no adapters
+        publisher.restore(client)
+        assert client.adapter_paths() == {publisher.name(2): str(receiver_dir / publisher.name(2))}
+        assert copy.stat().st_mtime_ns == written  # the receiver's copy was reused, not sent or written again
+        completion = client.complete(publisher.name(2), PROMPT, n=1, max_tokens=12)[0]
+        served = client.score(publisher.name(2), PROMPT + completion.token_ids)[len(PROMPT):]
+        reference = peft_logprobs(v2, PROMPT, completion.token_ids)
+        assert max(abs(a - float(b)) for a, b in zip(served, reference)) < 1e-3
+    finally:
+        server.stop()
+        proc.terminate()
+        proc.wait(timeout=30)

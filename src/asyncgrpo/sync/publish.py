@@ -371,8 +371,7 @@ class AdapterPublisher:
         if self._serves(client, name, path):
             return  # still loaded: the server did not restart (a network fault)
         verify_adapter_files(path)
-        self.delivery.stage(client, name, path)  # http: idempotent when the receiver still has the files
-        self.delivery.load(client, name, path)
+        self.delivery.load(client, name, path)  # http: the receiver's copy, uploaded again only if it lost it
         self._check_served(client, name, path)
         log.warning("re-registered %s (%s) on %s", name, path, client.base_url)
 
