@@ -478,11 +478,14 @@ class AdapterPublisher:
 
     def _serves(self, client, name: str, path: Path) -> bool:
         """Whether `client` serves `name` from where this delivery put `path` (http: the receiver's copy)."""
-        served, want = client.adapter_paths().get(name), self.delivery.served_path(client, name, path)
-        return served is not None and want is not None and Path(served).resolve() == Path(want).resolve()
+        return _same_path(client.adapter_paths().get(name), self.delivery.served_path(client, name, path))
 
     def _check_served(self, client, name: str, path: Path) -> None:
-        if not self._serves(client, name, path):
-            raise SyncError(f"server {client.base_url} reports adapter {name!r} at "
-                            f"{client.adapter_paths().get(name)!r} after loading "
-                            f"{self.delivery.served_path(client, name, path)!r}; the new version was not applied")
+        served, want = client.adapter_paths().get(name), self.delivery.served_path(client, name, path)
+        if not _same_path(served, want):
+            raise SyncError(f"server {client.base_url} reports adapter {name!r} at {served!r} after loading "
+                            f"{want!r}; the new version was not applied")
+
+
+def _same_path(served: str | None, want: str | None) -> bool:
+    return served is not None and want is not None and Path(served).resolve() == Path(want).resolve()
