@@ -23,7 +23,8 @@
 # the other dev routes that VLLM_SERVER_DEV_MODE=1 turns on answer WITHOUT the key, and the adapter endpoints load
 # any directory the server can read. Anyone who can reach PORT can stop generation or swap the served weights.
 #
-# The trainer must be able to write adapters to a directory this node reads at the same path (shared filesystem).
+# The trainer must be able to write adapters to a directory this node reads at the same path (shared filesystem),
+# or, without one, start launch/vllm/receiver.sh beside this server (`adapter_delivery: http`, docs/delivery.md).
 # Do not delete an adapter directory while requests that use it may still run: an adapter loaded with
 # `load_inplace` is re-read from its directory on every engine step, and a missing directory kills the engine.
 set -euo pipefail

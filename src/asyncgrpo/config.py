@@ -47,7 +47,8 @@ class AsyncGRPOConfig:
     """Train a LoRA adapter on a frozen base. Requires `lora_adapter_path`. Full fine-tuning is not supported yet."""
     lora_adapter_path: str | None = None
     """Directory where published adapter versions are written: `<lora_adapter_path>/<run id>/v000001`, ... (PEFT
-    `save_pretrained` format, written atomically). The inference server must be able to read it."""
+    `save_pretrained` format, written atomically). With `adapter_delivery: shared_fs` the inference servers must read
+it at the same path; with `http` it stays on the trainer's side."""
     lora_name: str = "policy"
     """Name generation requests use for the trained adapter on the inference server. A run id is appended
     so that names stay unique for the server's lifetime (vLLM refuses to re-load a name)."""
@@ -261,6 +262,14 @@ class AsyncGRPOConfig:
     """Base URL of the vLLM inference node (OpenAI-compatible server started with --enable-lora), or a list of them
     (YAML list, or comma-separated on the command line): rollout requests are spread over the servers and every
     sync reaches all of them."""
+    adapter_delivery: str = "shared_fs"
+    """How each adapter version reaches the inference servers: `shared_fs` (they read `lora_adapter_path` at the same
+    path: shared storage) or `http` (no shared filesystem: the trainer uploads the files to an adapter receiver
+    running beside each vLLM, `launch/vllm/receiver.sh`, which checks them and loads its own copy; see
+    docs/delivery.md). Needs `adapter_receiver_url` with `http`."""
+    adapter_receiver_url: str | list[str] | None = None
+    """With `adapter_delivery: http`: the URL of the adapter receiver beside each server, in the order of
+    `vllm_server_base_url` (one entry each; YAML list or comma-separated), e.g. `http://10.0.0.5:8001`."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for an inference server to become healthy: at start, and after it stops answering mid-run
     (killed, crashed, restarting). Meanwhile rollouts go to the other servers and syncs wait; once it is back it gets
@@ -310,6 +319,12 @@ class AsyncGRPOConfig:
         """`vllm_server_base_url` as a list (one entry per inference server)."""
         urls = self.vllm_server_base_url
         return [urls] if isinstance(urls, str) else list(urls)
+
+    @property
+    def receiver_urls(self) -> list[str]:
+        """`adapter_receiver_url` as a list (one entry per inference server; empty when unset)."""
+        urls = self.adapter_receiver_url
+        return [] if urls is None else [urls] if isinstance(urls, str) else list(urls)
 
     @property
     def api_key(self) -> str | None:
@@ -403,6 +418,26 @@ class AsyncGRPOConfig:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError("vllm_server_base_url", f"{url!r} is not an http(s) URL",
                                   "write e.g. http://10.0.0.5:8000")
+        self._validate_delivery()
+
+    def _validate_delivery(self) -> None:
+        """Checks of `adapter_delivery` and its receivers."""
+        if self.adapter_delivery not in ("shared_fs", "http"):
+            raise ConfigError("adapter_delivery", f"unknown value {self.adapter_delivery!r}", "use shared_fs or http")
+        receivers = self.receiver_urls
+        if self.adapter_delivery == "shared_fs":
+            if receivers:
+                raise ConfigError("adapter_receiver_url", "is set, but adapter_delivery is shared_fs (the servers "
+                                  "read lora_adapter_path themselves)", "set adapter_delivery: http, or remove it")
+            return
+        if len(receivers) != len(self.server_urls):
+            raise ConfigError("adapter_receiver_url", f"has {len(receivers)} entries for {len(self.server_urls)} "
+                              f"vllm_server_base_url", "give the receiver beside each server, in the same order, "
+                              "e.g. adapter_receiver_url: http://10.0.0.5:8001 (launch/vllm/receiver.sh)")
+        for url in receivers:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError("adapter_receiver_url", f"{url!r} is not an http(s) URL",
+                                  "write e.g. http://10.0.0.5:8001")
 
     def _validate_loss(self) -> None:
         """Checks of the loss and off-policy keys."""

@@ -11,8 +11,10 @@ list on rank 0 before its first step (`require_healthy_setup`) and stops with ev
 - runtime adapter updating allowed (`/v1/load_lora_adapter` exists: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True);
 - dev mode when `sync_mode: pause` (`/is_paused` exists: VLLM_SERVER_DEV_MODE=1);
 - the served base model is the trainer's (same directory, else equal config.json, else the same name);
+- with `adapter_delivery: http`, each server's adapter receiver answers and accepts the API key;
 - the server reads what we write: a zero LoRA of rank `lora_r` with the served model's shapes is written under
-  `lora_adapter_path`, loaded under a unique name, read back, unloaded and deleted;
+  `lora_adapter_path` (uploaded through the receiver with `http`), loaded under a unique name, read back, unloaded
+  and deleted;
 - not paused (`GET /is_paused`); `train` resumes a paused server itself and logs that it did.
 - the server applies no sampling defaults from the model's generation_config.json (`--generation-config vllm`).
 """
@@ -73,10 +75,13 @@ def run_checks(cfg, clients, model_path: str) -> list[tuple[str, CheckResult]]:
     probe_root = None
     if results[0][1].ok:
         probe_root = Path(cfg.lora_adapter_path).resolve() / f"doctor-{uuid.uuid4().hex[:8]}"
+    from .sync.delivery import make_delivery
+
+    delivery = make_delivery(cfg)  # http: the probe goes through each server's receiver, as versions will
     try:
         probe_dir = _probe(cfg, model_path, probe_root, results) if probe_root else None
         for client in clients:
-            ctx = ServerContext(cfg, client, model_path, probe_dir=probe_dir)
+            ctx = ServerContext(cfg, client, model_path, probe_dir=probe_dir, delivery=delivery)
             results += [(client.base_url, r) for r in _server_results(ctx)]
     finally:
         if probe_root is not None:
@@ -103,7 +108,9 @@ def _server_results(ctx: ServerContext) -> list[CheckResult]:
             out.append(CheckResult(title(check), None, "not checked: the server is not reachable"))
             continue
         try:
-            out.append(check(ctx))
+            result = check(ctx)
+            if result is not None:  # None: the check does not apply to this config (e.g. no receiver with shared_fs)
+                out.append(result)
         except InferenceServerError as exc:
             out.append(CheckResult(title(check), False, str(exc), "see the message"))
     return out

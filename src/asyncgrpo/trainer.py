@@ -200,6 +200,7 @@ class AsyncGRPOTrainer:
         from .inference.recovery import ServerRecovery
         from .rewards import RewardScorer
         from .rollout.producer import RolloutProducer
+        from .sync.delivery import make_delivery
         from .sync.publish import AdapterPublisher, AdapterStore, clean_stale_temporaries
 
         cfg = self.cfg
@@ -223,7 +224,8 @@ class AsyncGRPOTrainer:
         self.recovery = ServerRecovery(cfg.vllm_server_timeout)
         self.publisher = AdapterPublisher(self.clients, f"{cfg.lora_name}-{self.run_id}", cfg.sync_mode,
                                           cfg.sync_pause_mode, recovery=self.recovery,
-                                          adapter_root=cfg.lora_adapter_path)  # paths sent never leave it
+                                          adapter_root=cfg.lora_adapter_path,  # paths sent never leave it
+                                          delivery=make_delivery(cfg))  # adapter_delivery: shared_fs | http
         self.recovery.restore = self.publisher.restore
         self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
         # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted).

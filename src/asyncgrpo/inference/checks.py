@@ -7,7 +7,9 @@ with the fix, or skip with the reason). `asyncgrpo doctor` prints them; `train` 
 - runtime adapter updating allowed (`/v1/load_lora_adapter` exists: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True);
 - dev mode when `sync_mode: pause` (`/is_paused` exists: VLLM_SERVER_DEV_MODE=1);
 - the served base model is the trainer's (same directory, else equal config.json, else the same final name);
-- the server reads what we write: a probe adapter from `lora_adapter_path` loads, reads back and unloads;
+- with `adapter_delivery: http`, the receiver beside the server answers and takes our API key;
+- the server reads what we write: a probe adapter from `lora_adapter_path` (uploaded through the receiver with
+  `http`) loads, reads back and unloads;
 - not paused (`GET /is_paused`): a run killed during a weight sync leaves the server paused;
 - logprobs mode: `processed_logprobs` (read from `/server_info`, else probed at two temperatures) whenever the
   config's sampling (temperature, top_p, ...) makes it differ from raw.
@@ -61,6 +63,7 @@ class ServerContext:
     client: object
     model_path: str
     probe_dir: Path | None = None  # a probe adapter written once for all servers (None: the directory is unusable)
+    delivery: object = None  # how adapters reach the server (sync/delivery.py); None: it reads probe_dir in place
     cache: dict = field(default_factory=dict)
 
     def server_config(self) -> dict | None:
@@ -179,22 +182,50 @@ def check_probe_adapter(ctx: ServerContext) -> CheckResult:
         return CheckResult("adapter readable by server", None,
                            "not checked: no probe adapter (see the adapter directory checks)")
     probe_name = f"asyncgrpo-doctor-{uuid.uuid4().hex[:8]}"
+    uploaded = ctx.delivery is not None and ctx.delivery.name == "http"
     try:
-        ctx.client.load_adapter(probe_name, ctx.probe_dir)
+        if uploaded:  # through the receiver beside the server, as every version will go
+            ctx.delivery.stage(ctx.client, probe_name, ctx.probe_dir)
+            ctx.delivery.load(ctx.client, probe_name, ctx.probe_dir)
+        else:
+            ctx.client.load_adapter(probe_name, ctx.probe_dir)
     except InferenceServerError as exc:
-        fix = (f"make {ctx.probe_dir.parent.parent} readable on the inference node at the same path (shared storage), "
-               f"or set lora_adapter_path to such a directory") if exc.status == 404 else \
-            "see the server's message; check lora_r and lora_target_modules against the served model"
+        fix = ("see the message; start the receiver beside the server (launch/vllm/receiver.sh) with the same "
+               "API key") if uploaded else (
+            f"make {ctx.probe_dir.parent.parent} readable on the inference node at the same path (shared storage), "
+            f"set lora_adapter_path to such a directory, or use adapter_delivery: http (docs/delivery.md)"
+        ) if exc.status == 404 else "see the server's message; check lora_r and lora_target_modules against the " \
+                                    "served model"
         return CheckResult("adapter readable by server", False, f"loading a probe adapter failed: {exc}", fix)
     try:
         served = ctx.client.adapter_paths().get(probe_name)
     finally:
         ctx.client.unload_adapter(probe_name)
-    if served is None or not _same_dir(served, str(ctx.probe_dir)):
+    want = ctx.delivery.served_path(ctx.client, probe_name, ctx.probe_dir) if uploaded else str(ctx.probe_dir)
+    if served is None or not (served == want if uploaded else _same_dir(served, want)):
         return CheckResult("adapter readable by server", False, f"the server reports the probe at {served!r} after "
-                           f"loading {ctx.probe_dir}", "check that nothing else manages adapters on this server")
-    return CheckResult("adapter readable by server", True, f"a rank-{ctx.cfg.lora_r} probe adapter in "
-                       f"{ctx.probe_dir.parent.parent} loaded and unloaded")
+                           f"loading {want}", "check that nothing else manages adapters on this server")
+    where = f"uploaded to {want}" if uploaded else f"in {ctx.probe_dir.parent.parent}"
+    return CheckResult("adapter readable by server", True, f"a rank-{ctx.cfg.lora_r} probe adapter {where} loaded "
+                       f"and unloaded")
+
+
+def check_receiver(ctx: ServerContext) -> CheckResult | None:
+    """With `adapter_delivery: http`: the receiver beside the server answers /health and accepts our API key
+    (None, no line at all, with shared_fs)."""
+    if ctx.delivery is None or ctx.delivery.name != "http":
+        return None
+    receiver = ctx.delivery.receivers[ctx.client.base_url]
+    if not receiver.health():
+        return CheckResult("adapter receiver", False, f"no answer from {receiver.base_url}/health",
+                           "start it beside vLLM (launch/vllm/receiver.sh) or fix adapter_receiver_url")
+    try:
+        committed = receiver.committed()
+    except InferenceServerError as exc:
+        return CheckResult("adapter receiver", False, str(exc), "start the receiver with the trainer's API key "
+                           "(ASYNCGRPO_VLLM_API_KEY in both environments)")
+    return CheckResult("adapter receiver", True, f"{receiver.base_url} answers with our key ({len(committed)} "
+                       f"versions stored)")
 
 
 def paused_state(client) -> bool | None:
@@ -320,7 +351,8 @@ def check_generation_config(ctx: ServerContext) -> CheckResult:
 
 SERVER_CHECKS: list[Callable[[ServerContext], CheckResult]] = [
     check_reachable, check_version, check_lora_enabled, check_max_lora_rank, check_max_loras,
-    check_runtime_lora_updating, check_dev_mode, check_base_model, check_probe_adapter, check_generation_config,
+    check_runtime_lora_updating, check_dev_mode, check_base_model, check_receiver, check_probe_adapter,
+    check_generation_config,
 ]
 SERVER_CHECKS += [check_not_paused, check_logprobs_mode]  # faults (issue 13)
 
@@ -336,7 +368,8 @@ def title(check) -> str:
     return {check_version: "vLLM version", check_lora_enabled: "LoRA enabled", check_max_lora_rank: "max_lora_rank",
             check_max_loras: "max_loras", check_runtime_lora_updating: "runtime LoRA updating",
             check_dev_mode: "dev mode", check_base_model: "base model",
-            check_probe_adapter: "adapter readable by server", check_not_paused: "not paused",
+            check_probe_adapter: "adapter readable by server", check_receiver: "adapter receiver",
+            check_not_paused: "not paused",
             check_logprobs_mode: "logprobs mode",
             check_generation_config: "no model sampling defaults"}.get(check, check.__name__.removeprefix("check_"))
 

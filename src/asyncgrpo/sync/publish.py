@@ -252,8 +252,12 @@ class AdapterPublisher:
     """
 
     def __init__(self, clients, prefix: str, sync_mode: str = "pause", pause_mode: str = "keep", recovery=None,
-                 adapter_root: str | Path | None = None):
+                 adapter_root: str | Path | None = None, delivery=None):
         assert sync_mode in SYNC_MODES, sync_mode
+        from .delivery import SharedFsDelivery
+
+        # How the files reach each server (`adapter_delivery`, sync/delivery.py): read in place, or uploaded.
+        self.delivery = delivery if delivery is not None else SharedFsDelivery()
         # Every path sent to a server must resolve inside this directory (`lora_adapter_path`); None: no check.
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
         self.recovery = recovery  # a ServerRecovery: wait for a server that went away (None: fail at once)
@@ -337,6 +341,12 @@ class AdapterPublisher:
         name = self.name(version)
         timing = PublishTiming()
         t0 = time.perf_counter()
+        for client in self.clients:  # every server gets the files before any is paused (http: an upload)
+            try:
+                self.delivery.stage(client, name, path)
+            except Exception as exc:
+                raise SyncError(f"delivering {path} to {client.base_url} failed: {exc}\n  No server was asked to "
+                                f"load it; the servers still serve {self.current_name or 'no adapter'}.") from exc
         done = []
         for client in self.clients:
             try:
@@ -358,11 +368,10 @@ class AdapterPublisher:
         path = self.loaded.get(name) if name is not None else None
         if path is None:
             return  # nothing published yet
-        served = client.adapter_paths().get(name)
-        if served is not None and Path(served).resolve() == path.resolve():
+        if self._serves(client, name, path):
             return  # still loaded: the server did not restart (a network fault)
         verify_adapter_files(path)
-        client.load_adapter(name, str(path))
+        self.delivery.load(client, name, path)  # http: the receiver's copy, uploaded again only if it lost it
         self._check_served(client, name, path)
         log.warning("re-registered %s (%s) on %s", name, path, client.base_url)
 
@@ -381,10 +390,9 @@ class AdapterPublisher:
             return 0.0
         return self._activate(client, name, path, timing)
 
-    @staticmethod
-    def _load(client, name: str, path: Path, timing: PublishTiming | None) -> None:
+    def _load(self, client, name: str, path: Path, timing: PublishTiming | None) -> None:
         t0 = time.perf_counter()
-        client.load_adapter(name, str(path))
+        self.delivery.load(client, name, path)
         if timing is not None:
             timing.load_s += time.perf_counter() - t0
 
@@ -468,9 +476,16 @@ class AdapterPublisher:
         except Exception as exc:  # report it, but let the original failure be the one raised
             log.error("could not unload %s from %s after a failed sync: %s", name, client.base_url, exc)
 
-    @staticmethod
-    def _check_served(client, name: str, path: Path) -> None:
-        served = client.adapter_paths().get(name)
-        if served is None or Path(served).resolve() != path.resolve():
+    def _serves(self, client, name: str, path: Path) -> bool:
+        """Whether `client` serves `name` from where this delivery put `path` (http: the receiver's copy)."""
+        return _same_path(client.adapter_paths().get(name), self.delivery.served_path(client, name, path))
+
+    def _check_served(self, client, name: str, path: Path) -> None:
+        served, want = client.adapter_paths().get(name), self.delivery.served_path(client, name, path)
+        if not _same_path(served, want):
             raise SyncError(f"server {client.base_url} reports adapter {name!r} at {served!r} after loading "
-                            f"{str(path)!r}; the new version was not applied")
+                            f"{want!r}; the new version was not applied")
+
+
+def _same_path(served: str | None, want: str | None) -> bool:
+    return served is not None and want is not None and Path(served).resolve() == Path(want).resolve()

@@ -1,0 +1,114 @@
+"""The trainer's side of `adapter_delivery`: the config keys, and HttpDelivery against a real receiver (HTTP on
+127.0.0.1, no vLLM behind it; the loads are in tests/integration/test_delivery.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.errors import ConfigError, InferenceServerError, SyncError
+from asyncgrpo.inference.receiver import AdapterReceiver, serve
+from asyncgrpo.sync.delivery import HttpDelivery, ReceiverClient, SharedFsDelivery, make_delivery
+from asyncgrpo.sync.publish import AdapterPublisher, AdapterStore
+
+KEY = "delivery-unit-key"
+VLLM = "http://10.9.9.9:8000"  # never contacted: the stage step talks to the receiver only
+CONFIG = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
+
+
+def version(store: AdapterStore, n: int):
+    return store.write(n, {"base_model.model.layer.q_proj.lora_A.weight": torch.full((8, 16), float(n)),
+                           "base_model.model.layer.q_proj.lora_B.weight": torch.full((16, 8), float(n))},
+                       CONFIG, base_model="/models/base")
+
+
+@pytest.fixture()
+def receiver(tmp_path):
+    rec = AdapterReceiver(tmp_path / "server-side", vllm=None)
+    server = serve(rec, "127.0.0.1", 0, KEY)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield rec, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class Unreachable:
+    """Stands in for a vLLM server that must not be called at all (the failure comes before any call to it)."""
+
+    base_url = VLLM
+
+    def __getattr__(self, name):
+        raise AssertionError(f"vLLM was called ({name}) although the delivery failed")
+
+
+def test_http_delivery_needs_one_receiver_per_server():
+    with pytest.raises(ConfigError, match="adapter_receiver_url"):
+        AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http")
+    with pytest.raises(ConfigError, match="has 1 entries for 2"):
+        AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=[VLLM, VLLM + "1"],
+                        adapter_receiver_url="http://10.9.9.9:8001")
+    with pytest.raises(ConfigError, match="adapter_delivery is shared_fs"):
+        AsyncGRPOConfig(lora_adapter_path="a", adapter_receiver_url="http://10.9.9.9:8001")
+    with pytest.raises(ConfigError, match="unknown value 'nfs'"):
+        AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="nfs")
+    cfg = AsyncGRPOConfig.load(None, ["--lora_adapter_path", "a", "--adapter_delivery", "http",
+                                      "--vllm_server_base_url", f"{VLLM},http://10.9.9.8:8000",
+                                      "--adapter_receiver_url", "http://10.9.9.9:8001,http://10.9.9.8:8001"])
+    delivery = make_delivery(cfg)
+    assert {url: r.base_url for url, r in delivery.receivers.items()} == {
+        VLLM: "http://10.9.9.9:8001", "http://10.9.9.8:8000": "http://10.9.9.8:8001"}
+    assert isinstance(make_delivery(AsyncGRPOConfig(lora_adapter_path="a")), SharedFsDelivery)
+
+
+def test_staging_uploads_the_version_byte_for_byte_and_a_retry_is_idempotent(receiver, tmp_path):
+    rec, url = receiver
+    path = version(AdapterStore(tmp_path / "trainer-side"), 1)
+    delivery = HttpDelivery({VLLM: ReceiverClient(url, KEY)})
+    delivery.stage(Unreachable(), "policy-v1", path)
+    remote = rec.root / "policy-v1"
+    assert delivery.served_path(Unreachable(), "policy-v1", path) == str(remote)
+    assert {p.name: p.read_bytes() for p in remote.iterdir()} == {p.name: p.read_bytes() for p in path.iterdir()}
+    delivery.stage(Unreachable(), "policy-v1", path)
+    assert rec.committed() == ["policy-v1"]
+
+
+def test_a_refused_upload_fails_the_sync_before_any_server_is_touched(receiver, tmp_path):
+    rec, url = receiver
+    store = AdapterStore(tmp_path / "trainer-side")
+    publisher = AdapterPublisher([Unreachable()], "policy", adapter_root=store.root,
+                                 delivery=HttpDelivery({VLLM: ReceiverClient(url, "not-the-key")}))
+    with pytest.raises(SyncError) as info:
+        publisher.publish(1, version(store, 1))
+    message = str(info.value)
+    assert "HTTP 401" in message and "ASYNCGRPO_VLLM_API_KEY" in message and "No server was asked to load it" in message
+    assert publisher.current_name is None and publisher.loaded == {}
+    assert rec.committed() == []
+
+
+def test_an_unreachable_receiver_is_reported_with_the_command_that_starts_it(tmp_path):
+    from asyncgrpo.inference.server import find_free_port
+
+    client = ReceiverClient(f"http://127.0.0.1:{find_free_port()}", KEY)
+    with pytest.raises(InferenceServerError) as info:
+        client.committed()
+    assert "launch/vllm/receiver.sh" in str(info.value) and "adapter_receiver_url" in str(info.value)
+    assert not client.health()
+
+
+def test_the_doctor_adds_a_receiver_line_only_with_http_delivery(receiver):
+    from asyncgrpo.inference.checks import ServerContext, check_receiver
+
+    rec, url = receiver
+    shared = AsyncGRPOConfig(lora_adapter_path="a")
+    assert check_receiver(ServerContext(shared, Unreachable(), "m", delivery=make_delivery(shared))) is None
+    cfg = AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=VLLM,
+                          adapter_receiver_url=url)
+    ok = check_receiver(ServerContext(cfg, Unreachable(), "m", delivery=HttpDelivery({VLLM: ReceiverClient(url, KEY)})))
+    assert ok.ok is True and url in ok.detail
+    bad = check_receiver(ServerContext(cfg, Unreachable(), "m",
+                                       delivery=HttpDelivery({VLLM: ReceiverClient(url, "wrong")})))
+    assert bad.ok is False and "HTTP 401" in bad.detail and "ASYNCGRPO_VLLM_API_KEY" in bad.fix
