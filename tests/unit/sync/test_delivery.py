@@ -112,3 +112,21 @@ def test_the_doctor_adds_a_receiver_line_only_with_http_delivery(receiver):
     bad = check_receiver(ServerContext(cfg, Unreachable(), "m",
                                        delivery=HttpDelivery({VLLM: ReceiverClient(url, "wrong")})))
     assert bad.ok is False and "HTTP 401" in bad.detail and "ASYNCGRPO_VLLM_API_KEY" in bad.fix
+
+
+@pytest.mark.parametrize("delivery", ["shared_fs", "http"])
+def test_an_unreachable_server_skips_the_receiver_line_only_where_there_is_a_receiver(delivery, tmp_path):
+    from asyncgrpo.doctor import _server_results
+    from asyncgrpo.inference.checks import ServerContext
+    from asyncgrpo.inference.client import InferenceClient
+    from asyncgrpo.inference.server import find_free_port
+
+    url = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there: connection refused at once
+    cfg = AsyncGRPOConfig(lora_adapter_path=str(tmp_path), adapter_delivery=delivery, vllm_server_base_url=url,
+                          **({"adapter_receiver_url": "http://127.0.0.1:9"} if delivery == "http" else {}))
+    with InferenceClient(url, timeout_s=5) as client:
+        results = _server_results(ServerContext(cfg, client, "m", delivery=make_delivery(cfg)))
+    assert results[0].ok is False  # not reachable; every other check is skipped, not run
+    assert all(r.ok is None for r in results[1:])
+    receiver_lines = [r for r in results if r.name == "adapter receiver"]
+    assert len(receiver_lines) == (1 if delivery == "http" else 0)
