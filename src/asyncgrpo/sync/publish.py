@@ -15,6 +15,11 @@ thread, shutdown.py) can resume them before the process exits, even while this t
 A server found unreachable during a sync is waited for (inference/recovery.py, up to `vllm_server_timeout`); once
 back it gets the current version re-registered and then the new one. All or nothing still holds: if it never
 returns, the servers that got the new version drop it and the sync fails.
+
+Several servers are synced concurrently (one thread each, `_activate_all`), so a sync costs about what one server
+costs rather than the sum. Each server's pause, load, reset, resume and read-back run in its own thread exactly as
+for one server; the sync waits for all of them, and if any failed the new version is unloaded from every server
+that got it. `retire` and `unload_all` go server by server (both run after the new version is served).
 """
 
 from __future__ import annotations
@@ -218,9 +223,12 @@ def _alive(pid: int) -> bool:
 
 @dataclass
 class PublishTiming:
-    server_s: float = 0.0  # pause -> load -> reset -> resume, summed over servers
-    paused_s: float = 0.0  # time the server(s) spent paused
-    load_s: float = 0.0  # the load calls themselves (POST /v1/load_lora_adapter), summed over servers
+    """One sync's timings. The servers are synced concurrently: `server_s` is the wall-clock time of the whole
+    activation (every server, read-back included), the others are the slowest server's figure (max over servers)."""
+
+    server_s: float = 0.0  # pause -> load -> reset -> resume -> read back on every server, wall clock
+    paused_s: float = 0.0  # the longest time any one server spent paused (0 in versioned mode)
+    load_s: float = 0.0  # the slowest server's load calls (POST /v1/load_lora_adapter)
 
 
 SYNC_MODES = ("pause", "versioned")
@@ -315,9 +323,12 @@ class AdapterPublisher:
     def _hold_for_test(self, client) -> None:
         """Test-only (HOLD_PAUSED_ENV): hold the first pause until `halt()`, then abandon the sync."""
         marker = os.environ.get(HOLD_PAUSED_ENV)
-        if not marker or self._held:
+        if not marker:
             return
-        self._held = True
+        with self._pause_lock:  # servers are synced concurrently: only one of them is held
+            if self._held:
+                return
+            self._held = True
         Path(marker).write_text(client.base_url)
         self._halted.wait(HOLD_PAUSED_MAX_S)
         raise SyncError("the sync was held paused by the test hook and then halted")
@@ -335,22 +346,50 @@ class AdapterPublisher:
             raise SyncError(f"{exc}\n  No server was asked to load it; the servers still serve "
                             f"{self.current_name or 'no adapter'}.") from exc
         name = self.name(version)
-        timing = PublishTiming()
         t0 = time.perf_counter()
-        done = []
-        for client in self.clients:
-            try:
-                timing.paused_s += self._activate_recovering(client, name, path, timing)
-                done.append(client)
-            except Exception as exc:
-                for other in done:  # all servers or none: take the new version off those that got it
-                    self._unload_quietly(other, name)
-                raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  "
-                                f"{self._state_after_failure(client, exc)}") from exc
+        outcomes = self._activate_all(name, path)
+        failed = [(client, exc) for client, _, exc in outcomes if exc is not None]
+        if failed:
+            for client, _, exc in outcomes:  # all servers or none: take the new version off those that got it
+                if exc is None:
+                    self._unload_quietly(client, name)
+            client, exc = failed[0]
+            if not isinstance(exc, Exception):
+                raise exc  # KeyboardInterrupt, SystemExit: propagate as they are, after the clean-up
+            others = "".join(f"\n  {c.base_url} failed too: {e}" for c, e in failed[1:])
+            raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  "
+                            f"{self._state_after_failure(client, exc)}{others}") from exc
         self.loaded[name] = path
         self.current_name = name
-        timing.server_s = time.perf_counter() - t0
-        return timing
+        timings = [t for _, t, _ in outcomes]
+        return PublishTiming(server_s=time.perf_counter() - t0, paused_s=max(t.paused_s for t in timings),
+                             load_s=max(t.load_s for t in timings))
+
+    def _activate_all(self, name: str, path: Path) -> list[tuple[object, PublishTiming, BaseException | None]]:
+        """`_activate_recovering` on every server at once, one thread each; waits for all of them (a server that
+        fails does not cut the others short: all-or-nothing needs to know which got the new version). Returns
+        (client, its timing, its error or None) per server, in `self.clients` order. Daemon threads: a call stuck
+        on a dead server never holds up the process's exit (`halt()` resumes what they paused)."""
+        outcomes: list = [None] * len(self.clients)
+
+        def activate(i: int, client) -> None:
+            timing = PublishTiming()
+            try:
+                timing.paused_s = self._activate_recovering(client, name, path, timing)
+                outcomes[i] = (client, timing, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to publish(), which cleans up and re-raises
+                outcomes[i] = (client, timing, exc)
+
+        if len(self.clients) == 1:
+            activate(0, self.clients[0])  # nothing to overlap: no thread
+            return outcomes
+        threads = [threading.Thread(target=activate, args=(i, c), name=f"sync-{c.base_url}", daemon=True)
+                   for i, c in enumerate(self.clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return outcomes
 
     def restore(self, client) -> None:
         """Re-register the current version on a server that lost it (a restarted vLLM knows no adapters)."""
