@@ -52,6 +52,9 @@ _VERSION_DIR = re.compile(r"^v(\d{6})$")
 # until `halt()` (a SIGTERM), so a test can signal the trainer at a known point of a sync without sleeping.
 HOLD_PAUSED_ENV = "ASYNCGRPO_TEST_HOLD_PAUSED"
 HOLD_PAUSED_MAX_S = 600.0  # the hold gives up after this, so a forgotten test process cannot hang for ever
+# halt() waits this long for pause calls on their way before it resumes (a pause takes ~30 ms; `wait` mode lasts as
+# long as the requests it waits for). Bounded: a signal handler must not hang on a server that does not answer.
+HALT_WAIT_S = 10.0
 
 
 def resume_hint(url: str) -> str:
@@ -271,10 +274,12 @@ class AdapterPublisher:
         self.pause_mode = pause_mode
         self.current_name: str | None = None  # the version every server serves to new requests
         self.loaded: dict[str, Path] = {}  # adapter name -> directory, for every version still loaded
-        # Servers paused by a sync in progress; `halt()` resumes them. The lock is held across the pause call itself,
-        # so a halt either sees the pause and undoes it, or comes first and the pause is never sent.
-        self._pause_lock = threading.Lock()
+        # Servers paused by a sync in progress; `halt()` resumes them. Servers are paused concurrently, so the lock
+        # is not held across a pause call: `halt()` waits for the calls on their way (`_pausing`) before it resumes,
+        # so a halt either comes first and no pause is sent, or resumes the server after its pause has landed.
+        self._pause_lock = threading.Condition()
         self._paused: dict[str, object] = {}  # base_url -> client
+        self._pausing: set[str] = set()  # base_urls whose pause call has not returned yet
         self._halted = threading.Event()
         self._held = False  # the test-only hold (HOLD_PAUSED_ENV) happens once per process
 
@@ -282,7 +287,11 @@ class AdapterPublisher:
         """Stop syncing for good and resume every server a sync in progress has paused; returns their URLs.
         Safe from a signal handler on another thread than the publisher's (it never waits for the sync itself)."""
         with self._pause_lock:
-            self._halted.set()
+            self._halted.set()  # from here on no pause is sent
+            if not self._pause_lock.wait_for(lambda: not self._pausing, timeout=HALT_WAIT_S):
+                log.error("pause calls to %s did not return within %g s; resuming anyway (a pause landing later is "
+                          "undone by its sync's own resume, if the process lives on)", sorted(self._pausing),
+                          HALT_WAIT_S)
             paused = list(self._paused.items())
             self._paused.clear()  # a second halt (the signal watcher's, then the handler's) finds nothing to do
         resumed = []
@@ -296,17 +305,24 @@ class AdapterPublisher:
         return resumed
 
     def _pause(self, client) -> None:
+        url = client.base_url
         with self._pause_lock:
             if self._halted.is_set():
                 raise SyncError("the process is stopping (SIGTERM/SIGINT): this sync was not started")
-            self._paused[client.base_url] = client  # first: a pause that times out may still have paused it
-            try:
-                client.pause(mode=self.pause_mode)
-            except BaseException:
-                self._paused.pop(client.base_url, None)
-                with contextlib.suppress(Exception):  # best effort: the pause's own error is the one to report
-                    client.resume()
-                raise
+            self._paused[url] = client  # first: a pause that times out may still have paused it
+            self._pausing.add(url)
+        try:
+            client.pause(mode=self.pause_mode)
+        except BaseException:
+            with self._pause_lock:
+                self._paused.pop(url, None)
+            with contextlib.suppress(Exception):  # best effort: the pause's own error is the one to report
+                client.resume()
+            raise
+        finally:
+            with self._pause_lock:  # after the resume above: a halt waiting for this call resumes after both
+                self._pausing.discard(url)
+                self._pause_lock.notify_all()
 
     def _resume(self, client) -> None:
         try:

@@ -184,3 +184,56 @@ def test_halt_during_a_concurrent_sync_resumes_every_paused_server(tmp_path):
         publisher.publish(3, v2)  # halted: no further sync pauses anything
     assert all(s.calls.count(("pause", "keep")) == 1 for s in servers)
     assert publisher.halt() == []
+
+
+def test_servers_are_paused_at_the_same_time(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    barrier = threading.Barrier(2)
+
+    class MeetingInPause(Server):
+        def pause(self, mode="keep"):
+            super().pause(mode)
+            barrier.wait(WAIT_S)  # `wait` mode can hold a pause for as long as the requests it waits for
+
+    servers = [MeetingInPause("http://a:8000"), MeetingInPause("http://b:8000")]
+    publisher = AdapterPublisher(servers, "pol", pause_mode="wait", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    publisher.publish(2, v2)  # one pause at a time, the first would wait for the second and time out
+    assert all(s.served.get("pol-v2") == str(v2.resolve()) and not s.paused for s in servers)
+
+
+def test_a_halt_while_a_pause_is_on_its_way_resumes_after_the_pause_has_landed(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    land = threading.Event()
+
+    class SlowPause(Server):
+        def __init__(self, url):
+            super().__init__(url)
+            self.entered = threading.Event()
+
+        def pause(self, mode="keep"):
+            self.entered.set()
+            assert land.wait(WAIT_S)
+            super().pause(mode)  # recorded when it lands
+
+    servers = [SlowPause("http://a:8000"), SlowPause("http://b:8000")]
+    publisher = AdapterPublisher(servers, "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)  # the first version: no pause
+    for s in servers:
+        s.calls.clear()
+    syncing = threading.Thread(target=publisher.publish, args=(2, v2), daemon=True)
+    syncing.start()
+    assert all(s.entered.wait(WAIT_S) for s in servers)  # both pause calls are on their way
+    resumed = []
+    halting = threading.Thread(target=lambda: resumed.extend(publisher.halt()), daemon=True)
+    halting.start()
+    assert publisher._halted.wait(WAIT_S)  # halt() has begun: now it waits for the pauses on their way
+    land.set()
+    halting.join(WAIT_S)
+    syncing.join(WAIT_S)
+    assert not halting.is_alive() and not syncing.is_alive()
+    # Nothing was resumed before its pause landed (a resume that overtakes the pause leaves the server paused once
+    # the process has exited); halt() or the sync itself, whichever came first, resumed each after it.
+    for s in servers:
+        assert s.calls[0] == ("pause", "keep") and ("resume",) in s.calls and not s.paused
+    assert set(resumed) <= {"http://a:8000", "http://b:8000"} and not publisher._paused
