@@ -285,7 +285,8 @@ class AdapterPublisher:
 
     def halt(self) -> list[str]:
         """Stop syncing for good and resume every server a sync in progress has paused; returns their URLs.
-        Safe from a signal handler on another thread than the publisher's (it never waits for the sync itself)."""
+        Safe from a signal handler on another thread than the publisher's: it never waits for the sync itself, only
+        for pause calls on their way (at most HALT_WAIT_S), so that its resume lands after them."""
         with self._pause_lock:
             self._halted.set()  # from here on no pause is sent
             if not self._pause_lock.wait_for(lambda: not self._pausing, timeout=HALT_WAIT_S):
