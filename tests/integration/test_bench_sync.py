@@ -28,6 +28,7 @@ def test_bench_sync_reports_lora_only_bytes_and_no_pause_when_versioned(world, v
         assert figures["gathered_bytes"] == adapter_bytes  # only the adapter moved
         assert figures["naive_gathered_bytes"] > 5 * adapter_bytes  # the whole model did, on the naive path
         assert figures["naive_matches"] is True  # and both gathers agree on every LoRA tensor
+        assert figures["server_sum_s"] >= figures["load_s"] > 0  # each server's activation includes its load
     assert result["modes"]["versioned"]["pause_s"] == 0.0
     assert result["modes"]["pause"]["pause_s"] > 0.0
     assert result["max_abs_logprob_diff"] < 1e-3  # the served adapter is the trained one

@@ -15,6 +15,9 @@ once per sync mode (`pause`, then `versioned`). Reported figures are medians ove
 
 `step_end_to_served_s` runs from the end of the optimizer step until every server serves the new version (the
 publisher syncs the servers concurrently), so it is the figure to compare between `--servers 1` and `--servers N`.
+`server_s` is that sync's wall-clock time on the servers, `server_sum_s` each server's own activation time summed
+(what one server after another would have cost at the same per-server speed); `load_s` and `pause_s` are the
+slowest server's.
 
 Output: one JSON object. Top-level figures are for `pause` mode; `modes` holds both; `servers` is how many servers
 each sync reached, `load_average` the host's load (1, 5, 15 min) at the end.
@@ -245,6 +248,7 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
             served = time.perf_counter()
             publisher.retire(in_use=set())
             row.update(write_s=written - gathered, load_s=timing.load_s, pause_s=timing.paused_s,
+                       server_s=timing.server_s, server_sum_s=timing.server_sum_s,
                        step_end_to_served_s=served - step_end,
                        adapter_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
         dist.barrier()
@@ -257,7 +261,7 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
     if not trainer.main:
         return {}
     summary = {k: _median(rows, k) for k in ("gather_s", "naive_gather_s", "write_s", "load_s", "pause_s",
-                                             "step_end_to_served_s")}
+                                             "server_s", "server_sum_s", "step_end_to_served_s")}
     summary.update(gathered_bytes=rows[-1]["gathered_bytes"], adapter_bytes=rows[-1]["adapter_bytes"],
                    naive_gathered_bytes=rows[-1]["naive_gathered_bytes"],
                    naive_matches=all(r["naive_matches"] for r in rows), rounds=len(rows),

@@ -232,6 +232,9 @@ class PublishTiming:
     server_s: float = 0.0  # pause -> load -> reset -> resume -> read back on every server, wall clock
     paused_s: float = 0.0  # the longest time any one server spent paused (0 in versioned mode)
     load_s: float = 0.0  # the slowest server's load calls (POST /v1/load_lora_adapter)
+    # Each server's own activation time, summed: what one server after another would have cost at the same
+    # per-server speed (server_sum_s / server_s is how much the concurrency overlapped).
+    server_sum_s: float = 0.0
 
 
 SYNC_MODES = ("pause", "versioned")
@@ -380,7 +383,7 @@ class AdapterPublisher:
         self.current_name = name
         timings = [t for _, t, _ in outcomes]
         return PublishTiming(server_s=time.perf_counter() - t0, paused_s=max(t.paused_s for t in timings),
-                             load_s=max(t.load_s for t in timings))
+                             load_s=max(t.load_s for t in timings), server_sum_s=sum(t.server_s for t in timings))
 
     def _activate_all(self, name: str, path: Path) -> list[tuple[object, PublishTiming, BaseException | None]]:
         """`_activate_recovering` on every server at once, one thread each; waits for all of them (a server that
@@ -391,11 +394,13 @@ class AdapterPublisher:
 
         def activate(i: int, client) -> None:
             timing = PublishTiming()
+            t0 = time.perf_counter()
             try:
                 timing.paused_s = self._activate_recovering(client, name, path, timing)
                 outcomes[i] = (client, timing, None)
             except BaseException as exc:  # noqa: BLE001 - handed to publish(), which cleans up and re-raises
                 outcomes[i] = (client, timing, exc)
+            timing.server_s = time.perf_counter() - t0  # this server's own activation
 
         if len(self.clients) == 1:
             activate(0, self.clients[0])  # nothing to overlap: no thread

@@ -259,6 +259,7 @@ def test_timings_are_the_slowest_server_s_and_the_sync_lasts_as_long_as_that_ser
     servers = [Timed("http://a:8000", fast), Timed("http://b:8000", slow)]
     publisher = AdapterPublisher(servers, "pol", adapter_root=tmp_path)
     first = publisher.publish(1, v1)  # loaded without a pause, both at once: as long as the slower load
-    assert (first.load_s, first.paused_s, first.server_s) == (3.0, 0.0, 3.0)
+    assert (first.load_s, first.paused_s, first.server_s, first.server_sum_s) == (3.0, 0.0, 3.0, 5.0)
     second = publisher.publish(2, v2)  # per server: pause, then paused for load + reset + resume
     assert (second.load_s, second.paused_s, second.server_s) == (3.0, 3.625, 3.875)
+    assert second.server_sum_s == 2.875 + 3.875  # one after another, it would have taken this long
