@@ -61,9 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench.add_argument("name", choices=["memory", "policy_equivalence", "staleness", "sync", "throughput"])
     bench.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
-    bench.add_argument("--server", default=None, help="use a running vLLM server at this URL instead of starting one")
+    bench.add_argument("--server", default=None, help="use a running vLLM server at this URL instead of starting "
+                                                      "one (sync: several URLs joined by commas)")
     bench.add_argument("--backend", default="fsdp2", choices=["ddp", "fsdp1", "fsdp2", "zero2", "zero3", "all"],
                        help="sync: the sharding backend to launch (2 CPU ranks, launch/accelerate/<backend>_cpu.yaml)")
+    bench.add_argument("--servers", type=int, default=1,
+                       help="sync: start this many local vLLM CPU servers (~2.5 GiB each) and sync all of them")
     bench.add_argument("--model", default=None,
                        help="sync: model directory to use instead of the built-in hidden-512, 4-layer bench model")
     bench.add_argument("--plot", default=None, metavar="FILE.png",

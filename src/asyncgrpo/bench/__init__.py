@@ -15,7 +15,8 @@ def run_bench(args, overrides: list[str]) -> int:
         if args.name == "sync":
             from . import sync
 
-            result = sync.run(args.backend, server_url=args.server, overrides=overrides, model=args.model)
+            result = sync.run(args.backend, server_url=args.server, overrides=overrides, model=args.model,
+                              servers=args.servers)
         elif args.name == "memory":
             from . import memory
 

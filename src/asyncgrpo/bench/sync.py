@@ -1,8 +1,9 @@
-"""`asyncgrpo bench sync --backend {ddp,fsdp1,fsdp2,zero2,zero3} --json`: what one weight sync costs, per backend.
+"""`asyncgrpo bench sync --backend {ddp,fsdp1,fsdp2,zero2,zero3} [--servers N] --json`: what one weight sync costs.
 
 The parent builds (once, cached) a model whose base weights dwarf the adapter (Qwen2, hidden 512, 4 layers, 8 heads
-of 64, random init: 52 MB of fp32 weights against a 0.5 MB rank-8 LoRA on the attention projections), starts a real
-vLLM server on it unless `--server` is given, and launches two CPU ranks of this module's worker under
+of 64, random init: 52 MB of fp32 weights against a 0.5 MB rank-8 LoRA on the attention projections), starts
+`--servers N` real vLLM servers on it (default 1; all at once) unless `--server URL[,URL...]` is given, and launches
+two CPU ranks of this module's worker under
 `accelerate launch` with the backend's config from launch/accelerate/. The worker builds the model exactly as the
 trainer does, and for each of a few rounds: one optimizer step on random tokens, then
 
@@ -12,7 +13,14 @@ trainer does, and for each of a few rounds: one optimizer step on random tokens,
 once per sync mode (`pause`, then `versioned`). Reported figures are medians over the rounds after the first
 (which pays for warm-up). Finally the served adapter's logprobs are compared with the trainer's own.
 
-Output: one JSON object. Top-level figures are for `pause` mode; `modes` holds both.
+`step_end_to_served_s` runs from the end of the optimizer step until every server serves the new version (the
+publisher syncs the servers concurrently), so it is the figure to compare between `--servers 1` and `--servers N`.
+`server_s` is that sync's wall-clock time on the servers, `server_sum_s` each server's own activation time summed
+(what one server after another would have cost at the same per-server speed); `load_s` and `pause_s` are the
+slowest server's.
+
+Output: one JSON object. Top-level figures are for `pause` mode; `modes` holds both; `servers` is how many servers
+each sync reached, `load_average` the host's load (1, 5, 15 min) at the end.
 """
 
 from __future__ import annotations
@@ -95,23 +103,24 @@ def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, ove
 
 
 def run(backend: str, server_url: str | None, overrides: list[str], model: str | None = None,
-        sync_mode: str = "pause") -> dict:
-    """Build the bench model, start a vLLM server on it unless `server_url` is given, run the worker for
-    `backend` (or for each backend, one after another against the same server, with `all`). `sync_mode`: whose
-    figures go at the top level of the JSON (both modes are measured)."""
+        sync_mode: str = "pause", servers: int = 1) -> dict:
+    """Build the bench model, start `servers` vLLM servers on it unless `server_url` (one URL, or several joined by
+    commas) is given, run the worker for `backend` (or for each backend, one after another against the same
+    servers, with `all`). `sync_mode`: whose figures go at the top level of the JSON (both modes are measured)."""
     import contextlib
 
     from ..config import AsyncGRPOConfig
     from ..data import toy_world
     from ..demo import default_config_path
-    from ..inference.server import VLLMServer, find_free_port
     from ..toy.world import default_cache_dir
+
+    from ..errors import ConfigError
 
     backends = BACKENDS if backend == "all" else (backend,)
     if not set(backends) <= set(BACKENDS):
-        from ..errors import ConfigError
-
         raise ConfigError("--backend", f"{backend!r} is not one of {', '.join(BACKENDS)} or all", "pick one of those")
+    if servers < 1:
+        raise ConfigError("--servers", f"{servers} is not a number of servers", "give 1 or more")
     world = toy_world(AsyncGRPOConfig.load(default_config_path(), []))
     cache = Path(os.environ.get("ASYNCGRPO_CACHE") or default_cache_dir())
     model_dir = Path(model) if model else bench_model_dir(cache, str(world.model_dir))
@@ -119,16 +128,31 @@ def run(backend: str, server_url: str | None, overrides: list[str], model: str |
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-sync-")))
         if server_url is None:
-            server = stack.enter_context(VLLMServer(model_dir, find_free_port(), max_lora_rank=8, max_loras=4,
-                                                    max_model_len=256, log_path=work / "vllm.log"))
-            server_url = server.base_url
+            server_url = ",".join(_start_servers(stack, servers, model_dir, work))
         for name in backends:
             result = launch_worker(name, model_dir, server_url, work / name / "result.json", overrides)
             results[name] = {"backend": name, "sync_mode": sync_mode, **result["modes"][sync_mode],
                              **{k: v for k, v in result.items() if k != "modes"}, "modes": result["modes"]}
     if backend != "all":
-        return results[backend]
+        return {**results[backend], "load_average": os.getloadavg()}
     return {"backends": results, "load_average": os.getloadavg()}
+
+
+def _start_servers(stack, n: int, model_dir: Path, work: Path) -> list[str]:
+    """Start `n` small vLLM CPU servers on free ports (1 GiB of KV cache each, ~2.5 GiB of memory), all at once,
+    stopped when `stack` closes; returns their URLs once every one answers /health."""
+    from ..inference.server import VLLMServer, find_free_port
+
+    started = []
+    for i in range(n):
+        server = VLLMServer(model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
+                            kv_cache_gib=1, log_path=work / f"vllm-{i}.log")
+        stack.callback(server.stop)
+        server.start()
+        started.append(server)
+    for server in started:
+        server.wait_ready(timeout_s=300.0 * n)  # start-up is CPU-bound: n servers on a few cores take n times longer
+    return [server.base_url for server in started]
 
 
 # ---- the worker: every rank ------------------------------------------------------------------------------
@@ -199,7 +223,7 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
 
     publisher = None
     if trainer.main:
-        publisher = AdapterPublisher([trainer.client], f"{trainer.prefix}-{mode}", mode,
+        publisher = AdapterPublisher(trainer.clients, f"{trainer.prefix}-{mode}", mode,
                                      adapter_root=trainer.cfg.lora_adapter_path)
         publisher.publish(0, version0)  # the version requests would be using when the first sync comes
     peft_model = trainer.acc.unwrap_model(trainer.model)
@@ -224,6 +248,7 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
             served = time.perf_counter()
             publisher.retire(in_use=set())
             row.update(write_s=written - gathered, load_s=timing.load_s, pause_s=timing.paused_s,
+                       server_s=timing.server_s, server_sum_s=timing.server_sum_s,
                        step_end_to_served_s=served - step_end,
                        adapter_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
         dist.barrier()
@@ -236,7 +261,7 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
     if not trainer.main:
         return {}
     summary = {k: _median(rows, k) for k in ("gather_s", "naive_gather_s", "write_s", "load_s", "pause_s",
-                                             "step_end_to_served_s")}
+                                             "server_s", "server_sum_s", "step_end_to_served_s")}
     summary.update(gathered_bytes=rows[-1]["gathered_bytes"], adapter_bytes=rows[-1]["adapter_bytes"],
                    naive_gathered_bytes=rows[-1]["naive_gathered_bytes"],
                    naive_matches=all(r["naive_matches"] for r in rows), rounds=len(rows),
@@ -286,8 +311,10 @@ def worker(argv: list[str]) -> None:
     version0 = None
     first = gather_lora_state(trainer.acc, trainer.model)  # version 0: LoRA B = 0
     if trainer.main:
-        trainer.client = InferenceClient(cfg.server_urls[0], api_key=cfg.api_key)
-        trainer.client.wait_healthy(cfg.vllm_server_timeout)
+        trainer.clients = [InferenceClient(url, api_key=cfg.api_key) for url in cfg.server_urls]
+        for client in trainer.clients:
+            client.wait_healthy(cfg.vllm_server_timeout)
+        trainer.client = trainer.clients[0]  # the logprob comparison asks the first server
         trainer.prefix = f"bench-{os.getpid()}"
         trainer.store = AdapterStore(Path(cfg.lora_adapter_path) / trainer.prefix)
         version0 = trainer.store.write(0, first, trainer.peft_config, base_model=trainer.model_path)
@@ -297,6 +324,7 @@ def worker(argv: list[str]) -> None:
     if trainer.main:
         base_bytes = sum(p.numel() * p.element_size() for p in trainer.acc.unwrap_model(trainer.model).parameters())
         result = {"backend_detected": backend, "world_size": trainer.acc.num_processes, "modes": modes,
+                  "servers": len(trainer.clients),
                   "max_abs_logprob_diff": diff, "torch_dtype": cfg.torch_dtype, "lora_r": cfg.lora_r,
                   "local_param_bytes_rank0": base_bytes, "model": str(cfg.model_name_or_path)}
         Path(args.out).write_text(json.dumps(result))

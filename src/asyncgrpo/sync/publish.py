@@ -15,6 +15,11 @@ thread, shutdown.py) can resume them before the process exits, even while this t
 A server found unreachable during a sync is waited for (inference/recovery.py, up to `vllm_server_timeout`); once
 back it gets the current version re-registered and then the new one. All or nothing still holds: if it never
 returns, the servers that got the new version drop it and the sync fails.
+
+Several servers are synced concurrently (one thread each, `_activate_all`), so a sync costs about what one server
+costs rather than the sum. Each server's pause, load, reset, resume and read-back run in its own thread exactly as
+for one server; the sync waits for all of them, and if any failed the new version is unloaded from every server
+that got it. `retire` and `unload_all` go server by server (both run after the new version is served).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ _VERSION_DIR = re.compile(r"^v(\d{6})$")
 # until `halt()` (a SIGTERM), so a test can signal the trainer at a known point of a sync without sleeping.
 HOLD_PAUSED_ENV = "ASYNCGRPO_TEST_HOLD_PAUSED"
 HOLD_PAUSED_MAX_S = 600.0  # the hold gives up after this, so a forgotten test process cannot hang for ever
+# halt() waits this long for pause calls on their way before it resumes (a pause takes ~30 ms; `wait` mode lasts as
+# long as the requests it waits for). Bounded: a signal handler must not hang on a server that does not answer.
+HALT_WAIT_S = 10.0
 
 
 def resume_hint(url: str) -> str:
@@ -218,9 +226,15 @@ def _alive(pid: int) -> bool:
 
 @dataclass
 class PublishTiming:
-    server_s: float = 0.0  # pause -> load -> reset -> resume, summed over servers
-    paused_s: float = 0.0  # time the server(s) spent paused
-    load_s: float = 0.0  # the load calls themselves (POST /v1/load_lora_adapter), summed over servers
+    """One sync's timings. The servers are synced concurrently: `server_s` is the wall-clock time of the whole
+    activation (every server, read-back included), the others are the slowest server's figure (max over servers)."""
+
+    server_s: float = 0.0  # pause -> load -> reset -> resume -> read back on every server, wall clock
+    paused_s: float = 0.0  # the longest time any one server spent paused (0 in versioned mode)
+    load_s: float = 0.0  # the slowest server's load calls (POST /v1/load_lora_adapter)
+    # Each server's own activation time, summed: what one server after another would have cost at the same
+    # per-server speed (server_sum_s / server_s is how much the concurrency overlapped).
+    server_sum_s: float = 0.0
 
 
 SYNC_MODES = ("pause", "versioned")
@@ -267,18 +281,25 @@ class AdapterPublisher:
         self.pause_mode = pause_mode
         self.current_name: str | None = None  # the version every server serves to new requests
         self.loaded: dict[str, Path] = {}  # adapter name -> directory, for every version still loaded
-        # Servers paused by a sync in progress; `halt()` resumes them. The lock is held across the pause call itself,
-        # so a halt either sees the pause and undoes it, or comes first and the pause is never sent.
-        self._pause_lock = threading.Lock()
+        # Servers paused by a sync in progress; `halt()` resumes them. Servers are paused concurrently, so the lock
+        # is not held across a pause call: `halt()` waits for the calls on their way (`_pausing`) before it resumes,
+        # so a halt either comes first and no pause is sent, or resumes the server after its pause has landed.
+        self._pause_lock = threading.Condition()
         self._paused: dict[str, object] = {}  # base_url -> client
+        self._pausing: set[str] = set()  # base_urls whose pause call has not returned yet
         self._halted = threading.Event()
         self._held = False  # the test-only hold (HOLD_PAUSED_ENV) happens once per process
 
     def halt(self) -> list[str]:
         """Stop syncing for good and resume every server a sync in progress has paused; returns their URLs.
-        Safe from a signal handler on another thread than the publisher's (it never waits for the sync itself)."""
+        Safe from a signal handler on another thread than the publisher's: it never waits for the sync itself, only
+        for pause calls on their way (at most HALT_WAIT_S), so that its resume lands after them."""
         with self._pause_lock:
-            self._halted.set()
+            self._halted.set()  # from here on no pause is sent
+            if not self._pause_lock.wait_for(lambda: not self._pausing, timeout=HALT_WAIT_S):
+                log.error("pause calls to %s did not return within %g s; resuming anyway (a pause landing later is "
+                          "undone by its sync's own resume, if the process lives on)", sorted(self._pausing),
+                          HALT_WAIT_S)
             paused = list(self._paused.items())
             self._paused.clear()  # a second halt (the signal watcher's, then the handler's) finds nothing to do
         resumed = []
@@ -292,17 +313,24 @@ class AdapterPublisher:
         return resumed
 
     def _pause(self, client) -> None:
+        url = client.base_url
         with self._pause_lock:
             if self._halted.is_set():
                 raise SyncError("the process is stopping (SIGTERM/SIGINT): this sync was not started")
-            self._paused[client.base_url] = client  # first: a pause that times out may still have paused it
-            try:
-                client.pause(mode=self.pause_mode)
-            except BaseException:
-                self._paused.pop(client.base_url, None)
-                with contextlib.suppress(Exception):  # best effort: the pause's own error is the one to report
-                    client.resume()
-                raise
+            self._paused[url] = client  # first: a pause that times out may still have paused it
+            self._pausing.add(url)
+        try:
+            client.pause(mode=self.pause_mode)
+        except BaseException:
+            with self._pause_lock:
+                self._paused.pop(url, None)
+            with contextlib.suppress(Exception):  # best effort: the pause's own error is the one to report
+                client.resume()
+            raise
+        finally:
+            with self._pause_lock:  # after the resume above: a halt waiting for this call resumes after both
+                self._pausing.discard(url)
+                self._pause_lock.notify_all()
 
     def _resume(self, client) -> None:
         try:
@@ -319,9 +347,12 @@ class AdapterPublisher:
     def _hold_for_test(self, client) -> None:
         """Test-only (HOLD_PAUSED_ENV): hold the first pause until `halt()`, then abandon the sync."""
         marker = os.environ.get(HOLD_PAUSED_ENV)
-        if not marker or self._held:
+        if not marker:
             return
-        self._held = True
+        with self._pause_lock:  # servers are synced concurrently: only one of them is held
+            if self._held:
+                return
+            self._held = True
         Path(marker).write_text(client.base_url)
         self._halted.wait(HOLD_PAUSED_MAX_S)
         raise SyncError("the sync was held paused by the test hook and then halted")
@@ -339,7 +370,6 @@ class AdapterPublisher:
             raise SyncError(f"{exc}\n  No server was asked to load it; the servers still serve "
                             f"{self.current_name or 'no adapter'}.") from exc
         name = self.name(version)
-        timing = PublishTiming()
         t0 = time.perf_counter()
         for client in self.clients:  # every server gets the files before any is paused (http: an upload)
             try:
@@ -347,20 +377,51 @@ class AdapterPublisher:
             except Exception as exc:
                 raise SyncError(f"delivering {path} to {client.base_url} failed: {exc}\n  No server was asked to "
                                 f"load it; the servers still serve {self.current_name or 'no adapter'}.") from exc
-        done = []
-        for client in self.clients:
-            try:
-                timing.paused_s += self._activate_recovering(client, name, path, timing)
-                done.append(client)
-            except Exception as exc:
-                for other in done:  # all servers or none: take the new version off those that got it
-                    self._unload_quietly(other, name)
-                raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  "
-                                f"{self._state_after_failure(client, exc)}") from exc
+        outcomes = self._activate_all(name, path)
+        failed = [(client, exc) for client, _, exc in outcomes if exc is not None]
+        if failed:
+            for client, _, exc in outcomes:  # all servers or none: take the new version off those that got it
+                if exc is None:
+                    self._unload_quietly(client, name)
+            client, exc = failed[0]
+            if not isinstance(exc, Exception):
+                raise exc  # KeyboardInterrupt, SystemExit: propagate as they are, after the clean-up
+            others = "".join(f"\n  {c.base_url} failed too: {e}" for c, e in failed[1:])
+            raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  "
+                            f"{self._state_after_failure(client, exc)}{others}") from exc
         self.loaded[name] = path
         self.current_name = name
-        timing.server_s = time.perf_counter() - t0
-        return timing
+        timings = [t for _, t, _ in outcomes]
+        return PublishTiming(server_s=time.perf_counter() - t0, paused_s=max(t.paused_s for t in timings),
+                             load_s=max(t.load_s for t in timings), server_sum_s=sum(t.server_s for t in timings))
+
+    def _activate_all(self, name: str, path: Path) -> list[tuple[object, PublishTiming, BaseException | None]]:
+        """`_activate_recovering` on every server at once, one thread each; waits for all of them (a server that
+        fails does not cut the others short: all-or-nothing needs to know which got the new version). Returns
+        (client, its timing, its error or None) per server, in `self.clients` order. Daemon threads: a call stuck
+        on a dead server never holds up the process's exit (`halt()` resumes what they paused)."""
+        outcomes: list = [None] * len(self.clients)
+
+        def activate(i: int, client) -> None:
+            timing = PublishTiming()
+            t0 = time.perf_counter()
+            try:
+                timing.paused_s = self._activate_recovering(client, name, path, timing)
+                outcomes[i] = (client, timing, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to publish(), which cleans up and re-raises
+                outcomes[i] = (client, timing, exc)
+            timing.server_s = time.perf_counter() - t0  # this server's own activation
+
+        if len(self.clients) == 1:
+            activate(0, self.clients[0])  # nothing to overlap: no thread
+            return outcomes
+        threads = [threading.Thread(target=activate, args=(i, c), name=f"sync-{c.base_url}", daemon=True)
+                   for i, c in enumerate(self.clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return outcomes
 
     def restore(self, client) -> None:
         """Re-register the current version on a server that lost it (a restarted vLLM knows no adapters)."""

@@ -9,6 +9,8 @@ tests/integration/test_sync_safety.py and test_servers.py.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from asyncgrpo.errors import InferenceServerError, SyncError
@@ -173,7 +175,8 @@ def test_a_sync_is_all_servers_or_none(tmp_path):
     assert ("unload", "pol-v2") in servers[0].calls and "pol-v2" not in servers[0].served  # taken back off
     assert servers[0].calls[-1] == ("unload", "pol-v2")
     assert servers[1].calls == [("pause", "keep"), ("load", "pol-v2"), ("resume",)]
-    assert servers[2].calls == []  # never reached
+    # synced at the same time as the failing one: it got the new version, resumed, then had it taken back off
+    assert servers[2].calls[-2:] == [("read",), ("unload", "pol-v2")] and "pol-v2" not in servers[2].served
     assert publisher.current_name == "pol-v1" and set(publisher.loaded) == {"pol-v1"}
     servers[1].fail.clear()
     publisher.publish(3, v2)  # the next sync goes through on all three
@@ -210,33 +213,53 @@ def test_retire_stops_on_a_server_error_other_than_not_found(tmp_path):
 
 
 class Clock:
-    """A fake `time.perf_counter` that only the fake server's calls move: timings become exact sums."""
+    """A fake `time.perf_counter` that only the fake servers' calls move, one time per thread (the servers are synced
+    concurrently): a sync thread starts at the publishing thread's time and moves by its own server's calls; the
+    publishing thread, once it has joined them, reads the latest of all (a concurrent sync lasts as long as its
+    slowest server). Timings become exact."""
 
     def __init__(self):
-        self.now = 100.0
+        self.main = threading.current_thread()
+        self.now = {self.main: 100.0}
+        self.lock = threading.Lock()
 
     def __call__(self):
-        return self.now
+        me = threading.current_thread()
+        with self.lock:
+            if me is self.main:
+                self.now[me] = max(self.now.values())
+            return self.now.setdefault(me, self.now[self.main])
+
+    def advance(self, seconds: float) -> None:
+        me = threading.current_thread()
+        with self.lock:
+            self.now[me] = self.now.get(me, self.now[self.main]) + seconds
 
 
-def test_timings_are_summed_over_servers(tmp_path, monkeypatch):
+def test_timings_are_the_slowest_server_s_and_the_sync_lasts_as_long_as_that_server(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from asyncgrpo.sync import publish
 
     clock = Clock()
     monkeypatch.setattr(publish, "time", SimpleNamespace(perf_counter=clock))
-    cost = {"pause": 0.25, "load": 2.0, "reset": 0.5, "resume": 0.125}
+    fast = {"pause": 0.25, "load": 2.0, "reset": 0.5, "resume": 0.125}
+    slow = {**fast, "load": 3.0}
 
     class Timed(Server):
+        def __init__(self, url, cost):
+            super().__init__(url)
+            self.cost = cost
+
         def _call(self, *call):
-            clock.now += cost.get(call[0], 0.0)
+            clock.advance(self.cost.get(call[0], 0.0))
             super()._call(*call)
 
     v1, v2 = versions(tmp_path, 2)
-    servers = [Timed("http://a:8000"), Timed("http://b:8000")]
+    servers = [Timed("http://a:8000", fast), Timed("http://b:8000", slow)]
     publisher = AdapterPublisher(servers, "pol", adapter_root=tmp_path)
-    first = publisher.publish(1, v1)  # loaded without a pause
-    assert (first.load_s, first.paused_s, first.server_s) == (4.0, 0.0, 4.0)
+    first = publisher.publish(1, v1)  # loaded without a pause, both at once: as long as the slower load
+    assert (first.load_s, first.paused_s, first.server_s, first.server_sum_s) == (3.0, 0.0, 3.0, 5.0)
     second = publisher.publish(2, v2)  # per server: pause, then paused for load + reset + resume
-    assert (second.load_s, second.paused_s, second.server_s) == (4.0, 2 * 2.625, 2 * 2.875)
+    assert (second.load_s, second.paused_s, second.server_s) == (3.0, 3.625, 3.875)
+    assert second.server_sum_s == 2.875 + 3.875  # one after another, it would have taken this long
