@@ -295,3 +295,11 @@ def test_token_logprobs_divide_the_logits_by_any_temperature(temperature):
     targets = torch.tensor([[5, 0, 3, 3]])
     expected = torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None])[..., 0]
     assert torch.allclose(token_logprobs(logits, targets, temperature=temperature), expected)
+
+
+def test_a_kl_term_without_reference_logprobs_is_refused_with_the_reason():
+    logp = torch.tensor([[-1.0, -2.0]])
+    with pytest.raises(AssertionError) as err:
+        grpo_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), epsilon_low=0.2, epsilon_high=0.2, normaliser=2.0,
+                  beta=0.1)
+    assert str(err.value) == "beta > 0 needs reference logprobs"

@@ -240,3 +240,28 @@ def test_timings_are_summed_over_servers(tmp_path, monkeypatch):
     assert (first.load_s, first.paused_s, first.server_s) == (4.0, 0.0, 4.0)
     second = publisher.publish(2, v2)  # per server: pause, then paused for load + reset + resume
     assert (second.load_s, second.paused_s, second.server_s) == (4.0, 2 * 2.625, 2 * 2.875)
+
+
+def test_a_read_back_failure_names_the_directory_that_was_loaded(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", sync_mode="versioned", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.misreport = str(v1.resolve())
+    with pytest.raises(SyncError) as err:
+        publisher.publish(2, v2)
+    assert (f"server http://a:8000 reports adapter 'pol-v2' at {str(v1.resolve())!r} after loading "
+            f"{str(v2.resolve())!r}; the new version was not applied") in str(err.value)
+
+
+def test_a_corrupt_first_version_says_no_adapter_is_served(tmp_path):
+    from asyncgrpo.sync.publish import MANIFEST_NAME
+
+    (v1,) = versions(tmp_path, 1)
+    (v1 / "adapter_model.safetensors").write_bytes(b"12345")
+    (v1 / MANIFEST_NAME).write_text('{"adapter_model.safetensors": {"size": 4, "sha256": "0"}}')
+    server = Server()
+    with pytest.raises(SyncError) as err:
+        AdapterPublisher([server], "pol", adapter_root=tmp_path).publish(1, v1)
+    assert str(err.value).endswith("No server was asked to load it; the servers still serve no adapter.")
+    assert server.calls == []

@@ -188,3 +188,57 @@ def test_unreadable_root_is_a_user_error_naming_the_key(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(AsyncGRPOError, match="lora_adapter_path"):
         AdapterStore(tmp_path / "file" / "adapters")
+
+
+def test_a_store_under_missing_directories_creates_them(tmp_path):
+    root = tmp_path / "runs" / "2026" / "adapters"  # neither it nor its parents exist yet
+    store = AdapterStore(root)
+    assert root.is_dir() and store.root == root.resolve()
+    assert store.write(1, tensors(0.5), CONFIG, base_model="b") == root.resolve() / "v000001"
+
+
+def test_an_uncreatable_root_names_the_path_and_the_fix(tmp_path):
+    from asyncgrpo.errors import AsyncGRPOError
+
+    (tmp_path / "file").write_text("x")
+    root = tmp_path / "file" / "adapters"
+    with pytest.raises(AsyncGRPOError) as err:
+        AdapterStore(root)
+    message = str(err.value)
+    assert message.startswith(f"cannot create lora_adapter_path {str(root)!r} (")
+    assert message.endswith("set lora_adapter_path to a writable directory the inference server can read")
+
+
+def test_a_stale_temporary_of_the_same_version_is_replaced(tmp_path):
+    # A temporary directory with this process's id and this version, made after the store cleaned up at start
+    # (e.g. by an earlier write of this version that failed): the write starts afresh and keeps none of it.
+    store = AdapterStore(tmp_path)
+    stale = tmp_path / f".tmp-v000001-{os.getpid()}"
+    stale.mkdir()
+    (stale / "leftover.bin").write_bytes(b"old")
+    path = store.write(1, tensors(0.5), CONFIG, base_model="b")
+    assert sorted(p.name for p in path.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "asyncgrpo_manifest.json"]
+    assert not stale.exists()
+
+
+def test_the_weights_file_says_it_holds_pytorch_tensors_as_peft_writes_it(tmp_path):
+    # PEFT's save_pretrained and transformers write {"format": "pt"}; readers that check it accept nothing else
+    from safetensors import safe_open
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+    with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_a_base_model_given_as_a_path_is_written_as_its_string(tmp_path):
+    from pathlib import Path
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model=Path("/models/base"))
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == "/models/base"
+
+
+def test_an_empty_adapter_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(SyncError) as err:
+        AdapterStore(tmp_path).write(1, {}, CONFIG, base_model="b")
+    assert str(err.value) == "the gathered adapter has no tensors; refusing to publish an empty adapter"
