@@ -115,6 +115,16 @@ def test_loss_normaliser_per_loss_type():
     assert loss_normaliser("dapo", **{**kw, "global_tokens": 0.0}) > 0  # all masked: no division by zero
 
 
+def test_a_normaliser_below_one_is_kept_and_an_unknown_loss_type_is_named():
+    kw = dict(global_sequences=1.0, micro_tokens=1.0, micro_batches=1, max_completion_length=16)
+    # one completion token over 2 ranks: each rank divides by 0.5 (the floor only guards against 0)
+    assert loss_normaliser("dapo", global_tokens=1.0, world=2, **kw) == 0.5
+    assert loss_normaliser("dapo", global_tokens=0.0, world=2, **kw) == 1e-8
+    with pytest.raises(AssertionError) as err:
+        loss_normaliser("ppo", global_tokens=1.0, world=1, **kw)
+    assert str(err.value) == "unknown loss_type 'ppo'"
+
+
 # ---- GSPO ------------------------------------------------------------------------------------------------------------
 def test_sequence_level_ratio_is_the_geometric_mean_over_the_sequence():
     # log r = [0.1, 0.3]: s = exp(0.2) = 1.221403. A = 1, epsilon_high 0.3 (unclipped), dapo over 2 tokens:

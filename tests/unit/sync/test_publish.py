@@ -265,3 +265,74 @@ def test_a_corrupt_first_version_says_no_adapter_is_served(tmp_path):
         AdapterPublisher([server], "pol", adapter_root=tmp_path).publish(1, v1)
     assert str(err.value).endswith("No server was asked to load it; the servers still serve no adapter.")
     assert server.calls == []
+
+
+def test_a_sync_after_a_halt_is_not_started_and_says_why(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    publisher.halt()
+    server.calls.clear()
+    with pytest.raises(SyncError) as err:
+        publisher.publish(2, v2)
+    assert "failed: the process is stopping (SIGTERM/SIGINT): this sync was not started\n" in str(err.value)
+    assert server.calls == []  # not even paused
+
+
+def test_a_pause_that_fails_is_undone_at_once_and_not_left_for_halt(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.calls.clear()
+    server.fail["pause"] = InferenceServerError("pause timed out", status=None)  # it may have paused anyway
+    with pytest.raises(SyncError):
+        publisher.publish(2, v2)
+    assert server.calls == [("pause", "keep"), ("resume",)]
+    assert publisher.halt() == []  # nothing is recorded as paused any more
+
+
+def test_a_resume_that_fails_says_the_server_may_still_be_paused_and_how_to_resume_it(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.fail["resume"] = InferenceServerError("HTTP 500", status=500)
+    with pytest.raises(SyncError) as err:
+        publisher.publish(2, v2)
+    assert ("HTTP 500\n  The server http://a:8000 may still be paused: resume it by hand with "
+            "`curl -X POST http://a:8000/resume` (POST /resume)") in str(err.value)
+
+
+def test_a_halt_during_a_load_resumes_the_server_and_the_sync_still_finishes(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+
+    class HaltedWhileLoading(Server):
+        def load_adapter(self, name, path, inplace=False):
+            super().load_adapter(name, path, inplace)
+            if name == "pol-v2":
+                assert publisher.halt() == ["http://a:8000"]  # SIGTERM arrives while the load runs
+
+    server = HaltedWhileLoading()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.calls.clear()
+    publisher.publish(2, v2)
+    assert server.calls == [("pause", "keep"), ("load", "pol-v2"), ("resume",), ("reset",), ("resume",), ("read",)]
+    assert publisher.current_name == "pol-v2"
+
+
+def test_a_failure_says_what_the_server_serves_now(tmp_path):
+    from asyncgrpo.errors import ServerUnreachableError
+
+    (v1,) = versions(tmp_path, 1)
+    refusing = Server(fail={"load": InferenceServerError("rank too large", status=400)})
+    with pytest.raises(SyncError) as err:
+        AdapterPublisher([refusing], "pol", adapter_root=tmp_path).publish(1, v1)
+    assert str(err.value).endswith("\n  The server is not paused and still serves no adapter.")
+    dead = Server(fail={"load": ServerUnreachableError("cannot reach http://a:8000")})
+    with pytest.raises(SyncError) as err:
+        AdapterPublisher([dead], "pol", adapter_root=tmp_path).publish(1, v1)
+    assert str(err.value).endswith(
+        "\n  The server did not answer (it is down or restarting); nothing is being served by it now.")
