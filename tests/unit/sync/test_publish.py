@@ -336,3 +336,38 @@ def test_a_failure_says_what_the_server_serves_now(tmp_path):
         AdapterPublisher([dead], "pol", adapter_root=tmp_path).publish(1, v1)
     assert str(err.value).endswith(
         "\n  The server did not answer (it is down or restarting); nothing is being served by it now.")
+
+
+def test_the_test_hold_keeps_the_first_paused_sync_until_halt(tmp_path, monkeypatch):
+    # The hook tests/integration/test_paused_server.py uses to SIGTERM a trainer at a known point of a sync.
+    import threading
+    import time
+
+    from asyncgrpo.sync.publish import HOLD_PAUSED_ENV
+
+    marker = tmp_path / "held"
+    monkeypatch.setenv(HOLD_PAUSED_ENV, str(marker))
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)  # not paused: not held
+    assert not marker.exists()
+    errors = []
+
+    def sync():
+        try:
+            publisher.publish(2, v2)
+        except SyncError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=sync)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling for the marker the hook writes, with a deadline
+    assert marker.read_text() == "http://a:8000"  # the server it holds paused
+    assert publisher.halt() == ["http://a:8000"]
+    thread.join(30)
+    assert not thread.is_alive()
+    assert "failed: the sync was held paused by the test hook and then halted\n" in errors[0]
+    assert ("load", "pol-v2") not in server.calls and server.calls[-1] == ("resume",)
