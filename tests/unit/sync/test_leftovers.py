@@ -59,12 +59,17 @@ def test_a_file_named_like_a_temporary_is_not_a_writers_directory(tmp_path):
 
 
 def test_checking_whether_a_writer_is_alive_sends_it_no_signal(tmp_path):
-    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another run, writing
+    # another run, writing: it echoes one line back, which it cannot do if it was signalled (SIGHUP etc. end it)
+    echo = "import sys; sys.stdout.write(sys.stdin.readline()); sys.stdout.flush(); sys.stdin.readline()"
+    writer = subprocess.Popen([sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         live = tmp_path / "run-b" / f".tmp-v000002-{writer.pid}"
         live.mkdir(parents=True)
         assert clean_stale_temporaries(tmp_path) == []
-        assert live.exists() and writer.poll() is None  # kept, and the process was not hung up on
+        assert live.exists()
+        writer.stdin.write("still writing\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "still writing\n"  # alive and untouched
     finally:
         writer.kill()
         writer.wait()
