@@ -242,3 +242,37 @@ def test_an_empty_adapter_is_refused_with_the_reason(tmp_path):
     with pytest.raises(SyncError) as err:
         AdapterStore(tmp_path).write(1, {}, CONFIG, base_model="b")
     assert str(err.value) == "the gathered adapter has no tensors; refusing to publish an empty adapter"
+
+
+FIX = ("the adapter directory was changed after asyncgrpo wrote it (disk full, a storage fault, or another process "
+       "writing there). Fix: check the storage of lora_adapter_path and that nothing else writes under it, then "
+       "restart the run from its last checkpoint (resume_from_checkpoint: latest)")
+
+
+def test_a_changed_adapter_file_is_named_with_both_digests_and_the_fix(tmp_path):
+    import hashlib
+
+    from asyncgrpo.sync.publish import WEIGHTS_NAME, verify_adapter_files
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+    weights = path / WEIGHTS_NAME
+    written = hashlib.sha256(weights.read_bytes()).hexdigest()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    now = hashlib.sha256(bytes(data)).hexdigest()
+    with pytest.raises(SyncError) as err:
+        verify_adapter_files(path)
+    assert str(err.value) == (f"adapter file {weights} has sha256 {now[:16]}..., but {written[:16]}... was written "
+                              f"(same size: its content changed); {FIX}")
+
+
+def test_a_deleted_adapter_file_is_named_with_the_reason_and_the_fix(tmp_path):
+    from asyncgrpo.sync.publish import CONFIG_NAME, verify_adapter_files
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+    (path / CONFIG_NAME).unlink()
+    with pytest.raises(SyncError) as err:
+        verify_adapter_files(path)
+    assert str(err.value) == (f"adapter file {path / CONFIG_NAME} cannot be read before loading it ([Errno 2] No such "
+                              f"file or directory: {str(path / CONFIG_NAME)!r}); {FIX}")
