@@ -159,6 +159,23 @@ def test_importance_weights_truncate_or_mask_per_token_and_per_sequence():
     assert torch.equal(w, torch.zeros(1, 2)) and capped.all()
 
 
+def test_the_importance_weight_cap_defaults_to_3():
+    # TRL's vllm_importance_sampling_cap default: a proximal/behaviour ratio of 3.5 is weighted 3, not 3.5
+    prox = torch.tensor([[-1.0]])
+    behaviour = prox - math.log(3.5)
+    logp = prox.clone().requires_grad_()
+    grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, proximal_logprobs=prox,
+              is_mode="token_truncate", **EPS).loss.backward()
+    assert logp.grad.item() == pytest.approx(-3.0)
+
+
+@pytest.mark.parametrize("bad", [dict(loss_type="ppo"), dict(importance_sampling_level="tokens")])
+def test_an_unknown_loss_type_or_importance_sampling_level_is_refused(bad):
+    logp = torch.tensor([[-1.0]])
+    with pytest.raises(AssertionError):
+        grpo_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, **EPS, **bad)
+
+
 def test_decoupled_ppo_clips_against_the_proximal_policy_and_weights_by_the_capped_ratio():
     # First pass: logp = proximal, so r = 1 (no clip) and the gradient is -w A / N with w = min(prox/behaviour, 3):
     # ratios 4 and 0.5 -> weights 3 and 0.5; A = 1, N = 2: gradients -1.5 and -0.25.
