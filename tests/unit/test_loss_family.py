@@ -160,7 +160,7 @@ def test_importance_weights_truncate_or_mask_per_token_and_per_sequence():
 
 
 def test_the_importance_weight_cap_defaults_to_3():
-    # TRL's vllm_importance_sampling_cap default: a proximal/behaviour ratio of 3.5 is weighted 3, not 3.5
+    # the default of config.py's vllm_importance_sampling_cap: a proximal/behaviour ratio of 3.5 is weighted 3
     prox = torch.tensor([[-1.0]])
     behaviour = prox - math.log(3.5)
     logp = prox.clone().requires_grad_()
