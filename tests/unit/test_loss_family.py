@@ -126,6 +126,29 @@ def test_a_normaliser_below_one_is_kept_and_an_unknown_loss_type_is_named():
 
 
 # ---- GSPO ------------------------------------------------------------------------------------------------------------
+def test_sequence_level_ratios_are_per_sequence_over_its_own_unpadded_tokens():
+    # Two sequences of 2 and 1 tokens (the rest padding, with junk logprobs): log r = [0.1, 0.3] -> s0 = exp(0.2),
+    # and [0.5] -> s1 = exp(0.5); A = 1, epsilon 0.2 / 1.0 (nothing clipped), dapo over the 3 tokens.
+    old = torch.full((2, 3), -1.0)
+    logp = torch.tensor([[-0.9, -0.7, 5.0], [-0.5, 7.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    terms = grpo_loss(logp, old, torch.tensor([1.0, 1.0]), mask, normaliser=3.0, epsilon_low=0.2, epsilon_high=1.0,
+                      importance_sampling_level="sequence")
+    s0, s1 = math.exp(0.2), math.exp(0.5)
+    assert terms.ratio_sum.item() == pytest.approx(2 * s0 + s1, rel=1e-6)
+    assert terms.loss.item() == pytest.approx(-(2 * s0 + s1) / 3, rel=1e-6)
+    assert terms.clipped_tokens.item() == 0.0
+
+
+def test_cispo_counts_only_tokens_above_the_cap_as_clipped():
+    # ratios 1 (exactly the cap: not above it), 3 (above) and 0.5, with epsilon_high = 1
+    old = torch.tensor([[-1.0, -1.0 - math.log(3.0), -1.0 + math.log(2.0)]])
+    logp = torch.full((1, 3), -1.0)
+    terms = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 3), normaliser=3.0, loss_type="cispo",
+                      epsilon_low=0.2, epsilon_high=1.0)
+    assert terms.clipped_tokens.item() == 1.0
+
+
 def test_sequence_level_ratio_is_the_geometric_mean_over_the_sequence():
     # log r = [0.1, 0.3]: s = exp(0.2) = 1.221403. A = 1, epsilon_high 0.3 (unclipped), dapo over 2 tokens:
     # loss = -(s + s) / 2 = -s; d s / d logp_t = s / 2, so each gradient is -s / 2 = -0.610701.
