@@ -149,6 +149,24 @@ def test_cispo_counts_only_tokens_above_the_cap_as_clipped():
     assert terms.clipped_tokens.item() == 1.0
 
 
+def test_delta_counts_a_token_clipped_only_above_delta_with_a_negative_advantage():
+    # one token per sequence, delta = 1: (ratio 1, A -1) is not above delta; (ratio 3, A 0) has no advantage sign;
+    # (ratio 3, A -1) is the one clipped
+    old = torch.tensor([[-1.0], [-1.0 - math.log(3.0)], [-1.0 - math.log(3.0)]])
+    logp = torch.full((3, 1), -1.0)
+    terms = grpo_loss(logp, old, torch.tensor([-1.0, 0.0, -1.0]), torch.ones(3, 1), normaliser=3.0, delta=1.0, **EPS)
+    assert terms.clipped_tokens.item() == 1.0
+
+
+def test_the_importance_weight_statistics_use_the_proximal_policy_not_the_current_one():
+    prox = torch.tensor([[-1.0]])
+    behaviour = prox - math.log(2.0)  # proximal / behaviour = 2
+    logp = prox + math.log(1.5)  # the current policy moved on: current / behaviour would be 3
+    terms = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, proximal_logprobs=prox,
+                      is_mode="token_truncate", is_cap=5.0, **EPS)
+    assert terms.is_ratio_sum.item() == pytest.approx(2.0) and terms.is_ratio_max.item() == pytest.approx(2.0)
+
+
 def test_sequence_level_ratio_is_the_geometric_mean_over_the_sequence():
     # log r = [0.1, 0.3]: s = exp(0.2) = 1.221403. A = 1, epsilon_high 0.3 (unclipped), dapo over 2 tokens:
     # loss = -(s + s) / 2 = -s; d s / d logp_t = s / 2, so each gradient is -s / 2 = -0.610701.
