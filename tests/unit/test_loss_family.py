@@ -259,3 +259,53 @@ def test_scale_rewards_group_batch_none():
     assert torch.equal(group_advantages(r, "none"), torch.tensor([[0.5, -0.5], [0.0, 0.0]]))
     assert torch.equal(group_advantages(r, True), group_advantages(r, "group"))  # TRL's booleans
     assert torch.equal(group_advantages(r, False), group_advantages(r, "none"))
+
+
+# ---- importance weights and statistics over padded batches -----------------------------------------------------------
+def test_sequence_importance_weights_are_per_sequence_products_over_unpadded_tokens():
+    # log(prox / behaviour): sequence 0 [0.5, 0.5, pad], sequence 1 [0.25, pad, pad]; padding holds junk
+    prox = torch.tensor([[0.0, 0.0, 4.0], [0.0, 6.0, -3.0]])
+    behaviour = torch.tensor([[-0.5, -0.5, 0.0], [-0.25, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    weights, ratio, capped = importance_weights(prox, behaviour, mask, mode="sequence_truncate", cap=2.0)
+    assert torch.allclose(ratio, torch.tensor([[math.e] * 3, [math.exp(0.25)] * 3]))
+    assert torch.allclose(weights, torch.tensor([[2.0] * 3, [math.exp(0.25)] * 3]))
+    assert capped.tolist() == [[True] * 3, [False] * 3]
+
+
+def test_a_ratio_exactly_at_the_cap_is_not_capped():
+    logp = torch.zeros(1, 2)
+    weights, ratio, capped = importance_weights(logp, logp, torch.ones(1, 2), mode="token_mask", cap=1.0)
+    assert capped.tolist() == [[False, False]] and weights.tolist() == [[1.0, 1.0]]
+
+
+def test_log_ratios_are_bounded_on_both_sides():
+    from asyncgrpo.loss import _clamped
+
+    assert _clamped(torch.tensor([-1000.0, 3.0, 1000.0])).tolist() == [-LOG_RATIO_BOUND, 3.0, LOG_RATIO_BOUND]
+
+
+def test_importance_and_behaviour_statistics_leave_padding_out():
+    # one sequence of 2 tokens + 1 padding token; proximal/behaviour ratios 0.5 and 0.25 (both below 1)
+    prox = torch.tensor([[-1.0, -1.0, 0.0]])
+    behaviour = prox + torch.tensor([[math.log(2.0), math.log(4.0), 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    terms = grpo_loss(prox.clone(), behaviour, torch.tensor([1.0]), mask, normaliser=2.0, proximal_logprobs=prox,
+                      is_mode="token_truncate", is_cap=3.0, **EPS)
+    assert terms.is_ratio_sum.item() == pytest.approx(0.75) and terms.is_ratio_max.item() == pytest.approx(0.5)
+    k3 = (0.5 - 1 - math.log(0.5)) + (0.25 - 1 - math.log(0.25))  # r - 1 - log r per token, padding left out
+    assert terms.behaviour_kl_sum.item() == pytest.approx(k3, rel=1e-5)
+    assert terms.is_capped_tokens.item() == 0.0 and terms.is_capped_tokens.dtype == mask.dtype
+
+
+def test_without_an_importance_correction_no_token_counts_as_capped():
+    behaviour = torch.tensor([[-1.0 - math.log(4.0)]])  # current / behaviour = 4, above the default cap
+    terms = grpo_loss(torch.tensor([[-1.0]]), behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, **EPS)
+    assert terms.is_capped_tokens.item() == 0.0
+
+
+def test_grpo_divides_a_one_token_sequence_by_one():
+    logp = torch.tensor([[-1.0, 0.0]], requires_grad=True)
+    terms = grpo_loss(logp, logp.detach(), torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]), normaliser=1.0,
+                      loss_type="grpo", **EPS)
+    assert terms.loss.item() == pytest.approx(-2.0)  # -(ratio 1 x A 2) / 1 token
