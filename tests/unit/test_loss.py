@@ -86,7 +86,7 @@ def _naive_and_chunked(temperature, softcap=None, bias=False, chunk_size=3, weig
 
 
 def test_chunked_logprobs_and_their_gradients_equal_the_naive_ones_at_any_temperature():
-    for temperature in (1.0, 0.7, 1.3):
+    for temperature in (1.0, 0.7, 1.3, 2.0):  # 2.0 too: a check against one special value would pass at 1.0
         (lp, gh, _), (clp, cgh, _) = _naive_and_chunked(temperature)
         assert torch.allclose(clp, lp, atol=1e-5, rtol=0), temperature
         assert torch.allclose(cgh, gh, atol=1e-5, rtol=0), temperature
@@ -295,3 +295,11 @@ def test_token_logprobs_divide_the_logits_by_any_temperature(temperature):
     targets = torch.tensor([[5, 0, 3, 3]])
     expected = torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None])[..., 0]
     assert torch.allclose(token_logprobs(logits, targets, temperature=temperature), expected)
+
+
+def test_a_kl_term_without_reference_logprobs_is_refused_with_the_reason():
+    logp = torch.tensor([[-1.0, -2.0]])
+    with pytest.raises(AssertionError) as err:
+        grpo_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), epsilon_low=0.2, epsilon_high=0.2, normaliser=2.0,
+                  beta=0.1)
+    assert str(err.value) == "beta > 0 needs reference logprobs"

@@ -115,7 +115,58 @@ def test_loss_normaliser_per_loss_type():
     assert loss_normaliser("dapo", **{**kw, "global_tokens": 0.0}) > 0  # all masked: no division by zero
 
 
+def test_a_normaliser_below_one_is_kept_and_an_unknown_loss_type_is_named():
+    kw = dict(global_sequences=1.0, micro_tokens=1.0, micro_batches=1, max_completion_length=16)
+    # one completion token over 2 ranks: each rank divides by 0.5 (the floor only guards against 0)
+    assert loss_normaliser("dapo", global_tokens=1.0, world=2, **kw) == 0.5
+    assert loss_normaliser("dapo", global_tokens=0.0, world=2, **kw) == 1e-8
+    with pytest.raises(AssertionError) as err:
+        loss_normaliser("ppo", global_tokens=1.0, world=1, **kw)
+    assert str(err.value) == "unknown loss_type 'ppo'"
+
+
 # ---- GSPO ------------------------------------------------------------------------------------------------------------
+def test_sequence_level_ratios_are_per_sequence_over_its_own_unpadded_tokens():
+    # Two sequences of 2 and 1 tokens (the rest padding, with junk logprobs): log r = [0.1, 0.3] -> s0 = exp(0.2),
+    # and [0.5] -> s1 = exp(0.5); A = 1, epsilon 0.2 / 1.0 (nothing clipped), dapo over the 3 tokens.
+    old = torch.full((2, 3), -1.0)
+    logp = torch.tensor([[-0.9, -0.7, 5.0], [-0.5, 7.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    terms = grpo_loss(logp, old, torch.tensor([1.0, 1.0]), mask, normaliser=3.0, epsilon_low=0.2, epsilon_high=1.0,
+                      importance_sampling_level="sequence")
+    s0, s1 = math.exp(0.2), math.exp(0.5)
+    assert terms.ratio_sum.item() == pytest.approx(2 * s0 + s1, rel=1e-6)
+    assert terms.loss.item() == pytest.approx(-(2 * s0 + s1) / 3, rel=1e-6)
+    assert terms.clipped_tokens.item() == 0.0
+
+
+def test_cispo_counts_only_tokens_above_the_cap_as_clipped():
+    # ratios 1 (exactly the cap: not above it), 3 (above) and 0.5, with epsilon_high = 1
+    old = torch.tensor([[-1.0, -1.0 - math.log(3.0), -1.0 + math.log(2.0)]])
+    logp = torch.full((1, 3), -1.0)
+    terms = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 3), normaliser=3.0, loss_type="cispo",
+                      epsilon_low=0.2, epsilon_high=1.0)
+    assert terms.clipped_tokens.item() == 1.0
+
+
+def test_delta_counts_a_token_clipped_only_above_delta_with_a_negative_advantage():
+    # one token per sequence, delta = 1: (ratio 1, A -1) is not above delta; (ratio 3, A 0) has no advantage sign;
+    # (ratio 3, A -1) is the one clipped
+    old = torch.tensor([[-1.0], [-1.0 - math.log(3.0)], [-1.0 - math.log(3.0)]])
+    logp = torch.full((3, 1), -1.0)
+    terms = grpo_loss(logp, old, torch.tensor([-1.0, 0.0, -1.0]), torch.ones(3, 1), normaliser=3.0, delta=1.0, **EPS)
+    assert terms.clipped_tokens.item() == 1.0
+
+
+def test_the_importance_weight_statistics_use_the_proximal_policy_not_the_current_one():
+    prox = torch.tensor([[-1.0]])
+    behaviour = prox - math.log(2.0)  # proximal / behaviour = 2
+    logp = prox + math.log(1.5)  # the current policy moved on: current / behaviour would be 3
+    terms = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, proximal_logprobs=prox,
+                      is_mode="token_truncate", is_cap=5.0, **EPS)
+    assert terms.is_ratio_sum.item() == pytest.approx(2.0) and terms.is_ratio_max.item() == pytest.approx(2.0)
+
+
 def test_sequence_level_ratio_is_the_geometric_mean_over_the_sequence():
     # log r = [0.1, 0.3]: s = exp(0.2) = 1.221403. A = 1, epsilon_high 0.3 (unclipped), dapo over 2 tokens:
     # loss = -(s + s) / 2 = -s; d s / d logp_t = s / 2, so each gradient is -s / 2 = -0.610701.
@@ -147,6 +198,23 @@ def test_importance_weights_truncate_or_mask_per_token_and_per_sequence():
     assert torch.allclose(w, torch.tensor([[2.0, 2.0]]))
     w, _, capped = importance_weights(prox, behaviour, mask, mode="sequence_mask", cap=1.5)  # 2 > 1.5: masked
     assert torch.equal(w, torch.zeros(1, 2)) and capped.all()
+
+
+def test_the_importance_weight_cap_defaults_to_3():
+    # the default of config.py's vllm_importance_sampling_cap: a proximal/behaviour ratio of 3.5 is weighted 3
+    prox = torch.tensor([[-1.0]])
+    behaviour = prox - math.log(3.5)
+    logp = prox.clone().requires_grad_()
+    grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, proximal_logprobs=prox,
+              is_mode="token_truncate", **EPS).loss.backward()
+    assert logp.grad.item() == pytest.approx(-3.0)
+
+
+@pytest.mark.parametrize("bad", [dict(loss_type="ppo"), dict(importance_sampling_level="tokens")])
+def test_an_unknown_loss_type_or_importance_sampling_level_is_refused(bad):
+    logp = torch.tensor([[-1.0]])
+    with pytest.raises(AssertionError):
+        grpo_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, **EPS, **bad)
 
 
 def test_decoupled_ppo_clips_against_the_proximal_policy_and_weights_by_the_capped_ratio():
@@ -191,3 +259,53 @@ def test_scale_rewards_group_batch_none():
     assert torch.equal(group_advantages(r, "none"), torch.tensor([[0.5, -0.5], [0.0, 0.0]]))
     assert torch.equal(group_advantages(r, True), group_advantages(r, "group"))  # TRL's booleans
     assert torch.equal(group_advantages(r, False), group_advantages(r, "none"))
+
+
+# ---- importance weights and statistics over padded batches -----------------------------------------------------------
+def test_sequence_importance_weights_are_per_sequence_products_over_unpadded_tokens():
+    # log(prox / behaviour): sequence 0 [0.5, 0.5, pad], sequence 1 [0.25, pad, pad]; padding holds junk
+    prox = torch.tensor([[0.0, 0.0, 4.0], [0.0, 6.0, -3.0]])
+    behaviour = torch.tensor([[-0.5, -0.5, 0.0], [-0.25, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    weights, ratio, capped = importance_weights(prox, behaviour, mask, mode="sequence_truncate", cap=2.0)
+    assert torch.allclose(ratio, torch.tensor([[math.e] * 3, [math.exp(0.25)] * 3]))
+    assert torch.allclose(weights, torch.tensor([[2.0] * 3, [math.exp(0.25)] * 3]))
+    assert capped.tolist() == [[True] * 3, [False] * 3]
+
+
+def test_a_ratio_exactly_at_the_cap_is_not_capped():
+    logp = torch.zeros(1, 2)
+    weights, ratio, capped = importance_weights(logp, logp, torch.ones(1, 2), mode="token_mask", cap=1.0)
+    assert capped.tolist() == [[False, False]] and weights.tolist() == [[1.0, 1.0]]
+
+
+def test_log_ratios_are_bounded_on_both_sides():
+    from asyncgrpo.loss import _clamped
+
+    assert _clamped(torch.tensor([-1000.0, 3.0, 1000.0])).tolist() == [-LOG_RATIO_BOUND, 3.0, LOG_RATIO_BOUND]
+
+
+def test_importance_and_behaviour_statistics_leave_padding_out():
+    # one sequence of 2 tokens + 1 padding token; proximal/behaviour ratios 0.5 and 0.25 (both below 1)
+    prox = torch.tensor([[-1.0, -1.0, 0.0]])
+    behaviour = prox + torch.tensor([[math.log(2.0), math.log(4.0), 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    terms = grpo_loss(prox.clone(), behaviour, torch.tensor([1.0]), mask, normaliser=2.0, proximal_logprobs=prox,
+                      is_mode="token_truncate", is_cap=3.0, **EPS)
+    assert terms.is_ratio_sum.item() == pytest.approx(0.75) and terms.is_ratio_max.item() == pytest.approx(0.5)
+    k3 = (0.5 - 1 - math.log(0.5)) + (0.25 - 1 - math.log(0.25))  # r - 1 - log r per token, padding left out
+    assert terms.behaviour_kl_sum.item() == pytest.approx(k3, rel=1e-5)
+    assert terms.is_capped_tokens.item() == 0.0 and terms.is_capped_tokens.dtype == mask.dtype
+
+
+def test_without_an_importance_correction_no_token_counts_as_capped():
+    behaviour = torch.tensor([[-1.0 - math.log(4.0)]])  # current / behaviour = 4, above the default cap
+    terms = grpo_loss(torch.tensor([[-1.0]]), behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, **EPS)
+    assert terms.is_capped_tokens.item() == 0.0
+
+
+def test_grpo_divides_a_one_token_sequence_by_one():
+    logp = torch.tensor([[-1.0, 0.0]], requires_grad=True)
+    terms = grpo_loss(logp, logp.detach(), torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]), normaliser=1.0,
+                      loss_type="grpo", **EPS)
+    assert terms.loss.item() == pytest.approx(-2.0)  # -(ratio 1 x A 2) / 1 token

@@ -37,20 +37,21 @@ class Tiny(torch.nn.Module):
         return self.v_proj(self.q_proj(x))
 
 
-def peft_model(r: int = 3):
+def peft_model(r: int = 3, dtype: torch.dtype = torch.float32):
     """LoRA r=3 on q (5 -> 9) and v (9 -> 5): A is (3, 5) / (3, 9), B (9, 3) / (5, 3); every dim 0 is odd, so no
-    2-way dim-0 split is even. Random non-zero A and B, the same on every rank."""
+    2-way dim-0 split is even. Random non-zero A and B, the same on every rank; `dtype`: the whole model's (a bf16
+    base trains bf16 LoRA weights)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     return get_peft_model(Tiny(), LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
-                                             init_lora_weights=False))
+                                             init_lora_weights=False)).to(dtype)
 
 
-def expected_state() -> dict[str, torch.Tensor]:
+def expected_state(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
-    return {k: v.clone() for k, v in get_peft_model_state_dict(peft_model()).items()}
+    return {k: v.clone() for k, v in get_peft_model_state_dict(peft_model(dtype=dtype)).items()}
 
 
 def accelerator(rank: int, kind: str, **extra):
@@ -77,11 +78,11 @@ def zero2(rank):
     return _gather(acc, peft_model())
 
 
-def fsdp2(rank):
+def fsdp2(rank, dtype=torch.float32):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = peft_model()
+    model = peft_model(dtype=dtype)
     fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
     return _gather(accelerator(rank, "fsdp", is_fsdp2=True), model)
 
@@ -102,16 +103,75 @@ def fsdp2_other_layout(rank):
     return _gather(accelerator(rank, "fsdp", is_fsdp2=True), model)
 
 
-def fsdp1(rank):
+def fsdp1(rank, dtype=torch.float32):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    model = FSDP(peft_model(), use_orig_params=True, device_id=torch.device("cpu"))
+    model = FSDP(peft_model(dtype=dtype), use_orig_params=True, device_id=torch.device("cpu"))
     # the layout under test: q's lora_B lies across the two ranks' halves of the flat parameter
     flat = model._handle.flat_param
     straddling = [info.intra_param_start_idx for shape, info in zip(flat._shapes, flat._shard_param_infos)
                   if info.in_shard and tuple(shape) == (9, 3)]
-    assert straddling == [[0], [26]][rank], straddling
+    assert dtype != torch.float32 or straddling == [[0], [26]][rank], straddling  # (bf16 aligns differently)
     return _gather(accelerator(rank, "fsdp", is_fsdp2=False), model)
+
+
+def fsdp2_bf16(rank):
+    return fsdp2(rank, torch.bfloat16)
+
+
+def fsdp1_bf16(rank):
+    return fsdp1(rank, torch.bfloat16)
+
+
+def fsdp1_trainable_base(rank):
+    """A base parameter that trains too (q's bias) in the same flat parameter as the LoRA weights: it is not part of
+    the adapter, so it is neither sent nor expected."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = peft_model()
+    model.base_model.model.q_proj.base_layer.bias.requires_grad_(True)
+    return _gather(accelerator(rank, "fsdp", is_fsdp2=False),
+                   FSDP(model, use_orig_params=True, device_id=torch.device("cpu")))
+
+
+def _refused(rank, gather, expected: str) -> tuple:
+    """Both ranks must refuse (AssertionError) before any collective; rank 0 returns the message (its test compares
+    it), rank 1 checks it here."""
+    try:
+        gather()
+    except AssertionError as exc:
+        message = str(exc)
+    else:
+        message = "(no refusal)"
+    if rank == 0:
+        return message, {}
+    assert message == expected, message
+    return None, {"gathered_bytes": 0}
+
+
+def fsdp1_not_resharded(rank):
+    """A gather while FSDP1 holds the full flat parameter (inside summon_full_params): the shard offsets would read
+    the wrong elements."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(peft_model(), use_orig_params=True, device_id=torch.device("cpu"))
+    with FSDP.summon_full_params(model):
+        assert model._handle.uses_sharded_strategy  # the layout under test: sharded, but unsharded right now
+        return _refused(rank, lambda: gather_lora_state(accelerator(rank, "fsdp", is_fsdp2=False), model),
+                        NOT_RESHARDED)
+
+
+def fsdp1_flat_params_only(rank):
+    """FSDP1 without use_orig_params (a flat parameter that does not keep the original ones; every parameter must
+    then train, FSDP1 refuses mixed requires_grad)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = peft_model()
+    for param in model.parameters():
+        param.requires_grad_(True)
+    model = FSDP(model, use_orig_params=False, device_id=torch.device("cpu"))
+    return _refused(rank, lambda: gather_lora_state(accelerator(rank, "fsdp", is_fsdp2=False), model),
+                    NO_ORIG_PARAMS)
 
 
 def fsdp1_nested(rank):
@@ -153,7 +213,11 @@ def zero3(rank):
 
 
 SCENARIOS = {f.__name__: f for f in (ddp, zero2, fsdp2, fsdp2_other_layout, fsdp1, fsdp1_nested, fsdp1_no_shard,
-                                     zero3)}
+                                     zero3, fsdp2_bf16, fsdp1_bf16, fsdp1_trainable_base, fsdp1_not_resharded,
+                                     fsdp1_flat_params_only)}
+NOT_RESHARDED = "FSDP1 flat parameter is not resharded at sync time"
+NO_ORIG_PARAMS = "FSDP1 needs use_orig_params=True (see launch/accelerate/fsdp1.yaml)"
+
 
 
 def init_process_group(init_file: str, rank: int) -> None:
@@ -213,10 +277,11 @@ def ranks(tmp_path_factory):
         dist.destroy_process_group()
 
 
-def assert_exact(state: dict[str, torch.Tensor]) -> None:
-    expected = expected_state()
+def assert_exact(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
+    expected = expected_state(dtype)
     assert sorted(state) == sorted(expected) and len(state) == 4  # PEFT's saved key names, A and B of q and v
     for key, tensor in expected.items():
+        assert state[key].dtype == dtype == tensor.dtype, key
         assert state[key].shape == tensor.shape and torch.equal(state[key], tensor), key
         assert state[key].device.type == "cpu"
 
@@ -286,3 +351,85 @@ def test_an_unsupported_backend_is_refused_with_the_launch_configs_named():
     acc = accelerator(0, "deepspeed", state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=0)))
     with pytest.raises(AsyncGRPOError, match="the zero0 backend is not supported.*launch/accelerate/"):
         gather_lora_state(acc, peft_model())
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
+def test_a_bf16_adapter_is_gathered_in_bf16_bit_for_bit(ranks, backend):
+    # the buffers rank 0 reassembles from must have the adapter's dtype, not torch's default float32
+    state, stats = ranks(f"{backend}_bf16")
+    assert_exact(state, torch.bfloat16)
+    if backend == "fsdp1":
+        assert stats["gathered_bytes"] == lora_bytes() // 2
+    else:
+        assert stats["gathered_bytes"] == WORLD * (2 * 5 + 5 * 3 + 2 * 9 + 3 * 3) * 2  # as in fp32, at 2 bytes
+
+
+@pytest.mark.filterwarnings("ignore:.*has both parameters with requires_grad=True and False:UserWarning")
+def test_fsdp1_leaves_out_a_base_parameter_that_also_trains(ranks):
+    state, stats = ranks("fsdp1_trainable_base")
+    assert_exact(state)  # the four LoRA tensors only: q's bias is no adapter weight
+    assert stats["gathered_bytes"] == lora_bytes()
+
+
+def test_fsdp1_refuses_to_gather_while_the_flat_parameter_is_unsharded(ranks):
+    message, _ = ranks("fsdp1_not_resharded")
+    assert message == NOT_RESHARDED
+
+
+def test_fsdp1_without_use_orig_params_is_refused_with_the_launch_config_named(ranks):
+    message, _ = ranks("fsdp1_flat_params_only")
+    assert message == NO_ORIG_PARAMS
+
+
+# ---- one process: no collective involved -----------------------------------------------------------------------------
+def test_an_fsdp_accelerator_without_is_fsdp2_runs_fsdp1():
+    from asyncgrpo.sync.gather import backend_of
+
+    # accelerate releases before FSDP2 support have no `is_fsdp2` attribute at all
+    assert backend_of(accelerator(0, "fsdp")) == "fsdp1"
+    assert backend_of(accelerator(0, "fsdp", is_fsdp2=False)) == "fsdp1"
+    assert backend_of(accelerator(0, "fsdp", is_fsdp2=True)) == "fsdp2"
+
+
+def test_the_adapter_is_the_lora_parameters_that_train():
+    from asyncgrpo.sync.gather import lora_parameters
+
+    model = peft_model()
+    model.base_model.model.q_proj.base_layer.bias.requires_grad_(True)  # trains, but is no LoRA weight
+    model.base_model.model.v_proj.lora_B.default.weight.requires_grad_(False)  # a LoRA weight frozen
+    assert [n for n, _ in lora_parameters(model)] == [
+        "base_model.model.q_proj.lora_A.default.weight", "base_model.model.q_proj.lora_B.default.weight",
+        "base_model.model.v_proj.lora_A.default.weight"]
+
+
+def _step(model) -> None:
+    """What an optimizer step does to the adapter after a sync: change its parameters in place."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(1.0)
+
+
+def test_the_ddp_gather_is_a_copy_that_a_later_optimizer_step_does_not_change():
+    model = peft_model()
+    state = gather_lora_state(accelerator(0, "ddp"), model)
+    _step(model)
+    assert_exact(state)
+
+
+def test_fsdp2_parameters_left_whole_are_copied_as_they_are():
+    # fully_shard never applied (no DTensors): the per-parameter fallback copies the plain tensors
+    model = peft_model()
+    stats = {}
+    state = gather_lora_state(accelerator(0, "fsdp", is_fsdp2=True), model, stats)
+    _step(model)
+    assert_exact(state)
+    assert stats["gathered_bytes"] == lora_bytes()
+
+
+def test_fsdp_wrapper_names_are_removed_from_parameter_names():
+    from asyncgrpo.sync.gather import clean_fsdp_name
+
+    wrapped = ("_fsdp_wrapped_module.base_model.model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module."
+               "q_proj.lora_A.default.weight")
+    assert clean_fsdp_name(wrapped) == "base_model.model.layers.0.q_proj.lora_A.default.weight"

@@ -46,3 +46,57 @@ def test_unload_all_keeps_only_the_named_version_and_skips_a_dead_server(tmp_pat
     assert list(publisher.loaded) == ["run-v3"]
     publisher.unload_all(keep=None)  # a failed run keeps nothing
     assert servers[0].unloaded[-1] == "run-v3" and publisher.loaded == {}
+
+
+def test_a_file_named_like_a_temporary_is_not_a_writers_directory(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "run-a").mkdir()
+    lookalike = tmp_path / "run-a" / f".tmp-v000004-{dead.pid}"
+    lookalike.write_text("a file someone left, not a version being written")
+    assert clean_stale_temporaries(tmp_path) == []
+    assert lookalike.exists()
+
+
+def test_checking_whether_a_writer_is_alive_sends_it_no_signal(tmp_path):
+    # another run, writing: it echoes one line back, which it cannot do if it was signalled (SIGHUP etc. end it)
+    echo = "import sys; sys.stdout.write(sys.stdin.readline()); sys.stdout.flush(); sys.stdin.readline()"
+    writer = subprocess.Popen([sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        live = tmp_path / "run-b" / f".tmp-v000002-{writer.pid}"
+        live.mkdir(parents=True)
+        assert clean_stale_temporaries(tmp_path) == []
+        assert live.exists()
+        writer.stdin.write("still writing\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "still writing\n"  # alive and untouched
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_a_writer_of_another_user_counts_as_alive(tmp_path, monkeypatch):
+    # Stub: the tests run as one user (often root, who may signal anyone), so os.kill's PermissionError for another
+    # user's process cannot be produced for real here.
+    from asyncgrpo.sync import publish
+
+    def not_permitted(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(publish.os, "kill", not_permitted)
+    theirs = tmp_path / "run-c" / ".tmp-v000001-4194000"
+    theirs.mkdir(parents=True)
+    assert clean_stale_temporaries(tmp_path) == [] and theirs.exists()
+
+
+def test_unload_all_returns_what_it_unloaded_and_tries_every_server_after_a_dead_one(tmp_path, caplog):
+    import logging
+
+    servers = [Server("http://a:3", healthy=False), Server("http://a:1"), Server("http://a:2")]
+    publisher = AdapterPublisher(servers, "run")
+    publisher.loaded = {f"run-v{i}": tmp_path / f"v{i}" for i in (1, 2)}
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.sync.publish"):
+        assert publisher.unload_all(keep=None) == ["run-v1", "run-v2", "run-v2"]  # v1 was not on :2 (a 404)
+    assert servers[1].unloaded == ["run-v1", "run-v2"] and servers[2].unloaded == ["run-v2"]
+    assert "run-v1 was not unloaded" not in caplog.text  # a 404 is no failure to report
+    assert publisher.unload_all(keep=None) == []  # nothing loaded any more

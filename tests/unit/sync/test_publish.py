@@ -263,3 +263,134 @@ def test_timings_are_the_slowest_server_s_and_the_sync_lasts_as_long_as_that_ser
     second = publisher.publish(2, v2)  # per server: pause, then paused for load + reset + resume
     assert (second.load_s, second.paused_s, second.server_s) == (3.0, 3.625, 3.875)
     assert second.server_sum_s == 2.875 + 3.875  # one after another, it would have taken this long
+
+
+def test_a_read_back_failure_names_the_directory_that_was_loaded(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", sync_mode="versioned", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.misreport = str(v1.resolve())
+    with pytest.raises(SyncError) as err:
+        publisher.publish(2, v2)
+    assert (f"server http://a:8000 reports adapter 'pol-v2' at {str(v1.resolve())!r} after loading "
+            f"{str(v2.resolve())!r}; the new version was not applied") in str(err.value)
+
+
+def test_a_corrupt_first_version_says_no_adapter_is_served(tmp_path):
+    from asyncgrpo.sync.publish import MANIFEST_NAME
+
+    (v1,) = versions(tmp_path, 1)
+    (v1 / "adapter_model.safetensors").write_bytes(b"12345")
+    (v1 / MANIFEST_NAME).write_text('{"adapter_model.safetensors": {"size": 4, "sha256": "0"}}')
+    server = Server()
+    with pytest.raises(SyncError) as err:
+        AdapterPublisher([server], "pol", adapter_root=tmp_path).publish(1, v1)
+    assert str(err.value).endswith("No server was asked to load it; the servers still serve no adapter.")
+    assert server.calls == []
+
+
+def test_a_sync_after_a_halt_is_not_started_and_says_why(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    publisher.halt()
+    server.calls.clear()
+    with pytest.raises(SyncError) as err:
+        publisher.publish(2, v2)
+    assert "failed: the process is stopping (SIGTERM/SIGINT): this sync was not started\n" in str(err.value)
+    assert server.calls == []  # not even paused
+
+
+def test_a_pause_that_fails_is_undone_at_once_and_not_left_for_halt(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.calls.clear()
+    server.fail["pause"] = InferenceServerError("pause timed out", status=None)  # it may have paused anyway
+    with pytest.raises(SyncError):
+        publisher.publish(2, v2)
+    assert server.calls == [("pause", "keep"), ("resume",)]
+    assert publisher.halt() == []  # nothing is recorded as paused any more
+
+
+def test_a_resume_that_fails_says_the_server_may_still_be_paused_and_how_to_resume_it(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.fail["resume"] = InferenceServerError("HTTP 500", status=500)
+    with pytest.raises(SyncError) as err:
+        publisher.publish(2, v2)
+    assert ("HTTP 500\n  The server http://a:8000 may still be paused: resume it by hand with "
+            "`curl -X POST http://a:8000/resume` (POST /resume)") in str(err.value)
+
+
+def test_a_halt_during_a_load_resumes_the_server_and_the_sync_still_finishes(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+
+    class HaltedWhileLoading(Server):
+        def load_adapter(self, name, path, inplace=False):
+            super().load_adapter(name, path, inplace)
+            if name == "pol-v2":
+                assert publisher.halt() == ["http://a:8000"]  # SIGTERM arrives while the load runs
+
+    server = HaltedWhileLoading()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.calls.clear()
+    publisher.publish(2, v2)
+    assert server.calls == [("pause", "keep"), ("load", "pol-v2"), ("resume",), ("reset",), ("resume",), ("read",)]
+    assert publisher.current_name == "pol-v2"
+
+
+def test_a_failure_says_what_the_server_serves_now(tmp_path):
+    from asyncgrpo.errors import ServerUnreachableError
+
+    (v1,) = versions(tmp_path, 1)
+    refusing = Server(fail={"load": InferenceServerError("rank too large", status=400)})
+    with pytest.raises(SyncError) as err:
+        AdapterPublisher([refusing], "pol", adapter_root=tmp_path).publish(1, v1)
+    assert str(err.value).endswith("\n  The server is not paused and still serves no adapter.")
+    dead = Server(fail={"load": ServerUnreachableError("cannot reach http://a:8000")})
+    with pytest.raises(SyncError) as err:
+        AdapterPublisher([dead], "pol", adapter_root=tmp_path).publish(1, v1)
+    assert str(err.value).endswith(
+        "\n  The server did not answer (it is down or restarting); nothing is being served by it now.")
+
+
+def test_the_test_hold_keeps_the_first_paused_sync_until_halt(tmp_path, monkeypatch):
+    # The hook tests/integration/test_paused_server.py uses to SIGTERM a trainer at a known point of a sync.
+    import threading
+    import time
+
+    from asyncgrpo.sync.publish import HOLD_PAUSED_ENV
+
+    marker = tmp_path / "held"
+    monkeypatch.setenv(HOLD_PAUSED_ENV, str(marker))
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)  # not paused: not held
+    assert not marker.exists()
+    errors = []
+
+    def sync():
+        try:
+            publisher.publish(2, v2)
+        except SyncError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=sync)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling for the marker the hook writes, with a deadline
+    assert marker.read_text() == "http://a:8000"  # the server it holds paused
+    assert publisher.halt() == ["http://a:8000"]
+    thread.join(30)
+    assert not thread.is_alive()
+    assert "failed: the sync was held paused by the test hook and then halted\n" in errors[0]
+    assert ("load", "pol-v2") not in server.calls and server.calls[-1] == ("resume",)

@@ -75,3 +75,12 @@ def test_the_root_itself_counts_as_inside_and_a_sibling_prefix_does_not(tmp_path
     assert contained_adapter_path(root, root) == root
     with pytest.raises(SyncError):  # "/x/adapters-evil" starts with "/x/adapters" as a string, not as a path
         contained_adapter_path(tmp_path / "adapters-evil" / "v1", root)
+
+
+def test_a_refused_path_is_quoted_as_given_and_as_resolved(layout):
+    root, outside = layout
+    given = root / "run1" / "v000002"  # the symlink out of the root
+    with pytest.raises(SyncError) as err:
+        contained_adapter_path(given, root.resolve())
+    assert str(err.value).startswith(f"adapter path {str(given)!r} resolves to {str(outside.resolve())!r}, outside "
+                                     f"lora_adapter_path {str(root.resolve())!r}")

@@ -188,3 +188,91 @@ def test_unreadable_root_is_a_user_error_naming_the_key(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(AsyncGRPOError, match="lora_adapter_path"):
         AdapterStore(tmp_path / "file" / "adapters")
+
+
+def test_a_store_under_missing_directories_creates_them(tmp_path):
+    root = tmp_path / "runs" / "2026" / "adapters"  # neither it nor its parents exist yet
+    store = AdapterStore(root)
+    assert root.is_dir() and store.root == root.resolve()
+    assert store.write(1, tensors(0.5), CONFIG, base_model="b") == root.resolve() / "v000001"
+
+
+def test_an_uncreatable_root_names_the_path_and_the_fix(tmp_path):
+    from asyncgrpo.errors import AsyncGRPOError
+
+    (tmp_path / "file").write_text("x")
+    root = tmp_path / "file" / "adapters"
+    with pytest.raises(AsyncGRPOError) as err:
+        AdapterStore(root)
+    message = str(err.value)
+    assert message.startswith(f"cannot create lora_adapter_path {str(root)!r} (")
+    assert message.endswith("set lora_adapter_path to a writable directory the inference server can read")
+
+
+def test_a_stale_temporary_of_the_same_version_is_replaced(tmp_path):
+    # A temporary directory with this process's id and this version, made after the store cleaned up at start
+    # (e.g. by an earlier write of this version that failed): the write starts afresh and keeps none of it.
+    store = AdapterStore(tmp_path)
+    stale = tmp_path / f".tmp-v000001-{os.getpid()}"
+    stale.mkdir()
+    (stale / "leftover.bin").write_bytes(b"old")
+    path = store.write(1, tensors(0.5), CONFIG, base_model="b")
+    assert sorted(p.name for p in path.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "asyncgrpo_manifest.json"]
+    assert not stale.exists()
+
+
+def test_the_weights_file_says_it_holds_pytorch_tensors_as_peft_writes_it(tmp_path):
+    # PEFT's save_pretrained and transformers write {"format": "pt"}; readers that check it accept nothing else
+    from safetensors import safe_open
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+    with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_a_base_model_given_as_a_path_is_written_as_its_string(tmp_path):
+    from pathlib import Path
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model=Path("/models/base"))
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == "/models/base"
+
+
+def test_an_empty_adapter_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(SyncError) as err:
+        AdapterStore(tmp_path).write(1, {}, CONFIG, base_model="b")
+    assert str(err.value) == "the gathered adapter has no tensors; refusing to publish an empty adapter"
+
+
+FIX = ("the adapter directory was changed after asyncgrpo wrote it (disk full, a storage fault, or another process "
+       "writing there). Fix: check the storage of lora_adapter_path and that nothing else writes under it, then "
+       "restart the run from its last checkpoint (resume_from_checkpoint: latest)")
+
+
+def test_a_changed_adapter_file_is_named_with_both_digests_and_the_fix(tmp_path):
+    import hashlib
+
+    from asyncgrpo.sync.publish import WEIGHTS_NAME, verify_adapter_files
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+    weights = path / WEIGHTS_NAME
+    written = hashlib.sha256(weights.read_bytes()).hexdigest()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    now = hashlib.sha256(bytes(data)).hexdigest()
+    with pytest.raises(SyncError) as err:
+        verify_adapter_files(path)
+    assert str(err.value) == (f"adapter file {weights} has sha256 {now[:16]}..., but {written[:16]}... was written "
+                              f"(same size: its content changed); {FIX}")
+
+
+def test_a_deleted_adapter_file_is_named_with_the_reason_and_the_fix(tmp_path):
+    from asyncgrpo.sync.publish import CONFIG_NAME, verify_adapter_files
+
+    path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+    (path / CONFIG_NAME).unlink()
+    with pytest.raises(SyncError) as err:
+        verify_adapter_files(path)
+    assert str(err.value) == (f"adapter file {path / CONFIG_NAME} cannot be read before loading it ([Errno 2] No such "
+                              f"file or directory: {str(path / CONFIG_NAME)!r}); {FIX}")
