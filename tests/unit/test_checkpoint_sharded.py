@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
 
 from asyncgrpo import checkpoint as ckpt
 from asyncgrpo.errors import CheckpointError
@@ -197,6 +198,10 @@ def init_process_group(init_file: str, rank: int) -> None:
 
 def serve(init_file: str, rank: int, conn) -> None:
     """The child rank: run each scenario named on `conn` until it gets None, answer on it."""
+    # DTensor caches sharding results by mesh and shapes, not by rank: the entries rank 0 made in this process before
+    # the fork (another module's FSDP2 test of the same shapes) would give this rank rank 0's local shapes.
+    _clear_python_sharding_prop_cache()
+    _clear_fast_path_sharding_prop_cache()
     init_process_group(init_file, rank)
     while (request := conn.recv()) is not None:
         name, out = request
