@@ -90,6 +90,13 @@ def adam_shards(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     return {names[p]: {k: local(v) for k, v in s.items()} for p, s in optimizer.state.items()}
 
 
+class AcceleratedLike:
+    """The shape of accelerate's AcceleratedOptimizer, which a trainer passes: the torch optimizer is `.optimizer`."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
 def build(kind: str, rank: int, seed: int):
     model = shard(peft_model(seed), kind)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -110,14 +117,15 @@ def _round_trip(kind: str, rank: int, out: Path):
     state = ckpt.TrainerState(step=5, version=5, data_position=40, run_id="r2", backend=kind,
                               world_size=WORLD)
     config = LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"])
-    path = ckpt.save_checkpoint(acc, model, optimizer, state, output_dir=out, peft_config=config, base_model="tiny")
+    path = ckpt.save_checkpoint(acc, model, AcceleratedLike(optimizer), state, output_dir=out, peft_config=config,
+                                base_model="tiny")
     weights, moments = lora_shards(model), adam_shards(model, optimizer)
 
     acc, fresh, fresh_optimizer = build(kind, rank, seed=2)  # the LoRA weights elsewhere, no Adam state
     assert not fresh_optimizer.state
     moved = lora_shards(fresh)
     assert any(not torch.equal(moved[n], w) for n, w in weights.items() if w.numel())
-    loaded = ckpt.load_checkpoint(ckpt.checkpoint_path(out, 5), acc, fresh, fresh_optimizer)
+    loaded = ckpt.load_checkpoint(ckpt.checkpoint_path(out, 5), acc, fresh, AcceleratedLike(fresh_optimizer))
     got_weights, got_moments = lora_shards(fresh), adam_shards(fresh, fresh_optimizer)
     assert got_weights.keys() == weights.keys() and len(weights) == 4
     for name, tensor in weights.items():
