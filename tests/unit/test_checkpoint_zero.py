@@ -39,18 +39,36 @@ class Tiny(torch.nn.Module):
         return self.v_proj(self.q_proj(x))
 
 
+def forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the process groups it made in module globals; once the process group they belong to is
+    destroyed (another module's test ran in between), they must not be reused."""
+    from deepspeed.comm import comm
+    from deepspeed.utils import groups
+
+    comm.cdb = None
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                 "_TENSOR_MODEL_PARALLEL_GROUP", "mpu", "mesh_device"):
+        setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        getattr(groups, name).clear()
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    """A gloo process group of one rank for this module only (DeepSpeed needs one and LOCAL_RANK)."""
+    """A gloo process group of one rank for this module only (DeepSpeed needs one and LOCAL_RANK). A test runner may
+    run this module's tests between other modules' (mutmut orders tests by duration), so it can start more than once."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LOCAL_RANK", "0")
         env.setenv("DS_ACCELERATOR", "cpu")
         init = tmp_path_factory.mktemp("zero") / "init"
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=30))
+        forget_deepspeed_groups()
         try:
             yield
         finally:
+            forget_deepspeed_groups()
             dist.destroy_process_group()
 
 
