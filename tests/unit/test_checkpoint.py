@@ -414,3 +414,105 @@ def test_a_save_creates_output_dir_records_the_base_model_and_replaces_the_same_
     again = save(model, optimizer, config, out, step=3)  # a resumed run reaching step 3 again
     assert again == path and not (path / "stale-file").exists()
     ckpt.read_manifest(path)
+
+
+# ---- what each refusal tells the user: the path, the cause and the fix ---------------------------------------------
+def test_latest_without_a_checkpoint_names_the_output_dir_and_the_fix(tmp_path):
+    with pytest.raises(CheckpointError) as err:
+        ckpt.resolve_checkpoint("latest", tmp_path / "run")
+    assert str(err.value) == (f"resume_from_checkpoint is `latest` but {str(tmp_path / 'run')!r} holds no "
+                              f"checkpoint-<step> directory. Fix: drop --resume_from_checkpoint to start a fresh run, "
+                              f"or set output_dir to the run you want to continue")
+
+
+def test_a_resume_path_that_is_not_a_directory_is_named_with_the_fix(tmp_path):
+    with pytest.raises(CheckpointError) as err:
+        ckpt.resolve_checkpoint(str(tmp_path / "nope"), tmp_path)
+    assert str(err.value) == (f"resume_from_checkpoint {str(tmp_path / 'nope')!r} is not a directory. Fix: pass a "
+                              f"<output_dir>/checkpoint-<step> directory, or `latest`")
+
+
+def _fix(path) -> str:
+    return (f"Fix: delete {str(path)!r} and resume from an earlier checkpoint-<step> directory "
+            f"(`--resume_from_checkpoint PATH`), or start a fresh run")
+
+
+def test_every_manifest_refusal_names_the_checkpoint_and_the_fix(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    manifest_text = (path / ckpt.MANIFEST).read_text()
+
+    def refusal() -> str:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.read_manifest(path)
+        return str(err.value)
+
+    (path / ckpt.MANIFEST).write_text(manifest_text[:-10])  # cut short: not JSON any more
+    message = refusal()
+    assert message.startswith(f"checkpoint {str(path)!r} has an unreadable manifest.json (") and message.endswith(
+        f"). {_fix(path)}")
+    (path / ckpt.MANIFEST).write_text(json.dumps({"format_version": 1, "files": {}}))  # no state
+    assert refusal() == f"checkpoint {str(path)!r} has an unreadable manifest.json ('state'). {_fix(path)}"
+    manifest = json.loads(manifest_text)
+    (path / ckpt.MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
+    assert refusal() == (f"checkpoint {str(path)!r} has format version 2; this asyncgrpo reads version 1. Fix: resume "
+                         f"with the asyncgrpo version that wrote it")
+    (path / ckpt.MANIFEST).write_text(manifest_text)
+    size = manifest["files"]["rng-rank0.pt"]["bytes"]
+    (path / "rng-rank0.pt").write_bytes(b"x" * (size + 1))
+    assert refusal() == (f"checkpoint {str(path)!r}: rng-rank0.pt is corrupt ({size + 1} bytes, the manifest says "
+                         f"{size}, or its sha256 differs). {_fix(path)}")
+    (path / "rng-rank0.pt").unlink()
+    assert refusal() == f"checkpoint {str(path)!r} is missing rng-rank0.pt. {_fix(path)}"
+    (path / ckpt.MANIFEST).unlink()
+    assert refusal() == (f"checkpoint {str(path)!r} is incomplete: it has no manifest.json (a save that did not "
+                         f"finish, or not an asyncgrpo checkpoint). {_fix(path)}")
+
+
+def test_an_adapter_that_does_not_fit_names_the_checkpoint_and_its_config(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    other = get_peft_model(Tiny(), LoraConfig(r=2, target_modules=["q_proj"]))  # v_proj has no LoRA here
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_checkpoint(path, ACC, other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad]))
+    assert str(err.value) == (f"the adapter in {str(path)!r} does not fit this model (different lora_r, "
+                              f"lora_target_modules or base model). Fix: resume with the config the checkpoint was "
+                              f"saved with ({str(tmp_path / 'config.yaml')!r})")
+
+
+def test_another_layout_names_the_checkpoint_both_runs_and_the_fix(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["state"].update(backend="zero3", world_size=4)
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_checkpoint(path, ACC, *make_model()[:2])
+    assert str(err.value) == (f"{str(path)!r} was saved by a zero3 run of 4 ranks and this run uses ddp on 1. Fix: "
+                              f"resume with the launch config the checkpoint was saved with (DDP, FSDP and ZeRO "
+                              f"checkpoints do not mix; FSDP1 and FSDP2 do, on any number of ranks; ZeRO needs the "
+                              f"same stage and number of ranks)")
+
+
+def test_an_unsupported_backend_names_the_supported_ones_and_the_fix():
+    with pytest.raises(CheckpointError) as err:
+        ckpt.check_backend("megatron")
+    assert str(err.value) == ("checkpoints (save_steps, resume_from_checkpoint) support DDP, FSDP1, FSDP2, ZeRO-2 and "
+                              "ZeRO-3, and this run uses megatron. Fix: launch with one of the configs in "
+                              "launch/accelerate/, or set save_steps: 0 and unset resume_from_checkpoint")
+
+
+def test_a_stale_temporary_directory_of_the_same_name_is_replaced_not_merged(tmp_path):
+    """A killed save of this step by a process with this pid (pids are reused) left its temporary directory."""
+    import os
+
+    stale = tmp_path / f".tmp-checkpoint-3-{os.getpid()}"
+    stale.mkdir()
+    (stale / "optimizer.pt").write_bytes(b"half")
+    (stale / "leftover").write_bytes(b"from the killed save")
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    assert not stale.exists() and not (path / "leftover").exists()
+    ckpt.read_manifest(path)
