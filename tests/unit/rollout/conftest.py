@@ -60,19 +60,21 @@ def sevens(stub, handler):
 
 
 class StubRollout:
-    """A producer (not started) on one stub server, with its queue, client and config. Config defaults: 2 completions
-    per prompt, 2 groups per step, max_staleness 0, one request in flight; rows p0..p7 with prompt ids [i]; the reward
-    is 1 for the completion "7"."""
+    """A producer (not started) on stub servers (one unless `servers`), with its queue, clients and config. Config
+    defaults: 2 completions per prompt, 2 groups per step, max_staleness 0, one request in flight; rows p0..p7 with
+    prompt ids [i]; the reward is 1 for the completion "7"."""
 
     def __init__(self, stubs, route, *, rows=None, tokenizer=None, reward=None, recovery=None,
                  response_template=None, groups_per_step: int = 2, park: bool = False, client_timeout_s: float = 10,
-                 **cfg_values):
+                 servers: int = 1, **cfg_values):
         values = {"lora_adapter_path": "/tmp/adapters", "num_generations": 2,
                   "per_device_train_batch_size": 2 * groups_per_step, "max_staleness": 0,
                   "max_inflight_requests": 1, "vllm_server_timeout": 30, **cfg_values}
         self.cfg = AsyncGRPOConfig.from_dict(values)
-        self.server = stubs(route)
-        self.client = InferenceClient(self.server.url, timeout_s=client_timeout_s, connect_retries=0)  # no retry: lost at once
+        self.servers = [stubs(route) for _ in range(servers)]  # each answering through `route`
+        self.clients = [InferenceClient(s.url, timeout_s=client_timeout_s, connect_retries=0)  # no retry: lost at once
+                        for s in self.servers]
+        self.server, self.client = self.servers[0], self.clients[0]
         self.queue = RolloutQueue(self.cfg.max_staleness, scale_rewards=self.cfg.scale_rewards,
                                   dynamic_sampling=self.cfg.dynamic_sampling)
         if park:
@@ -83,14 +85,14 @@ class StubRollout:
             self.scorer.functions = [reward]
         self.rows = rows if rows is not None else [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={})
                                                    for i in range(8)]
-        self.producer = RolloutProducer(clients=[self.client], tokenizer=tokenizer or DigitTokenizer(),
+        self.producer = RolloutProducer(clients=self.clients, tokenizer=tokenizer or DigitTokenizer(),
                                         rows=self.rows, scorer=self.scorer, queue=self.queue,
                                         groups_per_step=groups_per_step, cfg=self.cfg,
                                         response_template=response_template, recovery=recovery)
 
-    def generation_bodies(self) -> list[dict]:
-        """The JSON bodies of the generation requests the server received, in arrival order."""
-        return [json.loads(r["body"]) for r in self.server.requests if r["path"] == "/v1/completions"]
+    def generation_bodies(self, server=None) -> list[dict]:
+        """The JSON bodies of the generation requests `server` (default: the first) received, in arrival order."""
+        return [json.loads(r["body"]) for r in (server or self.server).requests if r["path"] == "/v1/completions"]
 
     def run(self, version: int = 0, adapter: str = "demo-v0", groups: int | None = None, timeout_s: float = 30):
         """Start, serve `adapter` as `version`, and take one batch (`groups` groups, default one step's)."""

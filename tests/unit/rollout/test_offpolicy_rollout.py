@@ -63,7 +63,9 @@ def choice(i, logprobs, finish_reason):
 
 
 def test_a_server_answering_minus_9999_stops_the_run_with_its_url(rollout_on_stub):
-    with pytest.raises(BehaviourLogprobError, match=r"http://127\.0\.0\.1:\d+ returned logprob -9999\.0.*prompt 0"):
+    with pytest.raises(BehaviourLogprobError,
+                       match=r"http://127\.0\.0\.1:\d+ returned logprob -9999\.0 .* of completion 1 of the request for "
+                             r"prompt 0 \(adapter 'demo-v0'\)"):
         run_producer(rollout_on_stub, [choice(0, [-0.5], "stop"), choice(1, [-9999.0], "stop")])
 
 

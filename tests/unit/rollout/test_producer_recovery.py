@@ -118,3 +118,30 @@ def test_a_failure_of_the_producer_thread_itself_reaches_the_trainer_and_nothing
         rollout.run(timeout_s=DEADLINE_S)
     assert rollout.producer.error is err.value
     assert rollout.generation_bodies() == []  # the row is read before a request is sent
+
+
+def test_requests_go_round_robin_over_the_servers(rollout_on_stub):
+    rollout = rollout_on_stub(servers=2, groups_per_step=4, per_device_train_batch_size=8)
+    groups = rollout.run()
+    assert sorted(g.index for g in groups) == [0, 1, 2, 3]
+    assert [len(rollout.generation_bodies(s)) for s in rollout.servers] == [2, 2]
+
+
+def test_a_server_being_recovered_gets_no_request_while_another_is_up(rollout_on_stub):
+    restoring, back = threading.Event(), threading.Event()
+
+    def restore(client):
+        restoring.set()
+        assert back.wait(DEADLINE_S)
+
+    recovery = ServerRecovery(30, restore=restore)
+    rollout = rollout_on_stub(recovery=recovery, servers=2, groups_per_step=4, per_device_train_batch_size=8)
+    down = rollout.clients[1]
+    threading.Thread(target=recovery.recover, args=(down, 0), daemon=True).start()
+    assert restoring.wait(DEADLINE_S) and not recovery.is_up(down)
+    try:
+        groups = rollout.run()
+    finally:
+        back.set()
+    assert sorted(g.index for g in groups) == [0, 1, 2, 3]
+    assert [len(rollout.generation_bodies(s)) for s in rollout.servers] == [4, 0]

@@ -4,6 +4,12 @@ sent, nor answer a chosen finish reason (`abort`, `length`) on demand (tests/int
 test_policy_equivalence.py run the same path against a real server)."""
 
 import json
+import threading
+import time
+
+import pytest
+
+DEADLINE_S = 15.0
 
 
 def test_each_request_states_every_sampling_field_the_adapter_and_the_prompt(rollout_on_stub):
@@ -84,3 +90,41 @@ def test_a_group_aborted_by_a_sync_is_lost_and_its_prompt_sent_again_first(rollo
     assert sorted(g.index for g in groups) == [0, 1]  # no prompt of the data order skipped
     assert all(g.finish_reasons == ["stop", "stop"] for g in groups)
     assert rollout.producer.generated_tokens == 4  # the aborted answer's tokens are not counted
+
+
+def test_batch_scaling_leaves_groups_centred_only_until_the_queue_scales_the_whole_batch(rollout_on_stub):
+    def seven_and_three(stub, handler):  # completion 0 is "7" (reward 1), completion 1 is "3" (reward 0)
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        return rollout_on_stub.answer(json.loads(handler.body), [[7], [3]])
+
+    rollout = rollout_on_stub(seven_and_three, scale_rewards="batch")
+    groups = rollout.run()
+    # each group: rewards (1, 0), centred (0.5, -0.5); divided once, by the std of (1, 0, 1, 0) = sqrt(1/3), + eps
+    std = (1 / 3) ** 0.5
+    assert [g.advantages for g in groups] == [pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)])] * 2
+
+
+def test_an_answer_that_arrives_after_stop_is_dropped_unscored(rollout_on_stub):
+    arrived, release = threading.Event(), threading.Event()
+    scored = []
+
+    def route(stub, handler):
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        arrived.set()
+        assert release.wait(DEADLINE_S)
+        return rollout_on_stub.answer(json.loads(handler.body), [[7], [7]])
+
+    rollout = rollout_on_stub(route, reward=lambda prompts, completions, **c: scored.append(1) or [1.0, 1.0])
+    rollout.producer.start()
+    rollout.producer.set_policy(0, "demo-v0")
+    assert arrived.wait(DEADLINE_S)
+    rollout.producer.stop()  # returns with the request still held by the server
+    release.set()
+    deadline = time.monotonic() + DEADLINE_S
+    while rollout.producer.inflight:  # the request's thread ends once its answer is handled
+        assert time.monotonic() < deadline, "the held request never finished"
+        time.sleep(0.005)
+    assert (scored, len(rollout.queue), rollout.producer.generated_tokens) == ([], 0, 0)
+    assert rollout.producer.error is None
