@@ -52,3 +52,12 @@ def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_
     finally:
         release.set()
         producer.stop()
+
+
+def test_stop_on_a_producer_never_started_returns_and_sends_nothing(rollout_on_stub):
+    # The trainer's cleanup stops the producer after a setup that failed before `start()` (e.g. unloading a previous
+    # run's adapters): joining a thread that never started would raise and hide the setup's own error.
+    rollout = rollout_on_stub()
+    rollout.producer.set_policy(0, "demo-v0")
+    rollout.producer.stop()
+    assert rollout.producer.error is None and rollout.generation_bodies() == []
