@@ -31,6 +31,15 @@ def test_absurd_behaviour_logprobs_are_refused_naming_server_request_and_token(b
         assert part in message, part
 
 
+def test_the_refusal_says_which_value_token_id_and_floor_and_how_to_serve_instead():
+    with pytest.raises(BehaviourLogprobError) as err:
+        check_behaviour_logprobs([completion([-0.1, -9999.0])], server="http://s:1", prompt_index=3, adapter="p-v1")
+    assert str(err.value) == (
+        "http://s:1 returned logprob -9999.0 for token 1 (id 7) of completion 0 of the request for prompt 3 (adapter "
+        "'p-v1'): no sampled token can have it (the floor is -1000.0). Fix: serve in float32 or bfloat16 rather than "
+        "float16 (overflow), with `--logprobs-mode processed_logprobs`, and check the adapter loaded correctly")
+
+
 def test_unlikely_but_possible_logprobs_pass():
     check_behaviour_logprobs([completion([-100.0, BEHAVIOUR_LOGPROB_FLOOR, 0.0])], server="s", prompt_index=0,
                              adapter="a")
