@@ -105,7 +105,8 @@ def test_batch_scaling_leaves_groups_centred_only_until_the_queue_scales_the_who
     assert [g.advantages for g in groups] == [pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)])] * 2
 
 
-def test_an_answer_that_arrives_after_stop_is_dropped_unscored(rollout_on_stub):
+@pytest.mark.parametrize("late", ["answer", "error"])
+def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unreported(rollout_on_stub, late):
     arrived, release = threading.Event(), threading.Event()
     scored = []
 
@@ -114,6 +115,8 @@ def test_an_answer_that_arrives_after_stop_is_dropped_unscored(rollout_on_stub):
             return 200, "text/plain", ""
         arrived.set()
         assert release.wait(DEADLINE_S)
+        if late == "error":  # a run that ended normally: a request failing afterwards is not the run's error
+            return 500, "application/json", '{"error": "engine dead"}'
         return rollout_on_stub.answer(json.loads(handler.body), [[7], [7]])
 
     rollout = rollout_on_stub(route, reward=lambda prompts, completions, **c: scored.append(1) or [1.0, 1.0])
@@ -128,3 +131,5 @@ def test_an_answer_that_arrives_after_stop_is_dropped_unscored(rollout_on_stub):
         time.sleep(0.005)
     assert (scored, len(rollout.queue), rollout.producer.generated_tokens) == ([], 0, 0)
     assert rollout.producer.error is None
+    with pytest.raises(TimeoutError):  # nothing handed to the trainer either
+        rollout.queue.take(1, trainer_version=0, timeout_s=0.01)

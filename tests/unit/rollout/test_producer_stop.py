@@ -4,6 +4,7 @@ others on demand."""
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -61,3 +62,19 @@ def test_stop_on_a_producer_never_started_returns_and_sends_nothing(rollout_on_s
     rollout.producer.set_policy(0, "demo-v0")
     rollout.producer.stop()
     assert rollout.producer.error is None and rollout.generation_bodies() == []
+
+
+def test_after_a_failed_request_the_producer_thread_ends_without_sending_the_next_prompt(rollout_on_stub):
+    def route(stub, handler):
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        return 500, "application/json", '{"error": "engine dead"}'  # an answer, unlike a dead server: not resent
+
+    rollout = rollout_on_stub(route)  # one request in flight at a time: the next prompt waits for this one
+    with pytest.raises(InferenceServerError, match="engine dead"):
+        rollout.run(timeout_s=15)
+    deadline = time.monotonic() + 15
+    while any(t.name == "rollout-producer" for t in threading.enumerate()):  # public: the thread's name
+        assert time.monotonic() < deadline, "the producer thread kept running after the failure"
+        time.sleep(0.005)
+    assert len(rollout.generation_bodies()) == 1 and rollout.producer.lost_groups == 0

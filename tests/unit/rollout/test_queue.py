@@ -174,3 +174,12 @@ def test_batch_scaling_uses_the_sample_std_of_every_reward_plus_eps(rewards, adv
               zip(rewards, advantages)]
     scale_by_batch_std(groups)
     assert [g.advantages for g in groups] == [pytest.approx(e, rel=1e-9) for e in expected]
+
+
+def test_reaching_the_count_halves_the_micro_batch_of_largest_padded_size_never_a_lone_sequence():
+    # lengths 10, 6, 6, 6, 2 in a budget of 20 pack as [10, 6] (padded 2 x 10 = 20) and [6, 6, 2] (3 x 6 = 18)
+    lengths = [10, 6, 6, 6, 2]
+    assert pack_by_tokens(lengths, budget=20) == [[0, 1], [2, 3, 4]]
+    assert pack_by_tokens(lengths, budget=20, count=3) == [[0], [1], [2, 3, 4]]  # the 20, not the 18 (nor the last)
+    # [50] alone is over the budget and largest, but one sequence cannot be halved: [10, 10] is
+    assert pack_by_tokens([50, 10, 10], budget=40, count=3) == [[0], [1], [2]]
