@@ -7,6 +7,7 @@ import json
 import pytest
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # each request's thread ends cleanly
 @pytest.mark.parametrize("drops", [1, 2])
 def test_a_group_lost_with_its_server_is_generated_again_before_new_prompts(rollout_on_stub, drops):
     prompts_sent = []
