@@ -185,6 +185,11 @@ def test_max_inflight_requests_caps_what_is_sent_whatever_the_staleness_allows(h
     assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (3, 0, 3)
 
 
+def test_unset_max_inflight_requests_keeps_two_steps_of_groups_in_flight(harness):
+    h = harness(max_staleness=5, max_inflight=None, groups_per_step=2)  # one server: 2 x 2 groups, not 2 per server
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (4, 0, 4)
+
+
 @pytest.mark.parametrize("scale,expected", [
     # rewards (1, 0, 0, 0): mean 0.25, sample std 0.5, advantages (r - mean) / (std + 1e-4)
     (True, [0.75 / 0.5001, -0.25 / 0.5001, -0.25 / 0.5001, -0.25 / 0.5001]),
