@@ -10,22 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import BehaviourLogprobError
-from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.producer import BEHAVIOUR_LOGPROB_FLOOR, RolloutProducer, check_behaviour_logprobs
+from asyncgrpo.rollout.producer import BEHAVIOUR_LOGPROB_FLOOR, check_behaviour_logprobs
 from asyncgrpo.rollout.queue import Group, RolloutQueue
 from asyncgrpo.trainer import collate
-
-
-class DigitTokenizer:
-    def __len__(self):
-        return 10
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(str(i) for i in ids)
 
 
 def completion(logprobs, finish_reason="stop"):
@@ -42,40 +31,39 @@ def test_absurd_behaviour_logprobs_are_refused_naming_server_request_and_token(b
         assert part in message, part
 
 
+def test_the_refusal_says_which_value_token_id_and_floor_and_how_to_serve_instead():
+    with pytest.raises(BehaviourLogprobError) as err:
+        check_behaviour_logprobs([completion([-0.1, -9999.0])], server="http://s:1", prompt_index=3, adapter="p-v1")
+    assert str(err.value) == (
+        "http://s:1 returned logprob -9999.0 for token 1 (id 7) of completion 0 of the request for prompt 3 (adapter "
+        "'p-v1'): no sampled token can have it (the floor is -1000.0). Fix: serve in float32 or bfloat16 rather than "
+        "float16 (overflow), with `--logprobs-mode processed_logprobs`, and check the adapter loaded correctly")
+
+
 def test_unlikely_but_possible_logprobs_pass():
     check_behaviour_logprobs([completion([-100.0, BEHAVIOUR_LOGPROB_FLOOR, 0.0])], server="s", prompt_index=0,
                              adapter="a")
 
 
-def run_producer(stubs, choices, **cfg_values):
+def run_producer(rollout_on_stub, choices, **cfg_values):
     def route(stub, handler):
         if handler.path == "/health":
             return 200, "text/plain", ""
-        body = json.loads(stub.requests[-1]["body"])
+        body = json.loads(handler.body)
         return 200, "application/json", json.dumps({"model": body["model"], "choices": choices})
 
-    server = stubs(route)
-    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 2,
-                                     "per_device_train_batch_size": 2, "max_staleness": 0,
-                                     "max_inflight_requests": 1, "vllm_server_timeout": 30, **cfg_values})
-    queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards)
-    scorer = RewardScorer(["asyncgrpo.rewards:format_reward"])
     seen = {}
 
     def reward(prompts, completions, truncated, **columns):  # TRL signature, with the new `truncated` column
         seen["truncated"] = truncated
         return [0.0 if t else 1.0 for t in truncated]
 
-    scorer.functions = [reward]
-    producer = RolloutProducer(clients=[InferenceClient(server.url, timeout_s=10, connect_retries=0)],
-                               tokenizer=DigitTokenizer(), rows=[PromptRow(prompt="p", prompt_ids=[1], columns={})],
-                               scorer=scorer, queue=queue, groups_per_step=1, cfg=cfg)
-    producer.start()
+    rollout = rollout_on_stub(route, rows=[PromptRow(prompt="p", prompt_ids=[1], columns={})], reward=reward,
+                              groups_per_step=1, **cfg_values)
     try:
-        producer.set_policy(0, "demo-v0")
-        return queue.take(1, trainer_version=0, timeout_s=30), seen, server
+        return rollout.run(), seen
     finally:
-        producer.stop()
+        rollout.producer.stop()
 
 
 def choice(i, logprobs, finish_reason):
@@ -83,20 +71,22 @@ def choice(i, logprobs, finish_reason):
             "finish_reason": finish_reason}
 
 
-def test_a_server_answering_minus_9999_stops_the_run_with_its_url(stubs):
-    with pytest.raises(BehaviourLogprobError, match=r"http://127\.0\.0\.1:\d+ returned logprob -9999\.0.*prompt 0"):
-        run_producer(stubs, [choice(0, [-0.5], "stop"), choice(1, [-9999.0], "stop")])
+def test_a_server_answering_minus_9999_stops_the_run_with_its_url(rollout_on_stub):
+    with pytest.raises(BehaviourLogprobError,
+                       match=r"http://127\.0\.0\.1:\d+ returned logprob -9999\.0 .* of completion 1 of the request for "
+                             r"prompt 0 \(adapter 'demo-v0'\)"):
+        run_producer(rollout_on_stub, [choice(0, [-0.5], "stop"), choice(1, [-9999.0], "stop")])
 
 
-def test_truncated_completions_reach_the_reward_functions_and_leave_the_loss(stubs):
+def test_truncated_completions_reach_the_reward_functions_and_leave_the_loss(rollout_on_stub):
     choices = [choice(0, [-0.5, -0.5], "length"), choice(1, [-0.5], "stop")]
-    [group], seen, _ = run_producer(stubs, choices, mask_truncated_completions=True)
+    [group], seen = run_producer(rollout_on_stub, choices, mask_truncated_completions=True)
     assert seen["truncated"] == [True, False] and group.rewards == [0.0, 1.0]
     assert group.masked == [True, False]
     batch = collate([group], pad_id=0)
     assert batch["mask"].sum(dim=1).tolist() == [0.0, 1.0]  # the truncated row trains on nothing
     assert batch["input_ids"][0].tolist() == [1, 7, 7]  # but is still there (the same shapes on every rank)
-    [kept], _, _ = run_producer(stubs, choices)  # the default: scored as truncated, still trained on
+    [kept], _ = run_producer(rollout_on_stub, choices)  # the default: scored as truncated, still trained on
     assert kept.masked == [] and collate([kept], pad_id=0)["mask"].sum(dim=1).tolist() == [2.0, 1.0]
 
 
@@ -128,7 +118,7 @@ def test_dynamic_sampling_drops_zero_std_groups_at_the_queue_and_counts_them():
     assert (len(plain), plain.dropped_zero_std) == (1, 0)
 
 
-def test_the_producer_refills_what_dynamic_sampling_dropped(stubs):
+def test_the_producer_refills_what_dynamic_sampling_dropped(rollout_on_stub):
     # The first answer has one truncated completion of two (rewards 0 and 1); every answer after it has none
     # (rewards 1 and 1: zero std, dropped). One group per batch, one request in flight, max_staleness 1 (batch 1 may
     # be generated from version 0): batch 1's group never comes, but each dropped request is replaced and counted.
@@ -137,23 +127,16 @@ def test_the_producer_refills_what_dynamic_sampling_dropped(stubs):
     def route(stub, handler):
         if handler.path == "/health":
             return 200, "text/plain", ""
-        body = json.loads(stub.requests[-1]["body"])
+        body = json.loads(handler.body)
         first = not answers
         answers.append(1)
         choices = [choice(0, [-0.5], "length" if first else "stop"), choice(1, [-0.5], "stop")]
         return 200, "application/json", json.dumps({"model": body["model"], "choices": choices})
 
-    server = stubs(route)
-    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 2,
-                                     "per_device_train_batch_size": 2, "max_staleness": 1, "dynamic_sampling": True,
-                                     "max_inflight_requests": 1, "vllm_server_timeout": 30})
-    queue = RolloutQueue(1, dynamic_sampling=True)
-    scorer = RewardScorer(["asyncgrpo.rewards:format_reward"])
-    scorer.functions = [lambda prompts, completions, truncated, **c: [0.0 if t else 1.0 for t in truncated]]
     rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(50)]
-    producer = RolloutProducer(clients=[InferenceClient(server.url, timeout_s=10, connect_retries=0)],
-                               tokenizer=DigitTokenizer(), rows=rows, scorer=scorer, queue=queue, groups_per_step=1,
-                               cfg=cfg)
+    rollout = rollout_on_stub(route, rows=rows, groups_per_step=1, max_staleness=1, dynamic_sampling=True,
+                              reward=lambda prompts, completions, truncated, **c: [0.0 if t else 1.0 for t in truncated])
+    producer, queue = rollout.producer, rollout.queue
     producer.start()
     try:
         producer.set_policy(0, "demo-v0")

@@ -4,29 +4,16 @@ others on demand."""
 
 import json
 import threading
+import time
 
 import pytest
 
-from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import InferenceServerError
-from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.producer import RolloutProducer
-from asyncgrpo.rollout.queue import RolloutQueue
 
 INFLIGHT = 3
 
 
-class DigitTokenizer:
-    def __len__(self):
-        return 10
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(str(i) for i in ids)
-
-
-def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_the_rest(stubs):
+def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_the_rest(rollout_on_stub):
     all_sent = threading.Event()  # INFLIGHT requests have reached the server
     release = threading.Event()  # the held requests may answer (only at the end of the test)
     prompts, timed_out = [], []
@@ -48,16 +35,9 @@ def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_
             timed_out.append(prompt)
         return 500, "application/json", '{"error": "late"}'
 
-    server = stubs(route)
-    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 2,
-                                     "per_device_train_batch_size": 4, "max_staleness": 1,
-                                     "max_inflight_requests": INFLIGHT, "vllm_server_timeout": 30})
-    rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(8)]
-    queue = RolloutQueue(cfg.max_staleness)  # max_staleness 1: two batches (4 groups) may be in flight
-    client = InferenceClient(server.url, timeout_s=120, connect_retries=0)
-    scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None, {"format_reward": {"pattern": "^7$"}})
-    producer = RolloutProducer(clients=[client], tokenizer=DigitTokenizer(), rows=rows, scorer=scorer, queue=queue,
-                               groups_per_step=2, cfg=cfg)
+    # max_staleness 1: two batches (4 groups) may be in flight, but only INFLIGHT requests at once
+    rollout = rollout_on_stub(route, max_staleness=1, max_inflight_requests=INFLIGHT, client_timeout_s=120)
+    producer, queue = rollout.producer, rollout.queue
     producer.start()
     try:
         producer.set_policy(0, "demo-v0")
@@ -73,3 +53,28 @@ def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_
     finally:
         release.set()
         producer.stop()
+
+
+def test_stop_on_a_producer_never_started_returns_and_sends_nothing(rollout_on_stub):
+    # The trainer's cleanup stops the producer after a setup that failed before `start()` (e.g. unloading a previous
+    # run's adapters): joining a thread that never started would raise and hide the setup's own error.
+    rollout = rollout_on_stub()
+    rollout.producer.set_policy(0, "demo-v0")
+    rollout.producer.stop()
+    assert rollout.producer.error is None and rollout.generation_bodies() == []
+
+
+def test_after_a_failed_request_the_producer_thread_ends_without_sending_the_next_prompt(rollout_on_stub):
+    def route(stub, handler):
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        return 500, "application/json", '{"error": "engine dead"}'  # an answer, unlike a dead server: not resent
+
+    rollout = rollout_on_stub(route)  # one request in flight at a time: the next prompt waits for this one
+    with pytest.raises(InferenceServerError, match="engine dead"):
+        rollout.run(timeout_s=15)
+    deadline = time.monotonic() + 15
+    while any(t.name == "rollout-producer" for t in threading.enumerate()):  # public: the thread's name
+        assert time.monotonic() < deadline, "the producer thread kept running after the failure"
+        time.sleep(0.005)
+    assert len(rollout.generation_bodies()) == 1 and rollout.producer.lost_groups == 0

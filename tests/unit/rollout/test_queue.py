@@ -1,8 +1,9 @@
+import dataclasses
 import threading
 
 import pytest
 
-from asyncgrpo.rollout.queue import Group, RolloutQueue, pack_by_tokens, split_by_tokens
+from asyncgrpo.rollout.queue import Group, RolloutQueue, pack_by_tokens, scale_by_batch_std, split_by_tokens
 
 
 def group(version: int, tag: str = "") -> Group:
@@ -129,3 +130,56 @@ def test_batches_taken_and_dropped_groups_add_up_over_calls():
     q.put(group(1))
     assert [g.version for g in q.take(1, trainer_version=2, timeout_s=1)] == [2]  # and this late one
     assert (q.batches_taken, q.dropped_stale) == (3, 3)
+
+
+def test_a_timeout_after_dynamic_sampling_drops_says_how_many_and_what_to_change():
+    q = RolloutQueue(max_staleness=0, dynamic_sampling=True)
+    for rewards in ([1.0, 1.0], [0.0, 0.0], [1.0, 0.0]):
+        q.put(dataclasses.replace(group(0), rewards=rewards))
+    with pytest.raises(TimeoutError) as err:
+        q.take(2, trainer_version=0, timeout_s=0.01)
+    message = str(err.value)
+    for part in ("no rollout batch after 0 s", "(1/2 groups queued, 2 dropped so far by dynamic_sampling",
+                 "make the reward finer or the prompts easier, or turn it off)", "is the inference server generating?"):
+        assert part in message, part
+    plain = RolloutQueue(max_staleness=0)
+    with pytest.raises(TimeoutError) as err:
+        plain.take(2, trainer_version=0, timeout_s=0.01)
+    assert "(0/2 groups queued)" in str(err.value) and "dynamic_sampling" not in str(err.value)
+
+
+def test_one_completion_of_a_group_keeps_every_per_completion_field_of_that_completion_only():
+    g = Group(prompt="p", prompt_ids=[1, 2], completion_ids=[[3], [4, 5], [6]],
+              behaviour_logprobs=[[-0.1], [-0.2, -0.3], [-0.4]], rewards=[1.0, 0.5, 0.0],
+              reward_parts={"a": [1.0, None, 0.0], "b": [0.0, 0.5, 0.0]}, advantages=[0.6, 0.1, -0.7], version=3,
+              adapter="pol-v3", finish_reasons=["stop", "length", "stop"], index=9, masked=[False, True, False])
+    one = g.completion(1)
+    assert (one.completion_ids, one.behaviour_logprobs, one.rewards, one.advantages) == \
+        ([[4, 5]], [[-0.2, -0.3]], [0.5], [0.1])
+    assert (one.finish_reasons, one.masked, one.reward_parts) == (["length"], [True], {"a": [None], "b": [0.5]})
+    assert (one.prompt, one.prompt_ids, one.version, one.adapter, one.index) == ("p", [1, 2], 3, "pol-v3", 9)
+    assert one.n_completion_tokens == 2 and g.n_completion_tokens == 4
+    # without masks or finish reasons (mask_truncated_completions off; groups built in tests) the slices stay empty
+    bare = dataclasses.replace(g, finish_reasons=[], masked=[]).completion(2)
+    assert (bare.finish_reasons, bare.masked, bare.completion_ids) == ([], [], [[6]])
+
+
+@pytest.mark.parametrize("rewards,advantages,expected", [
+    # sample std of (1, 0) is sqrt(0.5); one reward alone has no spread: std 0, only eps divides
+    ([[1.0, 0.0]], [[0.5, -0.5]], [[0.5 / (0.5 ** 0.5 + 1e-4), -0.5 / (0.5 ** 0.5 + 1e-4)]]),
+    ([[1.0]], [[0.25]], [[0.25 / 1e-4]]),
+])
+def test_batch_scaling_uses_the_sample_std_of_every_reward_plus_eps(rewards, advantages, expected):
+    groups = [dataclasses.replace(group(0), rewards=r, advantages=a, completion_ids=[[2]] * len(r)) for r, a in
+              zip(rewards, advantages)]
+    scale_by_batch_std(groups)
+    assert [g.advantages for g in groups] == [pytest.approx(e, rel=1e-9) for e in expected]
+
+
+def test_reaching_the_count_halves_the_micro_batch_of_largest_padded_size_never_a_lone_sequence():
+    # lengths 10, 6, 6, 6, 2 in a budget of 20 pack as [10, 6] (padded 2 x 10 = 20) and [6, 6, 2] (3 x 6 = 18)
+    lengths = [10, 6, 6, 6, 2]
+    assert pack_by_tokens(lengths, budget=20) == [[0, 1], [2, 3, 4]]
+    assert pack_by_tokens(lengths, budget=20, count=3) == [[0], [1], [2, 3, 4]]  # the 20, not the 18 (nor the last)
+    # [50] alone is over the budget and largest, but one sequence cannot be halved: [10, 10] is
+    assert pack_by_tokens([50, 10, 10], budget=40, count=3) == [[0], [1], [2]]

@@ -77,11 +77,11 @@ class ParkingCondition(threading.Condition):
 
 class Harness:
     def __init__(self, *, max_staleness: int, max_inflight: int, groups_per_step: int = 2, scale_rewards=True,
-                 start_position: int = 0):
+                 start_position: int = 0, **cfg_values):
         cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 4,
                                          "per_device_train_batch_size": 4 * groups_per_step,
                                          "max_staleness": max_staleness, "max_inflight_requests": max_inflight,
-                                         "scale_rewards": scale_rewards})
+                                         "scale_rewards": scale_rewards, **cfg_values})
         self.queue = RolloutQueue(cfg.max_staleness)
         self.cond = self.queue.cond = ParkingCondition()
         self.server = HeldServer()
@@ -171,9 +171,23 @@ def test_one_step_of_staleness_generates_the_next_batch_on_the_previous_version(
     assert h.queue.dropped_stale == 0
 
 
+def test_with_two_passes_per_batch_a_batch_waits_for_its_first_steps_version(harness):
+    # num_iterations 2, a sync every step: batch k is first trained at step 2k, by version 2k. A half-sent batch still
+    # counts as that batch (its second request may go under version 0 too), not as a fraction of the next one.
+    h = harness(max_staleness=0, max_inflight=8, num_iterations=2, weight_sync_steps=1)
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (2, 0, 2)
+    assert h.settled(lambda: h.producer.set_policy(1, "pol-v1")) == (2, 0, 2)  # batch 1 needs version 2
+    assert h.settled(lambda: h.producer.set_policy(2, "pol-v2")) == (4, 0, 4)
+
+
 def test_max_inflight_requests_caps_what_is_sent_whatever_the_staleness_allows(harness):
     h = harness(max_staleness=5, max_inflight=3)
     assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (3, 0, 3)
+
+
+def test_unset_max_inflight_requests_keeps_two_steps_of_groups_in_flight(harness):
+    h = harness(max_staleness=5, max_inflight=None, groups_per_step=2)  # one server: 2 x 2 groups, not 2 per server
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (4, 0, 4)
 
 
 @pytest.mark.parametrize("scale,expected", [

@@ -1,0 +1,115 @@
+"""One way to build a rollout producer for the unit tests: a real `RolloutProducer`, real `InferenceClient`, real queue
+and scorer, against the in-process HTTP stub of tests/unit/conftest.py. The stub stands in for vLLM only where a test
+needs an answer a real server cannot give on demand (a dropped request, a request held, a chosen logprob, finish
+reason or token id); each test module says which. `rollout_on_stub(route, **config)` builds one; every producer built
+is stopped at teardown."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import PromptRow
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.producer import RolloutProducer
+from asyncgrpo.rollout.queue import RolloutQueue
+
+
+class DigitTokenizer:
+    """Ids 0-9 are the digits."""
+
+    def __len__(self):
+        return 10
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i) for i in ids)
+
+
+class ParkingCondition(threading.Condition):
+    """The queue's condition, recording when the producer thread waits on it (its send rule just said no)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parked = threading.Event()
+
+    def wait(self, timeout=None):
+        if threading.current_thread().name == "rollout-producer":
+            self.parked.set()
+        return super().wait(timeout)
+
+
+def answer(body: dict, token_ids: list[list[int]], finish_reasons: list[str] | None = None,
+           logprob: float = -0.5) -> tuple[int, str, str]:
+    """A /v1/completions answer to `body`: completion i samples `token_ids[i]`, each token at `logprob`."""
+    finish_reasons = finish_reasons or ["stop"] * len(token_ids)
+    choices = [{"index": i, "text": "", "token_ids": ids, "logprobs": {"token_logprobs": [logprob] * len(ids)},
+                "finish_reason": reason} for i, (ids, reason) in enumerate(zip(token_ids, finish_reasons))]
+    return 200, "application/json", json.dumps({"model": body["model"], "choices": choices})
+
+
+def sevens(stub, handler):
+    """A route: health answers, every completion is "7"."""
+    if handler.path == "/health":
+        return 200, "text/plain", ""
+    body = json.loads(handler.body)
+    return answer(body, [[7]] * body["n"])
+
+
+class StubRollout:
+    """A producer (not started) on stub servers (one unless `servers`), with its queue, clients and config. Config
+    defaults: 2 completions per prompt, 2 groups per step, max_staleness 0, one request in flight; rows p0..p7 with
+    prompt ids [i]; the reward is 1 for the completion "7"."""
+
+    def __init__(self, stubs, route, *, rows=None, tokenizer=None, reward=None, recovery=None,
+                 response_template=None, groups_per_step: int = 2, park: bool = False, client_timeout_s: float = 10,
+                 servers: int = 1, **cfg_values):
+        values = {"lora_adapter_path": "/tmp/adapters", "num_generations": 2,
+                  "per_device_train_batch_size": 2 * groups_per_step, "max_staleness": 0,
+                  "max_inflight_requests": 1, "vllm_server_timeout": 30, **cfg_values}
+        self.cfg = AsyncGRPOConfig.from_dict(values)
+        self.servers = [stubs(route) for _ in range(servers)]  # each answering through `route`
+        self.clients = [InferenceClient(s.url, timeout_s=client_timeout_s, connect_retries=0)  # no retry: lost at once
+                        for s in self.servers]
+        self.server, self.client = self.servers[0], self.clients[0]
+        self.queue = RolloutQueue(self.cfg.max_staleness, scale_rewards=self.cfg.scale_rewards,
+                                  dynamic_sampling=self.cfg.dynamic_sampling)
+        if park:
+            self.queue.cond = ParkingCondition()
+        self.scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None,
+                                   {"format_reward": {"pattern": "^7$"}})
+        if reward is not None:  # a function of the test's own, reported under the name format_reward
+            self.scorer.functions = [reward]
+        self.rows = rows if rows is not None else [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={})
+                                                   for i in range(8)]
+        self.producer = RolloutProducer(clients=self.clients, tokenizer=tokenizer or DigitTokenizer(),
+                                        rows=self.rows, scorer=self.scorer, queue=self.queue,
+                                        groups_per_step=groups_per_step, cfg=self.cfg,
+                                        response_template=response_template, recovery=recovery)
+
+    def generation_bodies(self, server=None) -> list[dict]:
+        """The JSON bodies of the generation requests `server` (default: the first) received, in arrival order."""
+        return [json.loads(r["body"]) for r in (server or self.server).requests if r["path"] == "/v1/completions"]
+
+    def run(self, version: int = 0, adapter: str = "demo-v0", groups: int | None = None, timeout_s: float = 30):
+        """Start, serve `adapter` as `version`, and take one batch (`groups` groups, default one step's)."""
+        self.producer.start()
+        self.producer.set_policy(version, adapter)
+        return self.queue.take(groups or self.producer.groups_per_step, trainer_version=version, timeout_s=timeout_s)
+
+
+@pytest.fixture
+def rollout_on_stub(stubs):
+    made: list[StubRollout] = []
+
+    def make(route=sevens, **kw) -> StubRollout:
+        made.append(StubRollout(stubs, route, **kw))
+        return made[-1]
+
+    make.answer = answer
+    yield make
+    for rollout in made:
+        rollout.producer.stop()
