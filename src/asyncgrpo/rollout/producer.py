@@ -7,9 +7,6 @@ and it is tagged with the version served when it was sent. So `max_staleness: 0`
 (synchronous on-policy GRPO) and `max_staleness: 1` generates batch k+1 while the trainer trains on batch k.
 The queue drops whatever still arrives too old (e.g. after an aborted request), and the producer refills.
 
-Servers: each request goes to the server that is up with the fewest requests in flight (ties in round-robin
-order), so with several servers a slower or busier one gets fewer requests than round-robin would give it.
-
 Faults: a request whose server stops answering loses its generation (counted in `lost_groups`); its prompt is sent
 again, before any new one, to a server that is up (counted in `resent_groups`), so no prompt of the data order is
 skipped. The server is recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`,
@@ -23,6 +20,7 @@ its own, whose answer is discarded, so a failed run exits at once instead of aft
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -99,10 +97,7 @@ class RolloutProducer:
                  queue: RolloutQueue, groups_per_step: int, cfg, response_template: dict | None = None,
                  start_position: int = 0, recovery: ServerRecovery | None = None):
         self._clients = list(clients)
-        # Each request goes to the server that is up with the fewest requests in flight (ties: round-robin from
-        # `_next_server`), so a slow server gets fewer; counted under the queue's lock, like `_inflight`.
-        self._inflight_by_server: Counter[int] = Counter()  # id(client) -> requests in flight
-        self._next_server = 0
+        self._servers = itertools.cycle(clients)  # requests go round-robin over the inference servers that are up
         # A server that stops answering is recovered in the background (re-registered before it gets requests again)
         self.recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
         self.recovery.listeners.append(self._wake)
@@ -176,11 +171,6 @@ class RolloutProducer:
     def inflight(self) -> int:
         return self._inflight
 
-    def inflight_per_server(self) -> dict[str, int]:
-        """Requests in flight on each server, by URL."""
-        with self.queue.cond:
-            return {c.base_url: self._inflight_by_server[id(c)] for c in self._clients}
-
     def adapters_in_use(self) -> set[str]:
         """Adapter names that requests in flight were sent to (they must stay loaded)."""
         with self.queue.cond:
@@ -199,14 +189,11 @@ class RolloutProducer:
         return self._version >= version_needed(batch, self.cfg)
 
     def _pick_server(self) -> InferenceClient:
-        """Under the queue lock: the server that is up with the fewest requests in flight; among equals, the first
-        from the one after the last pick (round-robin). If every server went down just now: the least loaded of all
-        (its request is lost and sent again)."""
-        n = len(self._clients)
-        order = [self._clients[(self._next_server + i) % n] for i in range(n)]
-        up = [c for c in order if self.recovery.is_up(c)] or order
-        client = min(up, key=lambda c: self._inflight_by_server[id(c)])  # min keeps the first of equals
-        self._next_server = (next(i for i, c in enumerate(self._clients) if c is client) + 1) % n
+        """The next server in round-robin order that is up (one went down just now: any, its request is lost)."""
+        for _ in range(len(self._clients)):
+            client = next(self._servers)
+            if self.recovery.is_up(client):
+                return client
         return client
 
     def _run(self) -> None:
@@ -220,7 +207,6 @@ class RolloutProducer:
                     version, adapter = self._version, self._adapter
                     self._inflight_by_adapter[adapter] += 1
                     client = self._pick_server()
-                    self._inflight_by_server[id(client)] += 1
                     prompt = self._resend.popleft() if self._resend else None  # (row, index) of a lost group
                     self.resent_groups += prompt is not None
                 if prompt is None:
@@ -249,7 +235,6 @@ class RolloutProducer:
             with self.queue.cond:
                 self._inflight -= 1
                 self._inflight_by_adapter[adapter] -= 1
-                self._inflight_by_server[id(client)] -= 1
                 if getattr(self._local, "processing", False):
                     self._local.processing = False
                     self._processing -= 1
