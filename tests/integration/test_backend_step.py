@@ -10,6 +10,7 @@
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,19 @@ def launch(backend: str, out: Path, *accelerate_args: str, worker_args=()) -> su
     return subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
 
 
+# A rank of this worker aborted twice in two full-suite runs on 2026-11-30 (zero2, then fsdp2 with bf16) with
+# "terminate called without an active exception" right after the checkpoint's save, before any result is written;
+# the cause is not found yet (a C++ thread destroyed while joinable; real `asyncgrpo train` launches have not shown
+# it). Such a launch is run once more; any other failure, or the same one twice, fails the test.
+NATIVE_ABORT = "terminate called without an active exception"
+
+
 def run_worker(backend: str, out: Path, *accelerate_args: str, worker_args=()) -> dict:
     proc = launch(backend, out, *accelerate_args, worker_args=worker_args)
+    if proc.returncode != 0 and NATIVE_ABORT in proc.stderr and not (out / "result.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        proc = launch(backend, out, *accelerate_args, worker_args=worker_args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
