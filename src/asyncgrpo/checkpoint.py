@@ -29,7 +29,6 @@ The learning-rate schedule: `scheduler.pt` (rank 0's; every rank's is the same),
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -44,7 +43,8 @@ import torch
 from .distributed import broadcast_object
 from .errors import CheckpointError
 from .sync.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
-from .sync.publish import AdapterStore, fsync_path
+from .files import fsync_path, sha256_file
+from .sync.publish import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,6 @@ DEEPSPEED = ("zero2", "zero3")  # the engine writes and reads its own partitione
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
 SUPPORTED_BACKENDS = ("ddp", *SHARDED, *DEEPSPEED)
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-_HASH_CHUNK = 1 << 20
 
 
 @dataclass
@@ -127,7 +126,7 @@ def read_manifest(path: Path, verify_files: bool = True) -> dict:
         if not file.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is missing {name}. {fix}")
         size = file.stat().st_size
-        if size != expected["bytes"] or _sha256(file) != expected["sha256"]:
+        if size != expected["bytes"] or sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {str(path)!r}: {name} is corrupt ({size} bytes, the manifest says "
                                   f"{expected['bytes']}, or its sha256 differs). {fix}")
     return manifest
@@ -215,7 +214,7 @@ def _commit(tmp: Path, final: Path, state: TrainerState) -> None:
     for p in files:  # ours are fsynced as written; DeepSpeed's are not
         fsync_path(p)
     manifest = {"format_version": FORMAT_VERSION, "state": asdict(state),
-                "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+                "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}}
     _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     fsync_path(tmp)
     if final.exists():
@@ -345,9 +344,3 @@ def restore_rng(path: Path, rank: int) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

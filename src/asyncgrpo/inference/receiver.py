@@ -29,7 +29,6 @@ longer serves are deleted beyond the newest `--keep`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import hmac
 import json
 import logging
@@ -42,6 +41,7 @@ from pathlib import Path
 
 from ..config import API_KEY_ENV
 from ..errors import InferenceServerError
+from ..files import fsync_path, sha256_file
 from .client import InferenceClient
 
 log = logging.getLogger(__name__)
@@ -59,22 +59,6 @@ class Refused(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class AdapterReceiver:
@@ -152,10 +136,10 @@ class AdapterReceiver:
                 (stage / extra).unlink()  # only what the manifest vouches for goes live
             (stage / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
             for p in stage.iterdir():
-                _fsync(p)
-            _fsync(stage)
+                fsync_path(p)
+            fsync_path(stage)
             os.rename(stage, final)
-            _fsync(self.root)
+            fsync_path(self.root)
         log.info("committed %s (%d files)", name, len(files))
         return {"path": str(final), "written": True}
 
@@ -179,7 +163,7 @@ class AdapterReceiver:
             size = path.stat().st_size
             if size != want["size"]:
                 raise Refused(422, f"{filename} arrived with {size} bytes, the manifest says {want['size']}")
-            digest = _sha256(path)
+            digest = sha256_file(path)
             if digest != want["sha256"]:
                 raise Refused(422, f"{filename} arrived with sha256 {digest[:16]}..., the manifest says "
                                    f"{want['sha256'][:16]}... (corrupted in transit)")

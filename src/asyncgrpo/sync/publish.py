@@ -25,7 +25,6 @@ that got it. `retire` and `unload_all` go server by server (both run after the n
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import fsync_path, sha256_file
 from ..errors import AsyncGRPOError, InferenceServerError, ServerUnreachableError, SyncError
 from ..inference.recovery import ServerGoneError
 
@@ -60,15 +60,6 @@ HALT_WAIT_S = 10.0
 def resume_hint(url: str) -> str:
     """The manual fix for a server left paused."""
     return f"resume it by hand with `curl -X POST {url}/resume` (POST /resume)"
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory: so that a rename into it is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class AdapterStore:
@@ -150,17 +141,9 @@ class AdapterStore:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(directory: Path, names: list[str]) -> None:
     """Record each file's size and sha256 as written (read back from disk, so it is what the server will read)."""
-    manifest = {name: {"size": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+    manifest = {name: {"size": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
                 for name in names}
     with open(directory / MANIFEST_NAME, "w") as f:
         json.dump(manifest, f, indent=2)
@@ -186,7 +169,7 @@ def verify_adapter_files(directory: Path) -> None:
             raise SyncError(f"adapter file {path} cannot be read before loading it ({exc}); {fix}") from exc
         if size != want["size"]:
             raise SyncError(f"adapter file {path} has {size} bytes, but {want['size']} were written; {fix}")
-        digest = _sha256(path)
+        digest = sha256_file(path)
         if digest != want["sha256"]:
             raise SyncError(f"adapter file {path} has sha256 {digest[:16]}..., but {want['sha256'][:16]}... was "
                             f"written (same size: its content changed); {fix}")
