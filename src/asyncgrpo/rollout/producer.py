@@ -7,6 +7,9 @@ and it is tagged with the version served when it was sent. So `max_staleness: 0`
 (synchronous on-policy GRPO) and `max_staleness: 1` generates batch k+1 while the trainer trains on batch k.
 The queue drops whatever still arrives too old (e.g. after an aborted request), and the producer refills.
 
+Servers: each request goes to the server that is up with the fewest requests in flight, ties in round-robin order
+(rollout/servers.py says what that guarantees), counted here under the queue's lock.
+
 Faults: a request whose server stops answering loses its generation (counted in `lost_groups`); its prompt is sent
 again, before any new one, to a server that is up (counted in `resent_groups`), so no prompt of the data order is
 skipped. The server is recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`,
@@ -20,7 +23,6 @@ its own, whose answer is discarded, so a failed run exits at once instead of aft
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -37,6 +39,7 @@ from ..loss import group_advantages
 from ..rewards import RewardScorer
 from ..timeline import Timeline
 from .queue import Group, RolloutQueue
+from .servers import ServerPicker
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ class RolloutProducer:
                  queue: RolloutQueue, groups_per_step: int, cfg, response_template: dict | None = None,
                  start_position: int = 0, recovery: ServerRecovery | None = None):
         self._clients = list(clients)
-        self._servers = itertools.cycle(clients)  # requests go round-robin over the inference servers that are up
+        self.servers = ServerPicker(clients)  # requests in flight per server: the next goes to the least loaded
         # A server that stops answering is recovered in the background (re-registered before it gets requests again)
         self.recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
         self.recovery.listeners.append(self._wake)
@@ -171,6 +174,16 @@ class RolloutProducer:
     def inflight(self) -> int:
         return self._inflight
 
+    def inflight_per_server(self) -> dict[str, int]:
+        """Requests in flight on each server, by URL."""
+        with self.queue.cond:
+            return self.servers.inflight_per_server()
+
+    def sent_per_server(self) -> dict[str, int]:
+        """Requests sent to each server so far, by URL."""
+        with self.queue.cond:
+            return self.servers.sent_per_server()
+
     def adapters_in_use(self) -> set[str]:
         """Adapter names that requests in flight were sent to (they must stay loaded)."""
         with self.queue.cond:
@@ -188,14 +201,6 @@ class RolloutProducer:
         batch = self.queue.batches_taken + (self.queue.queued_locked + self._inflight) // self.groups_per_step
         return self._version >= version_needed(batch, self.cfg)
 
-    def _pick_server(self) -> InferenceClient:
-        """The next server in round-robin order that is up (one went down just now: any, its request is lost)."""
-        for _ in range(len(self._clients)):
-            client = next(self._servers)
-            if self.recovery.is_up(client):
-                return client
-        return client
-
     def _run(self) -> None:
         try:
             while True:
@@ -206,7 +211,7 @@ class RolloutProducer:
                     self._inflight += 1
                     version, adapter = self._version, self._adapter
                     self._inflight_by_adapter[adapter] += 1
-                    client = self._pick_server()
+                    client = self.servers.pick(self.recovery.is_up)
                     prompt = self._resend.popleft() if self._resend else None  # (row, index) of a lost group
                     self.resent_groups += prompt is not None
                 if prompt is None:
@@ -235,6 +240,7 @@ class RolloutProducer:
             with self.queue.cond:
                 self._inflight -= 1
                 self._inflight_by_adapter[adapter] -= 1
+                self.servers.done(client)
                 if getattr(self._local, "processing", False):
                     self._local.processing = False
                     self._processing -= 1
