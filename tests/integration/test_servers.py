@@ -1,6 +1,8 @@
 """Several inference servers (two real vLLM CPU servers): rollouts are spread over them, every sync reaches both,
 and a server that rejects a load fails the sync loudly without leaving the other one ahead."""
 
+import json
+import time
 import uuid
 
 import pytest
@@ -22,6 +24,9 @@ def finished_requests(base_url: str) -> float:
     return sum(values)
 
 
+FINISH_DEADLINE_S = 180.0  # requests still in flight at the end finish within seconds; generous for a loaded machine
+
+
 def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, second_vllm_server, tmp_path):
     urls = [vllm_server.base_url, second_vllm_server.base_url]
     before = [finished_requests(u) for u in urls]
@@ -41,8 +46,21 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
         trainer.cleanup()
     assert served[-1] == [final, final]
     assert served[0][0] == served[0][1] and served[0][0] != final  # version 1 on both, then version 2 on both
-    gained = [finished_requests(u) - b for u, b in zip(urls, before)]
-    assert min(gained) >= 4  # each server generated a share of the 16+ groups (round-robin)
+    # Both servers start with nothing in flight, so the first two requests go one to each (least loaded, ties in
+    # turn). Which server answers faster, and so gets more, is up to the machine: a slower one may still hold its
+    # first requests when two steps are done, so how much each generated *within* the run is not asserted.
+    sent = trainer.producer.sent_per_server()
+    assert set(sent) == set(urls) and min(sent.values()) >= 1, sent
+    # Each server really received what it was sent: vLLM counts every request it finishes (any finish reason); the
+    # ones still in flight at the end finish shortly after, so poll with a deadline.
+    deadline = time.monotonic() + FINISH_DEADLINE_S
+    while True:
+        gained = [finished_requests(u) - b for u, b in zip(urls, before)]
+        if all(g >= sent[u] for g, u in zip(gained, urls)):
+            break
+        assert time.monotonic() < deadline, f"finished {gained}, sent {sent}"
+        time.sleep(0.5)  # polling the servers' counters with a deadline
+    print(json.dumps({"sent_per_server": list(sent.values()), "finished_per_server": gained}))
 
 
 def test_a_server_that_rejects_the_load_fails_the_sync_with_its_message(

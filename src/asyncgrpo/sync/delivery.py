@@ -6,10 +6,12 @@ publisher's load step (sync/publish.py):
 - `http`: the server cannot read it (containers, separate allocations). Each server has an adapter receiver beside it
   (inference/receiver.py, `launch/vllm/receiver.sh`); `stage` uploads the version's files and commits them (checked
   there against their sizes and sha256), before any pause, and `load` asks the receiver to load its own copy into
-  its vLLM. The path the server then reports is the receiver's, so the publisher reads back that one.
+  its vLLM. The path the server then reports is the receiver's, so the publisher reads back that one. With several
+  servers, `stage_all` uploads to every receiver at once (one thread each), so staging costs about one upload.
 
-Both answer the same three calls: `stage(client, name, path)` (before the pause), `load(client, name, path)`
-(inside it), and `served_path(client, name, path)` (what `GET /v1/models` must report afterwards).
+Both answer the same calls: `stage_all(clients, name, path)` (before any pause; the failures, per server),
+`stage(client, name, path)` (one server), `load(client, name, path)` (inside the pause), and
+`served_path(client, name, path)` (what `GET /v1/models` must report afterwards).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class SharedFsDelivery:
 
     def stage(self, client, name: str, path: Path) -> None:
         """Nothing to send: the server reads `path` itself."""
+
+    def stage_all(self, clients, name: str, path: Path) -> list[tuple[object, BaseException]]:
+        """Nothing to send to any server."""
+        return []
 
     def load(self, client, name: str, path: Path) -> None:
         client.load_adapter(name, str(path))
@@ -122,6 +128,31 @@ class HttpDelivery:
     def stage(self, client, name: str, path: Path) -> None:
         """Upload and commit (idempotent: a version committed before answers at once)."""
         self._paths[(client.base_url, name)] = self._receiver(client).upload(name, path)
+
+    def stage_all(self, clients, name: str, path: Path) -> list[tuple[object, BaseException]]:
+        """`stage` on every server's receiver at once, one thread each (receivers are separate nodes: the uploads
+        overlap); waits for all of them, so that a failure reports every receiver that failed. Returns (client,
+        error) for each that failed, in `clients` order; empty when every receiver committed the version. A
+        receiver that committed it serves nothing new: loading comes later, and only if none failed. Daemon
+        threads: an upload stuck on a dead receiver never holds up the process's exit."""
+        errors: list[BaseException | None] = [None] * len(clients)
+
+        def upload(i: int, client) -> None:
+            try:
+                self.stage(client, name, path)  # each thread writes its own key of `_paths`
+            except BaseException as exc:  # noqa: BLE001 - handed to the publisher, which raises it
+                errors[i] = exc
+
+        if len(clients) == 1:
+            upload(0, clients[0])  # nothing to overlap: no thread
+        else:
+            threads = [threading.Thread(target=upload, args=(i, c), name=f"stage-{c.base_url}", daemon=True)
+                       for i, c in enumerate(clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        return [(c, e) for c, e in zip(clients, errors) if e is not None]
 
     def load(self, client, name: str, path: Path) -> None:
         receiver = self._receiver(client)

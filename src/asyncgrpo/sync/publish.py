@@ -19,7 +19,9 @@ returns, the servers that got the new version drop it and the sync fails.
 Several servers are synced concurrently (one thread each, `_activate_all`), so a sync costs about what one server
 costs rather than the sum. Each server's pause, load, reset, resume and read-back run in its own thread exactly as
 for one server; the sync waits for all of them, and if any failed the new version is unloaded from every server
-that got it. `retire` and `unload_all` go server by server (both run after the new version is served).
+that got it. Before that, with `adapter_delivery: http`, the version's files are uploaded to every server's receiver
+at once (`stage_all`, sync/delivery.py); a failed upload fails the sync before any server is paused or loads
+anything. `retire` and `unload_all` go server by server (both run after the new version is served).
 """
 
 from __future__ import annotations
@@ -354,12 +356,15 @@ class AdapterPublisher:
                             f"{self.current_name or 'no adapter'}.") from exc
         name = self.name(version)
         t0 = time.perf_counter()
-        for client in self.clients:  # every server gets the files before any is paused (http: an upload)
-            try:
-                self.delivery.stage(client, name, path)
-            except Exception as exc:
-                raise SyncError(f"delivering {path} to {client.base_url} failed: {exc}\n  No server was asked to "
-                                f"load it; the servers still serve {self.current_name or 'no adapter'}.") from exc
+        # Every server gets the files before any is paused (http: an upload to each receiver, all at once).
+        failed = self.delivery.stage_all(self.clients, name, path)
+        if failed:
+            client, exc = failed[0]
+            if not isinstance(exc, Exception):
+                raise exc  # KeyboardInterrupt, SystemExit: as they are
+            others = "".join(f"\n  {c.base_url} failed too: {e}" for c, e in failed[1:])
+            raise SyncError(f"delivering {path} to {client.base_url} failed: {exc}{others}\n  No server was asked to "
+                            f"load it; the servers still serve {self.current_name or 'no adapter'}.") from exc
         outcomes = self._activate_all(name, path)
         failed = [(client, exc) for client, _, exc in outcomes if exc is not None]
         if failed:

@@ -39,7 +39,8 @@ def receiver(tmp_path):
 class Unreachable:
     """Stands in for a vLLM server that must not be called at all (the failure comes before any call to it)."""
 
-    base_url = VLLM
+    def __init__(self, base_url: str = VLLM):
+        self.base_url = base_url
 
     def __getattr__(self, name):
         raise AssertionError(f"vLLM was called ({name}) although the delivery failed")
@@ -87,6 +88,69 @@ def test_a_refused_upload_fails_the_sync_before_any_server_is_touched(receiver, 
     assert "HTTP 401" in message and "ASYNCGRPO_VLLM_API_KEY" in message and "No server was asked to load it" in message
     assert publisher.current_name is None and publisher.loaded == {}
     assert rec.committed() == []
+
+
+@pytest.fixture()
+def two_receivers(tmp_path):
+    """Two receivers in this process, each on its own 127.0.0.1 port and directory, as two inference nodes have."""
+    made = []
+    for i in range(2):
+        rec = AdapterReceiver(tmp_path / f"server-side-{i}", vllm=None, max_file_bytes=1 << 20)
+        server = serve(rec, "127.0.0.1", 0, KEY)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        made.append((rec, f"http://127.0.0.1:{server.server_address[1]}", server))
+    yield [(rec, url) for rec, url, _ in made]
+    for _, _, server in made:
+        server.shutdown()
+        server.server_close()
+
+
+OVERLAP_DEADLINE_S = 20.0  # both uploads meet within milliseconds when they overlap; sequential ones never meet
+
+
+def test_staging_uploads_to_every_receiver_at_once(two_receivers, tmp_path):
+    (rec_a, url_a), (rec_b, url_b) = two_receivers
+    meet = threading.Barrier(2, timeout=OVERLAP_DEADLINE_S)
+    for rec in (rec_a, rec_b):  # each receiver's first file waits until the other receiver has one in progress too
+        first = threading.Event()
+
+        def put_file(name, filename, length, body, put=rec.put_file, first=first):
+            if not first.is_set():
+                first.set()
+                meet.wait()  # one upload after the other: the first waits alone and the barrier breaks
+            return put(name, filename, length, body)
+
+        rec.put_file = put_file
+    path = version(AdapterStore(tmp_path / "trainer-side"), 1)
+    servers = [Unreachable("http://10.9.9.1:8000"), Unreachable("http://10.9.9.2:8000")]
+    delivery = HttpDelivery({servers[0].base_url: ReceiverClient(url_a, KEY),
+                             servers[1].base_url: ReceiverClient(url_b, KEY)})
+    assert delivery.stage_all(servers, "policy-v1", path) == []
+    assert not meet.broken
+    local = {p.name: p.read_bytes() for p in path.iterdir()}
+    for server, rec in zip(servers, (rec_a, rec_b)):
+        remote = rec.root / "policy-v1"
+        assert {p.name: p.read_bytes() for p in remote.iterdir()} == local  # every byte, on each node
+        assert delivery.served_path(server, "policy-v1", path) == str(remote)  # each node's own copy
+
+
+def test_one_receiver_refusing_fails_the_publish_with_its_message_and_nothing_is_loaded(two_receivers, tmp_path):
+    (rec_a, url_a), (rec_b, url_b) = two_receivers
+    rec_b.max_file_bytes = 16  # this node refuses the weights file (413)
+    store = AdapterStore(tmp_path / "trainer-side")
+    servers = [Unreachable("http://10.9.9.1:8000"), Unreachable("http://10.9.9.2:8000")]  # a load would fail the test
+    publisher = AdapterPublisher(servers, "policy", adapter_root=store.root,
+                                 delivery=HttpDelivery({servers[0].base_url: ReceiverClient(url_a, KEY),
+                                                        servers[1].base_url: ReceiverClient(url_b, KEY)}))
+    with pytest.raises(SyncError) as info:
+        publisher.publish(1, version(store, 1))
+    message = str(info.value)
+    assert message.startswith(f"delivering {store.path(1)} to http://10.9.9.2:8000 failed")
+    assert "HTTP 413" in message and "--max-file-bytes 16" in message and url_b in message
+    assert "http://10.9.9.1:8000 failed" not in message and "No server was asked to load it" in message
+    assert publisher.current_name is None and publisher.loaded == {}
+    assert rec_b.committed() == []
+    assert rec_a.committed() == ["policy-v1"]  # uploaded at the same time, but only stored: nothing serves it
 
 
 def test_an_unreachable_receiver_is_reported_with_the_command_that_starts_it(tmp_path):
