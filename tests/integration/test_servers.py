@@ -17,7 +17,8 @@ from asyncgrpo.trainer import AsyncGRPOTrainer
 
 
 def finished_requests(base_url: str) -> float:
-    """vLLM's own count of finished requests (GET /metrics, summed over finish reasons)."""
+    """vLLM's own count of finished requests (GET /metrics, summed over finish reasons); each of a request's `n`
+    completions counts as one."""
     lines = requests.get(f"{base_url}/metrics", timeout=5).text.splitlines()
     values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:request_success_total")]
     assert values, "no vllm:request_success_total in /metrics"
@@ -51,16 +52,19 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
     # first requests when two steps are done, so how much each generated *within* the run is not asserted.
     sent = trainer.producer.sent_per_server()
     assert set(sent) == set(urls) and min(sent.values()) >= 1, sent
-    # Each server really received what it was sent: vLLM counts every request it finishes (any finish reason); the
-    # ones still in flight at the end finish shortly after, so poll with a deadline.
+    # Each server really received what it was sent: vLLM counts every completion it finishes (any finish reason; a
+    # request for n completions counts n); the ones still in flight at the end finish shortly after: poll, with a
+    # deadline, until each has finished every completion it was sent.
+    want = [sent[u] * cfg.num_generations for u in urls]
     deadline = time.monotonic() + FINISH_DEADLINE_S
     while True:
         gained = [finished_requests(u) - b for u, b in zip(urls, before)]
-        if all(g >= sent[u] for g, u in zip(gained, urls)):
+        if all(g >= w for g, w in zip(gained, want)):
             break
-        assert time.monotonic() < deadline, f"finished {gained}, sent {sent}"
+        assert time.monotonic() < deadline, f"finished {gained} completions, sent {want}"
         time.sleep(0.5)  # polling the servers' counters with a deadline
-    print(json.dumps({"sent_per_server": list(sent.values()), "finished_per_server": gained}))
+    print(json.dumps({"sent_per_server": list(sent.values()), "completions_sent_per_server": want,
+                      "completions_finished_per_server": gained}))
 
 
 def test_a_server_that_rejects_the_load_fails_the_sync_with_its_message(
