@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.rollout.servers import ServerPicker
 
 DEADLINE_S = 30.0
@@ -150,7 +151,7 @@ def test_the_producers_counts_return_to_zero_after_errors(rollout_on_stub):
 
     rollout = rollout_on_stub(refuse, servers=2, groups_per_step=4, per_device_train_batch_size=8,
                               max_inflight_requests=4)
-    with pytest.raises(Exception, match="refused on purpose"):
+    with pytest.raises(InferenceServerError, match="refused on purpose"):
         rollout.run(timeout_s=DEADLINE_S)
     urls = [s.url for s in rollout.servers]
     producer = rollout.producer
