@@ -27,16 +27,13 @@ import threading
 import time
 from collections import Counter, deque
 
-import torch
-
 from ..data import PromptRow, PromptStream, parse_completions
 from ..errors import BehaviourLogprobError, ServerUnreachableError
 from ..inference.client import InferenceClient
 from ..inference.recovery import ServerRecovery
-from ..loss import group_advantages
 from ..rewards import RewardScorer
 from ..timeline import Timeline
-from .queue import Group, RolloutQueue
+from .queue import Group, RolloutQueue, centred_advantages
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +44,8 @@ def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = Tru
     """Token ids -> text; ids outside the tokenizer (padded vocab rows) decode to U+FFFD, so they score as wrong.
     `skip_special_tokens=False` keeps end-of-turn markers, which a response template needs to close regions."""
     size = len(tokenizer)
+    if not ids or max(ids) < size:  # the usual case, without a Python loop over the tokens
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     pieces, run = [], []
     for i in ids:
         if i < size:
@@ -69,6 +68,8 @@ def check_behaviour_logprobs(completions, *, server: str, prompt_index: int, ada
     """Refuse a server answer whose sampled-token logprobs are NaN, infinite or below BEHAVIOUR_LOGPROB_FLOOR,
     naming the server, the request and the token."""
     for i, c in enumerate(completions):
+        if not c.logprobs or (math.isfinite(sum(c.logprobs)) and min(c.logprobs) >= BEHAVIOUR_LOGPROB_FLOOR):
+            continue  # all finite (a NaN or an infinity makes the sum one) and above the floor: no token to name
         for t, lp in enumerate(c.logprobs):
             if not math.isfinite(lp) or lp < BEHAVIOUR_LOGPROB_FLOOR:
                 raise BehaviourLogprobError(
@@ -302,7 +303,7 @@ class RolloutProducer:
                                            truncated=truncated)
         # `batch` scaling needs the whole batch: the group is centred here and the queue scales it when it is taken.
         scale = "none" if cfg.scale_rewards == "batch" else cfg.scale_rewards
-        advantages = group_advantages(torch.tensor([rewards]), scale=scale)[0].tolist()
+        advantages = centred_advantages(rewards, scale)
         return Group(prompt=row.rendered or row.prompt, prompt_ids=row.prompt_ids,
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],
