@@ -14,10 +14,12 @@ its own producer for `--duration` seconds after an untimed warm-up. Where the co
 output says `reward_workers_supported: false` and every run scores in the request threads.
 
 Per run: `tokens_per_s` = completion tokens of the groups queued during the timed window / its length (both in the
-output as `tokens_ingested` and `duration_s`); where the time goes, as CPU seconds per stage measured in the threads
-that ran it (`stages_cpu_s`: HTTP + JSON parse in `InferenceClient.complete`, decode, reward, queue put; `other`: the
-rest of this process, i.e. scheduling, request threads, checks, advantages, the consumer) and per process
-(`cpu_s`: this process, the load generator, reward workers).
+output as `tokens_ingested` and `duration_s`); `tokens_per_producer_cpu_s`, the same tokens per CPU second of this
+process (wall-clock rates move with whatever else runs on the cores, this hardly does); where the time goes, as CPU
+seconds per stage measured in the threads that ran it (`stages_cpu_s`: HTTP + JSON parse in
+`InferenceClient.complete`, decode, reward, queue put; `other`: the rest of this process, i.e. scheduling, request
+threads, checks, advantages, the consumer) and per process (`cpu_s`: this process, the load generator, reward
+workers).
 """
 
 from __future__ import annotations
@@ -292,6 +294,8 @@ def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, 
     per_mtok = (lambda s: round(s / tokens * 1e6, 3)) if tokens else (lambda s: None)  # noqa: E731
     return {"workers": workers, "tokens_per_s": round(tokens / elapsed, 1), "tokens_ingested": tokens,
             "groups_ingested": g1 - g0, "duration_s": round(elapsed, 6),
+            # what one core ingests, whatever else shares the machine: the figure to compare between runs
+            "tokens_per_producer_cpu_s": round(tokens / own_cpu, 1) if own_cpu > 0 else None,
             "batches_taken": queue.batches_taken, "dropped_stale": queue.dropped_stale,
             "cpu_s": {"producer_process": round(own_cpu, 3), "load_generator": round(cpu1[1] - cpu0[1], 3),
                       "reward_workers": round(cpu1[2] - cpu0[2], 3)},

@@ -66,6 +66,8 @@ def test_a_short_run_reports_tokens_per_second_as_tokens_counted_over_the_window
     assert run["tokens_ingested"] > 0
     assert run["tokens_ingested"] == run["groups_ingested"] * 8 * 256  # every group: 8 completions of 256 tokens
     assert run["tokens_per_s"] == pytest.approx(run["tokens_ingested"] / run["duration_s"], rel=1e-4)
+    assert run["tokens_per_producer_cpu_s"] == pytest.approx(run["tokens_ingested"] / run["cpu_s"]["producer_process"],
+                                                            rel=1e-2)  # cpu_s is rounded to ms
     assert run["duration_s"] >= 0.3
     assert set(run["stages_cpu_s"]) >= {"http_json", "decode", "reward", "queue_put", "other"}
     assert run["batches_taken"] >= 1  # the consumer took batches, so the schedule kept sending
