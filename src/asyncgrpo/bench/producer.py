@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import select
@@ -215,6 +216,38 @@ class CountingQueue(RolloutQueue):
             return self.groups_put, self.tokens_put, time.monotonic()
 
 
+class TimedGroupScorer:
+    """A reward worker pool with `score_group` timed: in this process that is handing the group over and reading
+    the rewards back (decode and reward run in the workers, counted in `cpu_s.reward_workers`)."""
+
+    def __init__(self, pool, stages: Stages):
+        self._pool, self._stages = pool, stages
+
+    def score_group(self, *args, **kwargs):
+        with self._stages.timed("reward_handover"):
+            return self._pool.score_group(*args, **kwargs)
+
+    def __getattr__(self, name):  # fallbacks, close
+        return getattr(self._pool, name)
+
+
+def scoring_arguments(cfg, tokenizer, stages: Stages) -> dict:
+    """The producer's scoring arguments, timed per stage. With the reward worker pool's interface
+    (`rollout/scoring.py`, `reward_workers`): the producer takes a group scorer, in-thread or a pool of
+    `reward_workers` processes. Without it (before that interface): a tokenizer and a RewardScorer, in-thread."""
+    scorer = TimedScorer(list(cfg.reward_funcs), cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
+    scorer.stages = stages
+    timed_tokenizer = TimedTokenizer(tokenizer, stages)
+    if importlib.util.find_spec("asyncgrpo.rollout.scoring") is None:
+        return {"tokenizer": timed_tokenizer, "scorer": scorer}
+    from ..rollout import scoring
+
+    if getattr(cfg, "reward_workers", 0) == 0:
+        return {"scorer": scoring.InThreadScoring(scorer, timed_tokenizer, None)}
+    # The workers load the tokenizer from the directory it was loaded from (`tokenizer.name_or_path`).
+    return {"scorer": TimedGroupScorer(scoring.make_group_scorer(cfg, tokenizer, None), stages)}
+
+
 def reward_workers_supported() -> bool:
     from ..config import AsyncGRPOConfig
 
@@ -262,11 +295,9 @@ def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, 
     groups = cfg.groups_per_step(world_size=1)
     queue = CountingQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards, dynamic_sampling=cfg.dynamic_sampling,
                           stages=stages)
-    scorer = TimedScorer(list(cfg.reward_funcs), cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
-    scorer.stages = stages
+    scoring = scoring_arguments(cfg, tokenizer, stages)
     client = TimedClient(url, timeout_s=cfg.vllm_request_timeout, stages=stages)
-    producer = RolloutProducer(clients=[client], tokenizer=TimedTokenizer(tokenizer, stages), rows=rows,
-                               scorer=scorer, queue=queue, groups_per_step=groups, cfg=cfg)
+    producer = RolloutProducer(clients=[client], rows=rows, queue=queue, groups_per_step=groups, cfg=cfg, **scoring)
     stop, errors = threading.Event(), []
     consumer = threading.Thread(target=consume, args=(queue, producer, groups, stop, errors), name="bench-consumer",
                                 daemon=True)
@@ -285,6 +316,9 @@ def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, 
         stop.set()
         producer.stop()
         client.close()
+        close = getattr(scoring["scorer"], "close", None)  # reward worker processes (producer.stop closes them too)
+        if close is not None:
+            close()
     if errors or producer.error is not None:
         raise errors[0] if errors else producer.error
     elapsed, tokens = t1 - t0, tok1 - tok0
@@ -307,11 +341,16 @@ def run(overrides: list[str] | None = None, duration_s: float = DEFAULT_DURATION
         workers: tuple[int, ...] = WORKERS) -> dict:
     """Start the load generator, then one timed producer run per entry of `workers`."""
     from ..config import AsyncGRPOConfig
+    from transformers import PreTrainedTokenizerFast
+
     from ..toy.tokenizer import build_tokenizer
 
     supported = reward_workers_supported()
-    tokenizer = build_tokenizer()
     with tempfile.TemporaryDirectory(prefix="bench-producer-") as tmp:
+        # Saved and loaded back, as a trainer loads its tokenizer: reward workers load it from that directory.
+        build_tokenizer().save_pretrained(Path(tmp) / "tokenizer")
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(Path(tmp) / "tokenizer")
+
         def config(n: int):
             extra = ["--reward_workers", str(n)] if supported else []
             return AsyncGRPOConfig.load(None, ["--lora_adapter_path", tmp, *SETTINGS, *(overrides or []), *extra])
