@@ -44,8 +44,6 @@ def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = Tru
     """Token ids -> text; ids outside the tokenizer (padded vocab rows) decode to U+FFFD, so they score as wrong.
     `skip_special_tokens=False` keeps end-of-turn markers, which a response template needs to close regions."""
     size = len(tokenizer)
-    if not ids or max(ids) < size:  # the usual case, without a Python loop over the tokens
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     pieces, run = [], []
     for i in ids:
         if i < size:
