@@ -15,7 +15,7 @@ output says `reward_workers_supported: false` and every run scores in the reques
 
 Per run: `tokens_per_s` = completion tokens of the groups queued during the timed window / its length (both in the
 output as `tokens_ingested` and `duration_s`); `tokens_per_producer_cpu_s`, the same tokens per CPU second of this
-process (wall-clock rates move with whatever else runs on the cores, this hardly does); where the time goes, as CPU
+process (it moves less than the wall-clock rate with whatever else runs on the cores); where the time goes, as CPU
 seconds per stage measured in the threads that ran it (`stages_cpu_s`: HTTP + JSON parse in
 `InferenceClient.complete`, decode, reward, queue put; `other`: the rest of this process, i.e. scheduling, request
 threads, checks, advantages, the consumer) and per process (`cpu_s`: this process, the load generator, reward
