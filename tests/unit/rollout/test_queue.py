@@ -198,3 +198,8 @@ def test_centred_advantages_are_the_loss_group_advantages_in_plain_python(reward
     assert centred_advantages(rewards, scale) == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert centred_advantages([1.0, 0.0, 0.0, 0.0], "group") == pytest.approx([0.75 / 0.5001, -0.25 / 0.5001] +
                                                                               [-0.25 / 0.5001] * 2)
+
+
+def test_centred_advantages_refuse_batch_scaling_which_needs_the_whole_batch():
+    with pytest.raises(AssertionError, match="not 'batch'"):
+        centred_advantages([1.0, 0.0], "batch")
