@@ -89,8 +89,9 @@ class Completion:
 
 
 class InferenceClient:
-    """Client for one vLLM OpenAI-compatible server. Safe to share between threads: each thread gets its own
-    requests.Session (a Session is not documented as thread-safe); the calls may overlap on the server.
+    """Client for one vLLM OpenAI-compatible server. Safe to share between threads: each thread has a requests.Session
+    of its own while it runs (a Session is not documented as thread-safe), handed on to a later thread when it ends;
+    the calls may overlap on the server.
 
     `timeout_s` bounds calls that last as long as generation does: completions and `pause(mode="wait")`.
     Environment proxies and ~/.netrc are ignored (`trust_env = False`): the inference node is on a private
@@ -136,7 +137,7 @@ class InferenceClient:
         holder = self._local.holder = _SessionHolder(session)
         # When this thread ends its thread-local holder is freed and the session goes back to the idle ones (unless
         # the client was closed meanwhile). The callback holds no lock: it may run in any thread.
-        weakref.finalize(holder, _release, self._sessions, self._idle, session)
+        weakref.finalize(holder, _release, self._sessions, self._idle, session).atexit = False  # nothing to do then
         return session
 
     def __repr__(self) -> str:
