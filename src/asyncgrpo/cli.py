@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="check the inference server(s) and adapter directory against a config")
     doctor.add_argument("--config", help="YAML config file; `--key value` after it overrides a config key")
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
-    bench.add_argument("name", choices=["memory", "policy_equivalence", "staleness", "sync", "throughput"])
+    bench.add_argument("name", choices=["memory", "policy_equivalence", "producer", "staleness", "sync",
+                                               "throughput"])
     bench.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     bench.add_argument("--server", default=None, help="use a running vLLM server at this URL instead of starting "
                                                       "one (sync: several URLs joined by commas)")
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="throughput: draw the trainer/server busy timelines of each run into this PNG; "
                             "staleness: held-out reward against max_staleness per correction")
+    bench.add_argument("--duration", type=float, default=5.0,
+                       help="producer: seconds of each timed run (after a 1 s warm-up)")
     bench.add_argument("--vocab_size", type=int, default=151936, help="memory: vocabulary of the random model")
     bench.add_argument("--completion_tokens", type=int, default=1024, help="memory: completion tokens in the step")
     args, overrides = parser.parse_known_args(argv)

@@ -23,6 +23,10 @@ def run_bench(args, overrides: list[str]) -> int:
             result = memory.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens)
         elif args.name == "throughput":
             result = throughput.run(server_url=args.server, overrides=overrides, plot=args.plot)
+        elif args.name == "producer":
+            from . import producer
+
+            result = producer.run(overrides=overrides, duration_s=args.duration)
         elif args.name == "staleness":
             from . import staleness
 

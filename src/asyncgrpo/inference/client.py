@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,12 @@ from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError
 
 logger = logging.getLogger(__name__)
+
+try:  # msgspec (vLLM installs it) parses a completions answer (~130 KB for 8 x 256 tokens) ~3x faster than json
+    from msgspec import DecodeError as _FastJSONError
+    from msgspec.json import decode as _fast_json
+except ImportError:  # pragma: no cover - the standard parser does the same, slower
+    _fast_json = None
 
 CONNECT_TIMEOUT_S = 5.0  # a reachable server accepts a TCP connection in milliseconds, even across a cluster network
 HEALTH_TIMEOUT_S = 5.0  # /health answers in milliseconds; one slower than this counts as unhealthy
@@ -81,8 +89,9 @@ class Completion:
 
 
 class InferenceClient:
-    """Client for one vLLM OpenAI-compatible server. Safe to share between threads: each thread gets its own
-    requests.Session (a Session is not documented as thread-safe); the calls may overlap on the server.
+    """Client for one vLLM OpenAI-compatible server. Safe to share between threads: each thread has a requests.Session
+    of its own while it runs (a Session is not documented as thread-safe), handed on to a later thread when it ends;
+    the calls may overlap on the server.
 
     `timeout_s` bounds calls that last as long as generation does: completions and `pause(mode="wait")`.
     Environment proxies and ~/.netrc are ignored (`trust_env = False`): the inference node is on a private
@@ -104,21 +113,31 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self._api_key = api_key
         self._local = threading.local()
-        self._sessions: list[requests.Session] = []
+        self._sessions: list[requests.Session] = []  # every session made (closed by close())
+        self._idle: deque[requests.Session] = deque()  # sessions whose thread has ended, free for a new thread
         self._sessions_lock = threading.Lock()
 
     @property
     def _session(self) -> requests.Session:
-        """This thread's session."""
-        session = getattr(self._local, "session", None)
-        if session is None:
+        """This thread's session: one a finished thread left (its keep-alive connection still open), else a new one.
+        The producer makes a thread per request: without the hand-over each request would open a connection of its
+        own and leave it open (one socket per request for the client's lifetime)."""
+        holder = getattr(self._local, "holder", None)
+        if holder is not None:
+            return holder.session
+        try:
+            session = self._idle.pop()  # deque.pop is atomic: no lock needed
+        except IndexError:
             session = requests.Session()
             session.trust_env = False
             if self._api_key:
                 session.headers["Authorization"] = f"Bearer {self._api_key}"
-            self._local.session = session
             with self._sessions_lock:
                 self._sessions.append(session)
+        holder = self._local.holder = _SessionHolder(session)
+        # When this thread ends its thread-local holder is freed and the session goes back to the idle ones (unless
+        # the client was closed meanwhile). The callback holds no lock: it may run in any thread.
+        weakref.finalize(holder, _release, self._sessions, self._idle, session).atexit = False  # nothing to do then
         return session
 
     def __repr__(self) -> str:
@@ -129,6 +148,7 @@ class InferenceClient:
             for session in self._sessions:
                 session.close()
             self._sessions.clear()
+            self._idle.clear()
 
     def __enter__(self) -> InferenceClient:
         return self
@@ -235,7 +255,7 @@ class InferenceClient:
             body["seed"] = seed
         body.update(extra or {})
         resp = self._request("complete", "POST", "/v1/completions", body=body, read_timeout_s=self.timeout_s)
-        data = self._json("complete", resp)
+        data = self._json("complete", resp, fast=True)
         return [self._completion(choice, data.get("model", model), resp.url) for choice in
                 sorted(data["choices"], key=lambda c: c["index"])]  # fmt: skip
 
@@ -254,8 +274,8 @@ class InferenceClient:
                 f"for choice {choice.get('index')}"
             )
         return Completion(
-            token_ids=[int(t) for t in token_ids],
-            logprobs=[float(lp) for lp in logprobs],
+            token_ids=list(map(int, token_ids)),  # map: the same conversions, ~2x faster than a comprehension
+            logprobs=list(map(float, logprobs)),
             text=choice.get("text", ""),
             finish_reason=choice.get("finish_reason") or "",
             model=model,
@@ -420,7 +440,14 @@ class InferenceClient:
             message += f". {FLAG_HINTS[call]}"
         return self._error(message, status=resp.status_code, body=text)
 
-    def _json(self, call: str, resp: requests.Response) -> dict[str, Any]:
+    def _json(self, call: str, resp: requests.Response, fast: bool = False) -> dict[str, Any]:
+        """The answer's JSON; `fast`: with msgspec where it is installed (the same objects), falling back to the
+        standard parser for what msgspec refuses (e.g. the NaN and Infinity literals Python's json writes)."""
+        if fast and _fast_json is not None:
+            try:
+                return _fast_json(resp.content)
+            except _FastJSONError:
+                pass
         try:
             return resp.json()
         except ValueError as exc:
@@ -439,6 +466,21 @@ class InferenceClient:
             body = body.replace(self._api_key, "***") if body is not None else None
         kind = ServerUnreachableError if unreachable else InferenceServerError
         return kind(message, status=status, body=body)
+
+
+class _SessionHolder:
+    """What a thread's local storage holds: its session. Freed with the thread, which hands the session back."""
+
+    __slots__ = ("session", "__weakref__")
+
+    def __init__(self, session: requests.Session):
+        self.session = session
+
+
+def _release(sessions: list[requests.Session], idle: deque, session: requests.Session) -> None:
+    """A thread that used `session` ended: keep it for the next thread, unless the client was closed since."""
+    if any(s is session for s in sessions):
+        idle.append(session)
 
 
 def _never_connected(exc: requests.ConnectionError) -> bool:

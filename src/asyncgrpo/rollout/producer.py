@@ -29,16 +29,13 @@ import threading
 import time
 from collections import Counter, deque
 
-import torch
-
 from ..data import PromptRow, PromptStream, parse_completions
 from ..errors import BehaviourLogprobError, ServerUnreachableError
 from ..inference.client import InferenceClient
 from ..inference.recovery import ServerRecovery
-from ..loss import group_advantages
 from ..rewards import RewardScorer
 from ..timeline import Timeline
-from .queue import Group, RolloutQueue
+from .queue import Group, RolloutQueue, centred_advantages
 from .servers import ServerPicker
 
 log = logging.getLogger(__name__)
@@ -72,6 +69,8 @@ def check_behaviour_logprobs(completions, *, server: str, prompt_index: int, ada
     """Refuse a server answer whose sampled-token logprobs are NaN, infinite or below BEHAVIOUR_LOGPROB_FLOOR,
     naming the server, the request and the token."""
     for i, c in enumerate(completions):
+        if not c.logprobs or (math.isfinite(sum(c.logprobs)) and min(c.logprobs) >= BEHAVIOUR_LOGPROB_FLOOR):
+            continue  # all finite (a NaN or an infinity makes the sum one) and above the floor: no token to name
         for t, lp in enumerate(c.logprobs):
             if not math.isfinite(lp) or lp < BEHAVIOUR_LOGPROB_FLOOR:
                 raise BehaviourLogprobError(
@@ -308,7 +307,7 @@ class RolloutProducer:
                                            truncated=truncated)
         # `batch` scaling needs the whole batch: the group is centred here and the queue scales it when it is taken.
         scale = "none" if cfg.scale_rewards == "batch" else cfg.scale_rewards
-        advantages = group_advantages(torch.tensor([rewards]), scale=scale)[0].tolist()
+        advantages = centred_advantages(rewards, scale)
         return Group(prompt=row.rendered or row.prompt, prompt_ids=row.prompt_ids,
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],

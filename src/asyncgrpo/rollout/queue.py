@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import statistics
 import dataclasses
+import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -38,6 +39,20 @@ class Group:
                                    advantages=[self.advantages[j]], finish_reasons=self.finish_reasons[j:j + 1],
                                    reward_parts={k: [v[j]] for k, v in self.reward_parts.items()},
                                    masked=self.masked[j:j + 1])
+
+
+def centred_advantages(rewards: list[float], scale: str, eps: float = 1e-4) -> list[float]:
+    """One group's advantages as `loss.group_advantages` computes them (reward - group mean, divided by the group's
+    unbiased std + eps when `scale` is "group"), in plain Python: the producer runs this once per group, where a
+    torch call cost more than the rest of the group's bookkeeping. Float64 here, float32 there (agree to ~1e-7)."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    centred = [r - mean for r in rewards]
+    if scale == "none":
+        return centred
+    assert scale == "group", f"a group is scaled by its own std or not at all, not {scale!r}"
+    std = math.sqrt(sum(c * c for c in centred) / (n - 1)) if n > 1 else math.nan  # torch: nan for one sample
+    return [c / (std + eps) for c in centred]
 
 
 def scale_by_batch_std(groups: list[Group], eps: float = 1e-4) -> None:

@@ -45,6 +45,15 @@ def test_unlikely_but_possible_logprobs_pass():
                              adapter="a")
 
 
+def test_the_check_finds_the_bad_token_wherever_it_is_and_passes_sums_that_overflow():
+    # The check sums each completion's logprobs first (NaN or an infinity anywhere makes the sum one) and only then
+    # walks the tokens: a finite list whose sum overflows must still pass, a bad value anywhere must still be named.
+    check_behaviour_logprobs([completion([1e308, 1e308, -1.0])], server="s", prompt_index=0, adapter="a")
+    for bad in ([-math.inf, math.inf], [-0.5] * 300 + [math.nan], [-1001.0] + [-0.1] * 5):
+        with pytest.raises(BehaviourLogprobError, match="for token 0 |for token 300 "):
+            check_behaviour_logprobs([completion(bad)], server="s", prompt_index=0, adapter="a")
+
+
 def run_producer(rollout_on_stub, choices, **cfg_values):
     def route(stub, handler):
         if handler.path == "/health":

@@ -35,6 +35,7 @@ def test_ids_outside_the_tokenizer_decode_to_the_replacement_character_between_t
     assert decode_completion(tok, [1, 2, OOV, 3, 11, 11, 4]) == "12\ufffd3\ufffd\ufffd4"
     assert decode_completion(tok, [len(tok)]) == "\ufffd"  # the first id past the end is outside too
     assert decode_completion(tok, []) == ""
+    assert decode_completion(tok, [1, 2, 3, 9]) == "1239"
 
 
 def test_special_tokens_are_dropped_by_default_and_kept_on_request_on_both_sides_of_an_unknown_id():

@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from asyncgrpo.rollout.queue import Group, RolloutQueue, pack_by_tokens, scale_by_batch_std, split_by_tokens
+from asyncgrpo.rollout.queue import (Group, RolloutQueue, centred_advantages, pack_by_tokens, scale_by_batch_std,
+                                     split_by_tokens)
 
 
 def group(version: int, tag: str = "") -> Group:
@@ -183,3 +184,22 @@ def test_reaching_the_count_halves_the_micro_batch_of_largest_padded_size_never_
     assert pack_by_tokens(lengths, budget=20, count=3) == [[0], [1], [2, 3, 4]]  # the 20, not the 18 (nor the last)
     # [50] alone is over the budget and largest, but one sequence cannot be halved: [10, 10] is
     assert pack_by_tokens([50, 10, 10], budget=40, count=3) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("rewards", [[1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.3, 2.5, -1.0, 0.7, 0.7, 4.0, 0.0, 1.5],
+                                     [1.0] * 8])
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_centred_advantages_are_the_loss_group_advantages_in_plain_python(rewards, scale):
+    import torch
+
+    from asyncgrpo.loss import group_advantages
+
+    expected = group_advantages(torch.tensor([rewards], dtype=torch.float64), scale=scale)[0].tolist()
+    assert centred_advantages(rewards, scale) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert centred_advantages([1.0, 0.0, 0.0, 0.0], "group") == pytest.approx([0.75 / 0.5001, -0.25 / 0.5001] +
+                                                                              [-0.25 / 0.5001] * 2)
+
+
+def test_centred_advantages_refuse_batch_scaling_which_needs_the_whole_batch():
+    with pytest.raises(AssertionError, match="not 'batch'"):
+        centred_advantages([1.0, 0.0], "batch")
