@@ -134,7 +134,11 @@ class _Worker:
     def wait_ready(self, timeout_s: float) -> None:
         if self.ready:
             return
-        message = self.conn.recv() if self.conn.poll(timeout_s) else ("init_timeout",)
+        try:
+            message = self.conn.recv() if self.conn.poll(timeout_s) else ("init_timeout",)
+        except (EOFError, OSError):  # it died while starting (its stderr has the traceback)
+            self.process.join(timeout=WORKER_STOP_TIMEOUT_S)
+            message = ("init_died",)
         if message[0] == "ready":
             self.ready = True
             return
@@ -144,8 +148,13 @@ class _Worker:
                                       f"tokenizer: {message[1]}\n  Fix: make the reward modules importable in a new "
                                       f"Python process (installed, or on PYTHONPATH), or set `reward_workers: 0`"
                                       ) from _RemoteTraceback(message[2])
+        if message[0] == "init_died":
+            raise RewardFunctionError(f"a reward worker process exited while starting (exit code "
+                                      f"{self.process.exitcode}; its traceback is above). Fix: a script that starts "
+                                      f"training must do so under `if __name__ == \"__main__\":` (spawned workers "
+                                      f"import the main module), or set `reward_workers: 0`")
         raise RewardFunctionError(f"a reward worker process did not start within {timeout_s:.0f} s (exit code "
-                                  f"{self.process.exitcode}); Fix: check that the reward modules import quickly in a "
+                                  f"{self.process.exitcode}). Fix: check that the reward modules import quickly in a "
                                   f"new Python process, or set `reward_workers: 0`")
 
     def kill(self) -> None:
@@ -188,6 +197,8 @@ class RewardPool:
         except BaseException:
             self.close()
             raise
+        log.info("reward scoring in %d worker processes (pids %s), reward_timeout %g s", workers,
+                 " ".join(str(w.process.pid) for w in self._workers), timeout_s)
 
     @property
     def workers(self) -> int:

@@ -18,7 +18,8 @@ def fingerprint(prompts, completions, **columns):
 
 
 def misbehave(prompts, completions, behave=None, **columns):
-    """Does what the row's `behave` column says: ok (0.5 each), raise, hang (forever), crash (os._exit(3))."""
+    """Does what the row's `behave` column says: ok (0.5 each), raise, hang (forever), crash (os._exit(3)),
+    segfault (SIGSEGV, as a crash in native code)."""
     action = behave[0]
     if action == "raise":
         raise ValueError("misbehaving on purpose")
@@ -26,9 +27,18 @@ def misbehave(prompts, completions, behave=None, **columns):
         threading.Event().wait()
     if action == "crash":
         os._exit(3)
+    if action == "segfault":
+        segfault(prompts, completions)
     return [0.5] * len(completions)
 
 
 def torch_imported(prompts, completions, **columns):
     """1.0 where torch is loaded in the process that scores (a worker should not need it)."""
     return [float("torch" in sys.modules)] * len(completions)
+
+
+def segfault(prompts, completions, **columns):
+    """Dies of SIGSEGV, as a crash in native code would."""
+    import ctypes
+
+    ctypes.string_at(0)

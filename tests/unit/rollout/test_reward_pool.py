@@ -143,6 +143,14 @@ def test_a_worker_that_dies_gives_its_exit_code_the_function_and_the_prompt(pool
     assert parts["misbehave"] == [0.5]
 
 
+def test_a_worker_killed_by_a_signal_names_the_signal(pool, tokenizer):
+    with pytest.raises(RewardFunctionError, match=r"died with exit code -11 \(killed by SIGSEGV\) while running "
+                                                  r"reward function reward_fns:misbehave"):
+        pool.score_group(text_row("segfault"), ids(tokenizer, "45"), ["stop"])
+    _, parts = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])
+    assert parts["misbehave"] == [0.5]
+
+
 def test_reward_fallback_is_honoured_and_counted_through_the_pool(tokenizer, reward_path):
     fallback_pool = RewardPool(1, RewardScorer(["reward_fns:misbehave"], fallback=-1.0), TokenizerRef.of(tokenizer),
                                timeout_s=TIMEOUT_S * 5)
