@@ -88,7 +88,8 @@ def run_one(cfg) -> dict:
         fallbacks = trainer.scorer.fallbacks
     finally:
         trainer.cleanup()
-    return {"steps": trainer.step, "wall_s": round(wall, 2), "reward_fallbacks": fallbacks, **clock.summary(WARMUP_STEPS)}
+    return {"steps": trainer.step, "wall_s": round(wall, 2), "reward_fallbacks": fallbacks,
+            **clock.summary(WARMUP_STEPS)}
 
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -39,6 +40,7 @@ from ..rewards import RewardScorer
 log = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 120.0  # a spawned worker imports Python, the tokenizer and the user's reward modules
+WORKER_NICE = 10  # workers yield the CPU to the training process when both want it (os.nice; see _worker_main)
 WORKER_STOP_TIMEOUT_S = 5.0  # close(): a worker between calls exits at once on the stop message
 DECODING = "decoding (tokenizer, chat form, response template)"  # the stage before the first reward function
 
@@ -91,6 +93,9 @@ def _worker_main(conn, spec: WorkerSpec) -> None:
     from .scoring import score_group
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent closes us
+    # Scoring is throughput work; rank 0's step is what every other rank waits for at the next collective. Where
+    # cores are short, a lower priority lets the step run first and leaves the workers the idle time.
+    os.nice(WORKER_NICE)
     try:
         scorer = RewardScorer(spec.refs, spec.weights, spec.fallback, spec.kwargs)
         tokenizer = spec.tokenizer.load()

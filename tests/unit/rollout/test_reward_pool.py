@@ -7,6 +7,7 @@ loaded by reference as a user's would be."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from asyncgrpo.data import PromptRow, response_template_for
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
+from asyncgrpo.rollout.reward_pool import WORKER_NICE, RewardPool, TokenizerRef
 from asyncgrpo.rollout.scoring import InThreadScoring
 
 HERE = str(Path(__file__).parent)
@@ -93,6 +94,11 @@ def test_pool_gives_the_in_thread_rewards_for_a_text_row(pool, tokenizer, templa
 def test_workers_do_not_import_torch(pool, tokenizer):
     _, parts = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])
     assert parts["torch_imported"] == [0.0]  # ...the worker does not: it starts in ~1 s, not ~4
+
+
+def test_workers_run_at_a_lower_cpu_priority_than_the_training_process(pool):
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [os.getpriority(os.PRIO_PROCESS, w.process.pid) for w in pool._workers] == [min(mine + WORKER_NICE, 19)]
 
 
 def test_pool_gives_the_in_thread_rewards_for_a_chat_row_with_parsed_messages(pool, tokenizer, template):
