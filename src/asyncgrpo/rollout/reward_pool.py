@@ -7,7 +7,10 @@ A worker process has its own interpreter and GIL.
 How they start: with the "spawn" start method. Rank 0 has threads running and torch loaded, and forking such a
 process copies locks held by other threads (a deadlock waiting to happen) and torch's thread pools. A spawned worker
 imports only this module, the reward functions (by reference, `load_reward_function`) and the tokenizer's own class
-from its local directory: no torch unless a reward function imports it.
+from its local directory: no torch unless a reward function imports it. Like any spawned process it imports the
+main module: a user's own training script needs the `if __name__ == "__main__":` guard (`asyncgrpo` has it).
+Workers run at nice +10 (`WORKER_NICE`): where cores are short, the training step gets the CPU first
+(docs/benchmarks.md, "Rank 0 and reward scoring", measured both ways).
 
 How they talk: `multiprocessing` connections (a `Pipe` per worker). They come with the start method, pickle
 Python values (token ids, prompts, dataset columns, parsed messages) both ways with no schema of ours to keep,
