@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="check the inference server(s) and adapter directory against a config")
     doctor.add_argument("--config", help="YAML config file; `--key value` after it overrides a config key")
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
-    bench.add_argument("name", choices=["memory", "policy_equivalence", "producer", "staleness", "sync",
+    bench.add_argument("name", choices=["memory", "policy_equivalence", "producer", "rank0", "staleness", "sync",
                                                "throughput"])
     bench.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     bench.add_argument("--server", default=None, help="use a running vLLM server at this URL instead of starting "

@@ -112,6 +112,15 @@ it at the same path; with `http` it stays on the trainer's side."""
     reward_fallback: float | None = None
     """Reward used when a reward function raises, or when no function applies to a completion (counted in
     `reward/fallbacks_total`). Unset (default): either stops the run with the function's name and the sample."""
+    reward_workers: int = 0
+    """Processes that decode and score completions (rank 0 starts them with `spawn`). 0 (default): score in the
+    rollout request threads inside the training process, sharing its GIL with the training loop. N: N worker
+    processes, each loading the reward functions and the tokenizer itself; use them for CPU-heavy pure-Python
+    rewards (each worker costs a Python process with the tokenizer and your reward modules loaded)."""
+    reward_timeout: float = 60.0
+    """Seconds one scoring call (decoding + every reward function, one group) may take in a reward worker
+    (`reward_workers` > 0). A call past it stops the run naming the function that was running and the prompt; its
+    worker is killed and replaced. Not applied in-thread (`reward_workers: 0`): a thread cannot be stopped."""
 
     # ---- generation -----------------------------------------------------------------------------
     num_generations: int = 8
@@ -409,6 +418,12 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
         if not self.reward_funcs:
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function`")
+        if self.reward_workers < 0:
+            raise ConfigError("reward_workers", f"must be >= 0, got {self.reward_workers}",
+                              "use 0 to score in the request threads, or the number of worker processes")
+        if not self.reward_timeout > 0:
+            raise ConfigError("reward_timeout", f"must be > 0 seconds, got {self.reward_timeout}",
+                              "give the seconds one group's scoring may take, e.g. 60")
         for ref in self.reward_funcs:
             if ":" not in ref:
                 raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",

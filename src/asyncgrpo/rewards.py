@@ -97,6 +97,7 @@ class RewardScorer:
     kwargs: dict[str, dict] | None = None  # reward_kwargs: by function name or by full reference
     fallbacks: int = 0
     functions: list[RewardFn] = field(init=False)
+    on_call: Callable[[str], None] | None = field(default=None, repr=False)  # told each function's ref before it runs
 
     def __post_init__(self) -> None:
         kwargs = self.kwargs or {}
@@ -122,6 +123,8 @@ class RewardScorer:
         parts: dict[str, list[float | None]] = {}
         total: list[float | None] = [None] * len(completions)
         for ref, name, fn, weight in zip(self.refs, self.names, self.functions, self.weights):
+            if self.on_call is not None:
+                self.on_call(ref)
             values = self._call(ref, fn, prompts, completions, extra)
             parts[name] = values
             total = [t if v is None else (t or 0.0) + weight * v for t, v in zip(total, values)]

@@ -198,8 +198,8 @@ class AsyncGRPOTrainer:
         from .doctor import require_healthy_setup
         from .inference.client import InferenceClient
         from .inference.recovery import ServerRecovery
-        from .rewards import RewardScorer
         from .rollout.producer import RolloutProducer
+        from .rollout.scoring import make_group_scorer
         from .sync.delivery import make_delivery
         from .sync.publish import AdapterPublisher, AdapterStore, clean_stale_temporaries
 
@@ -227,15 +227,15 @@ class AsyncGRPOTrainer:
                                           adapter_root=cfg.lora_adapter_path,  # paths sent never leave it
                                           delivery=make_delivery(cfg))  # adapter_delivery: shared_fs | http
         self.recovery.restore = self.publisher.restore
-        self.scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
         # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted).
         prompts = load_prompt_set(cfg, self.tokenizer, model_path=self.model_path,
                                   server_max_model_len=server_max_model_len(self.client.models()))
         self.queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards,
                                   dynamic_sampling=cfg.dynamic_sampling)
-        self.producer = RolloutProducer(clients=self.clients, tokenizer=self.tokenizer, rows=prompts.rows,
-                                        scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
-                                        cfg=cfg, response_template=prompts.response_template,
+        # Decoding and reward scoring: in the request threads, or in `reward_workers` processes (closed by producer.stop)
+        self.scorer = make_group_scorer(cfg, self.tokenizer, prompts.response_template)
+        self.producer = RolloutProducer(clients=self.clients, rows=prompts.rows, scorer=self.scorer, queue=self.queue,
+                                        groups_per_step=self.groups_per_step, cfg=cfg,
                                         start_position=self.data_position, recovery=self.recovery)
         self.queue.batches_taken = self.step // cfg.num_iterations  # the producer schedules by batch index
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
@@ -569,7 +569,9 @@ class AsyncGRPOTrainer:
         if hasattr(self, "_publish_thread"):
             self._publish_thread.shutdown(wait=True)
         if hasattr(self, "producer"):
-            self.producer.stop()
+            self.producer.stop()  # also stops the reward workers
+        elif hasattr(self, "scorer"):
+            self.scorer.close()
         if getattr(self, "publisher", None) is not None:  # free the servers' adapter slots this run held
             keep = self.publisher.current_name if self.finished and self.cfg.keep_final_adapter else None
             self.publisher.unload_all(keep=keep)

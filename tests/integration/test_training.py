@@ -1,6 +1,8 @@
 """Real multi-process training: `accelerate launch` with 2 CPU processes (DDP, gloo) against the real server."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -52,6 +54,25 @@ def test_the_written_adapter_gives_the_served_logprobs(two_process_run, client, 
     completion = client.complete(summary["adapter_name"], PROMPT, n=1, max_tokens=4, temperature=1.0)[0]
     mine = peft_logprobs(summary["adapter_path"], PROMPT, completion.token_ids)
     assert torch.allclose(mine, torch.tensor(completion.logprobs), atol=1e-3, rtol=0)
+
+
+def test_reward_workers_score_a_two_process_run_and_stop_with_it(vllm_server, tmp_path, tb_scalars):
+    """`reward_workers: 2`: rank 0 scores in two spawned worker processes; the run trains, logs its rewards, and
+    leaves no worker behind."""
+    overrides = ["--max_steps", "3", "--per_device_train_batch_size", "32", "--reward_workers", "2",
+                 "--reward_funcs", "[asyncgrpo.toy.task:slow_larger_reward]", "--reward_kwargs",
+                 "{slow_larger_reward: {ms_per_completion: 1}}", "--output_dir", str(tmp_path),
+                 "--lora_adapter_path", str(tmp_path / "adapters"), "--vllm_server_base_url", vllm_server.base_url,
+                 "--ddp_timeout", "120", "--vllm_server_timeout", "30", "--vllm_request_timeout", "40"]
+    cmd = launch_command(2, find_free_port(), default_config_path(), overrides)
+    proc = subprocess.run(cmd, env=launch_environment(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (pids,) = re.findall(r"reward scoring in 2 worker processes \(pids (\d+ \d+)\)", proc.stderr)  # rank 0 only
+    rewards = [v for _, v in tb_scalars(tmp_path / "tensorboard", "reward/mean")]
+    assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards) and max(rewards) > 0.0
+    assert [v for _, v in tb_scalars(tmp_path / "tensorboard", "reward/fallbacks_total")] == [0.0] * 3
+    for pid in map(int, pids.split()):
+        assert not os.path.exists(f"/proc/{pid}"), f"reward worker {pid} outlived the run"
 
 
 def test_a_config_mistake_fails_before_any_work_with_the_field_and_fix(tmp_path):

@@ -21,6 +21,10 @@ def run_bench(args, overrides: list[str]) -> int:
             from . import memory
 
             result = memory.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens)
+        elif args.name == "rank0":
+            from . import rank0
+
+            result = rank0.run(server_url=args.server, overrides=overrides)
         elif args.name == "throughput":
             result = throughput.run(server_url=args.server, overrides=overrides, plot=args.plot)
         elif args.name == "producer":

@@ -29,34 +29,18 @@ import threading
 import time
 from collections import Counter, deque
 
-from ..data import PromptRow, PromptStream, parse_completions
+from ..data import PromptRow, PromptStream
 from ..errors import BehaviourLogprobError, ServerUnreachableError
 from ..inference.client import InferenceClient
 from ..inference.recovery import ServerRecovery
-from ..rewards import RewardScorer
 from ..timeline import Timeline
 from .queue import Group, RolloutQueue, centred_advantages
+from .scoring import GroupScorer
 from .servers import ServerPicker
 
 log = logging.getLogger(__name__)
 
 STOP_PROCESSING_S = 30.0  # stop() waits this long at most for answers being scored (reward functions run there)
-
-
-def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
-    """Token ids -> text; ids outside the tokenizer (padded vocab rows) decode to U+FFFD, so they score as wrong.
-    `skip_special_tokens=False` keeps end-of-turn markers, which a response template needs to close regions."""
-    size = len(tokenizer)
-    pieces, run = [], []
-    for i in ids:
-        if i < size:
-            run.append(i)
-            continue
-        pieces.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
-        pieces.append("\ufffd")
-        run = []
-    pieces.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
-    return "".join(pieces)
 
 
 # The lowest logprob a sampled token may have. Below about -745 even float64 rounds the probability to exactly 0, so
@@ -95,20 +79,18 @@ def version_needed(batch: int, cfg) -> int:
 class RolloutProducer:
     """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end."""
 
-    def __init__(self, *, clients: list[InferenceClient], tokenizer, rows: list[PromptRow], scorer: RewardScorer,
-                 queue: RolloutQueue, groups_per_step: int, cfg, response_template: dict | None = None,
-                 start_position: int = 0, recovery: ServerRecovery | None = None):
+    def __init__(self, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
+                 queue: RolloutQueue, groups_per_step: int, cfg, start_position: int = 0,
+                 recovery: ServerRecovery | None = None):
         self._clients = list(clients)
         self.servers = ServerPicker(clients)  # requests in flight per server: the next goes to the least loaded
         # A server that stops answering is recovered in the background (re-registered before it gets requests again)
         self.recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
         self.recovery.listeners.append(self._wake)
-        self.tokenizer = tokenizer
-        self.scorer = scorer
+        self.scorer = scorer  # decodes and scores a group: in the request thread, or in reward worker processes
         self.queue = queue
         self.groups_per_step = groups_per_step
         self.cfg = cfg
-        self.response_template = response_template  # parse chat completions with it (data.response_template_for)
         self.stream = PromptStream(rows, cfg.seed, start=start_position)  # a resumed run starts where it stopped
         self._version = -1  # nothing served yet: no request is sent before the first set_policy()
         self._adapter = ""
@@ -153,6 +135,7 @@ class RolloutProducer:
             self.queue.cond.wait_for(lambda: self._processing == 0, timeout=STOP_PROCESSING_S)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)  # the scheduler only waits on the queue's condition: it returns at once
+        self.scorer.close()  # reward worker processes, if any
 
     def _fail(self, exc: BaseException) -> None:
         """The first failure stops the producer (nothing more is sent) and goes to the trainer; later ones, often
@@ -298,13 +281,9 @@ class RolloutProducer:
             return None
         check_behaviour_logprobs(completions, server=client.base_url, prompt_index=index, adapter=adapter)
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
-        ids = [c.token_ids for c in completions]
-        n = len(ids)
-        columns = {k: [v] * n for k, v in row.columns.items()}
-        completions_in, parsed = self._reward_inputs(row, ids)
         truncated = [c.finish_reason == "length" for c in completions]  # hit max_completion_length
-        rewards, parts = self.scorer.score([row.prompt] * n, completions_in, columns, completion_ids=ids, parsed=parsed,
-                                           truncated=truncated)
+        rewards, parts = self.scorer.score_group(row, [c.token_ids for c in completions],
+                                                 [c.finish_reason for c in completions])
         # `batch` scaling needs the whole batch: the group is centred here and the queue scales it when it is taken.
         scale = "none" if cfg.scale_rewards == "batch" else cfg.scale_rewards
         advantages = centred_advantages(rewards, scale)
@@ -314,16 +293,3 @@ class RolloutProducer:
                      rewards=rewards, reward_parts=parts, advantages=advantages, version=version, adapter=adapter,
                      finish_reasons=[c.finish_reason for c in completions], index=index,
                      masked=truncated if cfg.mask_truncated_completions else [])
-
-    def _reward_inputs(self, row: PromptRow, ids: list[list[int]]) -> tuple[list, list | None]:
-        """(completions, parsed) as reward functions get them: text for a text prompt; for a chat prompt TRL's
-        conversational form `[{"role": "assistant", "content": text}]`, plus the parsed messages when the tokenizer
-        has a response template (None where a completion could not be parsed)."""
-        texts = [decode_completion(self.tokenizer, i) for i in ids]
-        if not row.is_chat:
-            return texts, None
-        completions = [[{"role": "assistant", "content": t}] for t in texts]
-        if self.response_template is None:
-            return completions, None
-        raw = [decode_completion(self.tokenizer, i, skip_special_tokens=False) for i in ids]
-        return completions, parse_completions(self.tokenizer, self.response_template, row.rendered, raw)

@@ -9,6 +9,7 @@ one of the two operands but, on purpose, mostly the wrong one, so that RL has a 
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from asyncgrpo.errors import ConfigError
@@ -68,3 +69,14 @@ def larger_reward(prompts: list[str], completions: list[str], answer: list[str],
             "pass the dataset's `answer` column repeated once per completion"
         )
     return [1.0 if _completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
+
+
+def slow_larger_reward(prompts: list[str], completions: list[str], answer: list[str], *,
+                       ms_per_completion: float = 20.0, **kwargs: Any) -> list[float]:
+    """`larger_reward` after `ms_per_completion` milliseconds of pure-Python CPU work per completion (thread CPU
+    time, so the cost is the same however busy the machine is): the CPU-heavy reward of `asyncgrpo bench rank0`,
+    standing in for a parser or checker written in Python. Like such code it holds the GIL all the while."""
+    end = time.thread_time() + ms_per_completion / 1000 * len(completions)
+    while time.thread_time() < end:
+        pass
+    return larger_reward(prompts, completions, answer)

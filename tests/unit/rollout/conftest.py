@@ -17,6 +17,7 @@ from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.producer import RolloutProducer
 from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.rollout.scoring import InThreadScoring
 
 
 class DigitTokenizer:
@@ -85,10 +86,9 @@ class StubRollout:
             self.scorer.functions = [reward]
         self.rows = rows if rows is not None else [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={})
                                                    for i in range(8)]
-        self.producer = RolloutProducer(clients=self.clients, tokenizer=tokenizer or DigitTokenizer(),
-                                        rows=self.rows, scorer=self.scorer, queue=self.queue,
-                                        groups_per_step=groups_per_step, cfg=self.cfg,
-                                        response_template=response_template, recovery=recovery)
+        scoring = InThreadScoring(self.scorer, tokenizer or DigitTokenizer(), response_template)
+        self.producer = RolloutProducer(clients=self.clients, rows=self.rows, scorer=scoring, queue=self.queue,
+                                        groups_per_step=groups_per_step, cfg=self.cfg, recovery=recovery)
 
     def generation_bodies(self, server=None) -> list[dict]:
         """The JSON bodies of the generation requests `server` (default: the first) received, in arrival order."""

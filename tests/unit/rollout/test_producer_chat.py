@@ -6,7 +6,7 @@ stub HTTP server stands in for vLLM because a real one does not sample a chosen 
 import json
 
 from asyncgrpo.data import PromptRow
-from asyncgrpo.rollout.producer import decode_completion
+from asyncgrpo.rollout.scoring import decode_completion
 
 EOT = 10  # the end-of-turn special token
 OOV = 12  # a padded vocab row: the model can sample it, the tokenizer has no text for it

@@ -20,6 +20,7 @@ from asyncgrpo.data import PromptRow
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.producer import RolloutProducer
 from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.rollout.scoring import InThreadScoring
 
 DEADLINE_S = 15.0  # every wait here is milliseconds when the rule holds; a broken rule fails at this deadline
 
@@ -87,8 +88,8 @@ class Harness:
         self.server = HeldServer()
         rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(40)]
         scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None, {"format_reward": {"pattern": "^7$"}})
-        self.producer = RolloutProducer(clients=[self.server], tokenizer=DigitTokenizer(), rows=rows, scorer=scorer,
-                                        queue=self.queue, groups_per_step=groups_per_step, cfg=cfg,
+        self.producer = RolloutProducer(clients=[self.server], rows=rows,
+                                        scorer=InThreadScoring(scorer, DigitTokenizer()), queue=self.queue, groups_per_step=groups_per_step, cfg=cfg,
                                         start_position=start_position)
         self.rows = rows
 

@@ -1,0 +1,304 @@
+"""RewardPool (`reward_workers: N`): N worker processes that decode and score groups, off the training process.
+
+Why processes: rank 0's training loop, the producer's request threads and the publisher share one GIL; a
+pure-Python reward function scoring in those threads slows every optimizer step (the straggler at each collective).
+A worker process has its own interpreter and GIL.
+
+How they start: with the "spawn" start method. Rank 0 has threads running and torch loaded, and forking such a
+process copies locks held by other threads (a deadlock waiting to happen) and torch's thread pools. A spawned worker
+imports only this module, the reward functions (by reference, `load_reward_function`) and the tokenizer's own class
+from its local directory: no torch unless a reward function imports it. Like any spawned process it imports the
+main module: a user's own training script needs the `if __name__ == "__main__":` guard (`asyncgrpo` has it).
+Workers run at nice +10 (`WORKER_NICE`): where cores are short, the training step gets the CPU first
+(docs/benchmarks.md, "Rank 0 and reward scoring", measured both ways).
+
+How they talk: `multiprocessing` connections (a `Pipe` per worker). They come with the start method, pickle
+Python values (token ids, prompts, dataset columns, parsed messages) both ways with no schema of ours to keep,
+`poll(timeout)` gives the per-call deadline, and a worker that dies shows as EOF on its end: no home-made framing,
+no extra dependency. Per call the worker sends ("running", what) before each stage, then ("done", ...) or
+("error", ...), so a timeout or a crash names the function that was running.
+
+Failures are clear and never hang: a function that raises gives the same RewardFunctionError as in-thread scoring
+(and `reward_fallback` is honoured the same way); one that runs past `reward_timeout` has its worker killed and
+replaced, and the error names it, the prompt and `reward_timeout`; a worker that dies (os._exit, a segfault) is
+replaced, and the error names the function, the prompt and the exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from ..data import PromptRow
+from ..errors import RewardFunctionError
+from ..rewards import RewardScorer
+
+log = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 120.0  # a spawned worker imports Python, the tokenizer and the user's reward modules
+WORKER_NICE = 10  # workers yield the CPU to the training process when both want it (os.nice; see _worker_main)
+WORKER_STOP_TIMEOUT_S = 5.0  # close(): a worker between calls exits at once on the stop message
+DECODING = "decoding (tokenizer, chat form, response template)"  # the stage before the first reward function
+
+
+@dataclass(frozen=True)
+class TokenizerRef:
+    """Where a worker loads the tokenizer from: its class (the one the trainer got from AutoTokenizer; importing
+    AutoTokenizer would import torch) and the local directory it was loaded from."""
+
+    directory: str
+    module: str
+    qualname: str
+
+    @classmethod
+    def of(cls, tokenizer) -> TokenizerRef:
+        kind = type(tokenizer)
+        return cls(str(tokenizer.name_or_path), kind.__module__, kind.__qualname__)
+
+    def load(self):
+        kind = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            kind = getattr(kind, part)
+        return kind.from_pretrained(self.directory)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """All a worker needs to score like the parent's RewardScorer (plain data: it is pickled to the worker)."""
+
+    refs: list[str]
+    weights: list[float] | None
+    fallback: float | None
+    kwargs: dict | None
+    tokenizer: TokenizerRef
+    response_template: dict | None
+
+
+class _RemoteTraceback(Exception):
+    """The worker's traceback, chained under the error it raised (as concurrent.futures does)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+# ---- the worker process ------------------------------------------------------------------------------------------
+def _worker_main(conn, spec: WorkerSpec) -> None:
+    """A worker's whole life: load, say ready, then score requests until told to stop or the parent is gone."""
+    import traceback
+
+    from .scoring import score_group
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent closes us
+    # Scoring is throughput work; rank 0's step is what every other rank waits for at the next collective. Where
+    # cores are short, a lower priority lets the step run first and leaves the workers the idle time.
+    os.nice(WORKER_NICE)
+    try:
+        scorer = RewardScorer(spec.refs, spec.weights, spec.fallback, spec.kwargs)
+        tokenizer = spec.tokenizer.load()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("init_error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    scorer.on_call = lambda ref: conn.send(("running", ref))  # so that a timeout or a crash can name it
+    conn.send(("ready",))
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if request is None:
+            return
+        row, completion_ids, finish_reasons = request
+        before = scorer.fallbacks
+        try:
+            conn.send(("running", DECODING))
+            rewards, parts = score_group(scorer, tokenizer, spec.response_template, row, completion_ids,
+                                         finish_reasons)
+        except Exception as exc:  # noqa: BLE001 - RewardFunctionError's text is the parent's error
+            text = str(exc) if isinstance(exc, RewardFunctionError) else f"{type(exc).__name__}: {exc}"
+            conn.send(("error", text, traceback.format_exc()))
+            continue
+        conn.send(("done", rewards, parts, scorer.fallbacks - before))
+
+
+# ---- the parent's side -------------------------------------------------------------------------------------------
+class _Worker:
+    """One worker process and the parent's end of its pipe."""
+
+    def __init__(self, ctx, spec: WorkerSpec, slot: int):
+        self.conn, child = ctx.Pipe(duplex=True)
+        # daemon: ended with the training process at exit; a killed parent closes the pipe, and the worker returns
+        self.process = ctx.Process(target=_worker_main, args=(child, spec), name=f"reward-worker-{slot}", daemon=True)
+        self.process.start()
+        child.close()  # the parent keeps only its own end, so the worker's death reads as EOF
+        self.ready = False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if self.ready:
+            return
+        try:
+            message = self.conn.recv() if self.conn.poll(timeout_s) else ("init_timeout",)
+        except (EOFError, OSError):  # it died while starting (its stderr has the traceback)
+            self.process.join(timeout=WORKER_STOP_TIMEOUT_S)
+            message = ("init_died",)
+        if message[0] == "ready":
+            self.ready = True
+            return
+        self.kill()
+        if message[0] == "init_error":
+            raise RewardFunctionError(f"a reward worker process could not load the reward functions or the "
+                                      f"tokenizer: {message[1]}\n  Fix: make the reward modules importable in a new "
+                                      f"Python process (installed, or on PYTHONPATH), or set `reward_workers: 0`"
+                                      ) from _RemoteTraceback(message[2])
+        if message[0] == "init_died":
+            raise RewardFunctionError(f"a reward worker process exited while starting (exit code "
+                                      f"{self.process.exitcode}; its traceback is above). Fix: a script that starts "
+                                      f"training must do so under `if __name__ == \"__main__\":` (spawned workers "
+                                      f"import the main module), or set `reward_workers: 0`")
+        raise RewardFunctionError(f"a reward worker process did not start within {timeout_s:.0f} s (exit code "
+                                  f"{self.process.exitcode}). Fix: check that the reward modules import quickly in a "
+                                  f"new Python process, or set `reward_workers: 0`")
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=WORKER_STOP_TIMEOUT_S)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=WORKER_STOP_TIMEOUT_S)
+        self.kill()
+
+
+class RewardPool:
+    """A `GroupScorer` with N worker processes; any number of threads may call `score_group` at once (each waits
+    for an idle worker). `close()` stops them; it is called at the producer's stop."""
+
+    def __init__(self, workers: int, scorer: RewardScorer, tokenizer: TokenizerRef,
+                 response_template: dict | None = None, *, timeout_s: float = 60.0,
+                 start_timeout_s: float = WORKER_START_TIMEOUT_S):
+        assert workers > 0, workers
+        self.spec = WorkerSpec(list(scorer.refs), scorer.weights, scorer.fallback, scorer.kwargs, tokenizer,
+                               response_template)
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.fallbacks = 0
+        self.replaced = 0  # workers killed or found dead and started anew
+        self._ctx = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()  # fallbacks, and the list of workers (for close)
+        self._closed = False
+        self._workers = [_Worker(self._ctx, self.spec, slot) for slot in range(workers)]  # all spawn at once
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        try:
+            for worker in self._workers:
+                worker.wait_ready(start_timeout_s)
+                self._idle.put(worker)
+        except BaseException:
+            self.close()
+            raise
+        log.info("reward scoring in %d worker processes (pids %s), reward_timeout %g s", workers,
+                 " ".join(str(w.process.pid) for w in self._workers), timeout_s)
+
+    @property
+    def workers(self) -> int:
+        return len(self._workers)
+
+    def score_group(self, row: PromptRow, completion_ids: list[list[int]],
+                    finish_reasons: list[str]) -> tuple[list[float], dict[str, list]]:
+        worker = self._idle.get()
+        try:
+            if self._closed:
+                raise RewardFunctionError("the reward pool was closed (the run is stopping)")
+            worker.wait_ready(self.start_timeout_s)  # a replacement is awaited on its first use
+            rewards, parts, fallbacks = self._call(worker, row, completion_ids, finish_reasons)
+        except _WorkerLost as lost:
+            worker = self._replace(worker)
+            raise lost.error from None
+        finally:
+            self._idle.put(worker)
+        with self._lock:
+            self.fallbacks += fallbacks
+        return rewards, parts
+
+    def _call(self, worker: _Worker, row: PromptRow, completion_ids, finish_reasons):
+        """One request to one worker, within `timeout_s`; a worker that overruns is killed (by the caller)."""
+        deadline = time.monotonic() + self.timeout_s
+        running = "(none yet: the request was being sent)"
+        try:
+            worker.conn.send((row, completion_ids, finish_reasons))
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not worker.conn.poll(left):
+                    raise _WorkerLost(self._timeout_error(running, row, len(completion_ids)))
+                message = worker.conn.recv()
+                if message[0] == "running":
+                    running = message[1]
+                elif message[0] == "done":
+                    return message[1], message[2], message[3]
+                else:
+                    assert message[0] == "error", message
+                    raise RewardFunctionError(message[1]) from _RemoteTraceback(message[2])
+        except (EOFError, OSError):  # the worker died (its end of the pipe closed)
+            raise _WorkerLost(self._crash_error(worker, running, row)) from None
+
+    def _timeout_error(self, running: str, row: PromptRow, n: int) -> RewardFunctionError:
+        what = f"reward function {running}" if running in self.spec.refs else running
+        return RewardFunctionError(
+            f"{what} did not finish within reward_timeout={self.timeout_s:g} s\n"
+            f"  on prompt {row.prompt!r} ({n} completions)\n"
+            f"  Its worker process was killed and replaced. Fix: find where the function hangs or make it faster, "
+            f"or raise `reward_timeout`")
+
+    def _crash_error(self, worker: _Worker, running: str, row: PromptRow) -> RewardFunctionError:
+        worker.process.join(timeout=WORKER_STOP_TIMEOUT_S)
+        code = worker.process.exitcode
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            try:
+                how += f" (killed by {signal.Signals(-code).name})"
+            except ValueError:
+                pass
+        what = f"reward function {running}" if running in self.spec.refs else running
+        return RewardFunctionError(
+            f"the reward worker process died with {how} while running {what}\n"
+            f"  on prompt {row.prompt!r}\n"
+            f"  A crash in native code or an exit call inside the function ends its process; a new worker was "
+            f"started. Fix: run the function on this prompt outside asyncgrpo to see the crash")
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        """Kill `worker` and start a new one in its slot (awaited on its first use, not here)."""
+        worker.kill()
+        with self._lock:
+            slot = self._workers.index(worker)
+            fresh = worker if self._closed else _Worker(self._ctx, self.spec, slot)
+            self._workers[slot] = fresh
+            self.replaced += fresh is not worker
+        log.warning("reward worker %d was replaced (pid %s -> %s)", slot, worker.process.pid, fresh.process.pid)
+        return fresh
+
+    def close(self) -> None:
+        """Stop every worker (one between calls exits at once; one still scoring is killed after a short wait)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = list(self._workers)
+        for worker in workers:
+            worker.stop()
+
+
+class _WorkerLost(Exception):
+    """Internal: the worker timed out or died; carries the user-facing error."""
+
+    def __init__(self, error: RewardFunctionError):
+        super().__init__(str(error))
+        self.error = error

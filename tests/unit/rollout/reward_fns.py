@@ -1,0 +1,44 @@
+"""Reward functions for tests/unit/rollout/test_reward_pool.py, loaded by reference (`reward_fns:NAME`) in the
+reward worker processes: the test puts this directory on sys.path, which spawned workers inherit."""
+
+import os
+import sys
+import threading
+import zlib
+
+
+def fingerprint(prompts, completions, **columns):
+    """A value per completion that changes with anything the function receives (the prompt, the completion, every
+    column including completion_ids, truncated and parsed): equal results mean equal inputs."""
+    out = []
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        seen = (prompt, completion, sorted((k, v[i]) for k, v in columns.items()))
+        out.append(zlib.crc32(repr(seen).encode()) / 2**32)
+    return out
+
+
+def misbehave(prompts, completions, behave=None, **columns):
+    """Does what the row's `behave` column says: ok (0.5 each), raise, hang (forever), crash (os._exit(3)),
+    segfault (SIGSEGV, as a crash in native code)."""
+    action = behave[0]
+    if action == "raise":
+        raise ValueError("misbehaving on purpose")
+    if action == "hang":
+        threading.Event().wait()
+    if action == "crash":
+        os._exit(3)
+    if action == "segfault":
+        segfault(prompts, completions)
+    return [0.5] * len(completions)
+
+
+def torch_imported(prompts, completions, **columns):
+    """1.0 where torch is loaded in the process that scores (a worker should not need it)."""
+    return [float("torch" in sys.modules)] * len(completions)
+
+
+def segfault(prompts, completions, **columns):
+    """Dies of SIGSEGV, as a crash in native code would."""
+    import ctypes
+
+    ctypes.string_at(0)

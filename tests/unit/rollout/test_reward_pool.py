@@ -1,0 +1,177 @@
+"""RewardPool (`reward_workers: N`) with real spawned worker processes: the same rewards as scoring in the thread,
+for text and chat rows, and clear errors (never a hang) when a reward function raises, hangs or kills its worker.
+
+One pool per module (spawning a worker costs ~1-2 s): the failure tests run on its single worker, so the test after
+a hang or a crash is served by the replacement. The reward functions live in reward_fns.py beside this file,
+loaded by reference as a user's would be."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.data import PromptRow, response_template_for
+from asyncgrpo.errors import RewardFunctionError
+from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.reward_pool import WORKER_NICE, RewardPool, TokenizerRef
+from asyncgrpo.rollout.scoring import InThreadScoring
+
+HERE = str(Path(__file__).parent)
+REFS = ["reward_fns:fingerprint", "reward_fns:misbehave", "reward_fns:torch_imported",
+        "asyncgrpo.rewards:math_accuracy"]
+WEIGHTS = [1.0, 1.0, 0.0, 1.0]  # torch_imported differs between the test process and a worker: weight 0
+TIMEOUT_S = 2.0  # reward_timeout of the pool: short, so that the hang test is quick
+
+
+@pytest.fixture(scope="module")
+def reward_path():
+    sys.path.insert(0, HERE)  # before the workers spawn: they get the parent's sys.path
+    yield
+    sys.path.remove(HERE)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory, reward_path):
+    from transformers import AutoTokenizer
+
+    from asyncgrpo.toy.tokenizer import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer().save_pretrained(directory)
+    return AutoTokenizer.from_pretrained(directory)  # as the trainer loads it (local_model_dir)
+
+
+@pytest.fixture(scope="module")
+def template(tokenizer):
+    found = response_template_for(tokenizer, "qwen2")  # the tokenizer has a ChatML template; parse it as Qwen2's
+    assert found is not None
+    return found
+
+
+@pytest.fixture(scope="module")
+def pool(tokenizer, template):
+    made = RewardPool(1, RewardScorer(REFS, WEIGHTS), TokenizerRef.of(tokenizer), template, timeout_s=TIMEOUT_S)
+    yield made
+    made.close()
+
+
+def text_row(behave="ok"):
+    return PromptRow(prompt="07,45>", prompt_ids=[1, 2], columns={"answer": "45", "behave": behave})
+
+
+def chat_row(tokenizer, behave="ok"):
+    messages = [{"role": "user", "content": "07,45>"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return PromptRow(prompt=messages, prompt_ids=[1, 2], columns={"answer": "45", "behave": behave},
+                     rendered=rendered)
+
+
+def same_scores(pooled, in_thread) -> bool:
+    """Equal totals and parts, but for torch_imported (which tells the two processes apart)."""
+    drop = lambda scores: (scores[0], {k: v for k, v in scores[1].items() if k != "torch_imported"})  # noqa: E731
+    return drop(pooled) == drop(in_thread)
+
+
+def ids(tokenizer, *texts):
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def test_pool_gives_the_in_thread_rewards_for_a_text_row(pool, tokenizer, template):
+    in_thread = InThreadScoring(RewardScorer(REFS, WEIGHTS), tokenizer, template)
+    four, five = ids(tokenizer, "4", "5")
+    completion_ids = ids(tokenizer, "45", "07") + [four + [300] + five]  # 300: a padded vocab row: "4\ufffd5"
+    reasons = ["stop", "stop", "length"]
+    expected = in_thread.score_group(text_row(), completion_ids, reasons)
+    assert same_scores(pool.score_group(text_row(), completion_ids, reasons), expected)
+    rewards, parts = expected
+    assert parts["math_accuracy"] == [1.0, 0.0, 0.0]
+    assert parts["torch_imported"] == [1.0] * 3  # this test process has torch...
+
+
+def test_workers_do_not_import_torch(pool, tokenizer):
+    _, parts = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])
+    assert parts["torch_imported"] == [0.0]  # ...the worker does not: it starts in ~1 s, not ~4
+
+
+def test_workers_run_at_a_lower_cpu_priority_than_the_training_process(pool):
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [os.getpriority(os.PRIO_PROCESS, w.process.pid) for w in pool._workers] == [min(mine + WORKER_NICE, 19)]
+
+
+def test_pool_gives_the_in_thread_rewards_for_a_chat_row_with_parsed_messages(pool, tokenizer, template):
+    in_thread = InThreadScoring(RewardScorer(REFS, WEIGHTS), tokenizer, template)
+    completion_ids = ids(tokenizer, "<think>x</think>45<|im_end|>", "07")  # the second turn is not closed
+    row = chat_row(tokenizer)
+    expected = in_thread.score_group(row, completion_ids, ["stop", "length"])
+    assert same_scores(pool.score_group(row, completion_ids, ["stop", "length"]), expected)
+    # the fingerprints cover `parsed`: check that it was really parsed (content without the reasoning)
+    assert expected[1]["math_accuracy"] == [1.0, 0.0]
+
+
+def test_a_raising_function_gives_the_in_thread_error_text(pool, tokenizer, template):
+    in_thread = InThreadScoring(RewardScorer(REFS, WEIGHTS), tokenizer, template)
+    with pytest.raises(RewardFunctionError) as here:
+        in_thread.score_group(text_row("raise"), ids(tokenizer, "45"), ["stop"])
+    with pytest.raises(RewardFunctionError) as there:
+        pool.score_group(text_row("raise"), ids(tokenizer, "45"), ["stop"])
+    assert str(there.value) == str(here.value)
+    assert "reward_fns:misbehave raised ValueError: misbehaving on purpose" in str(there.value)
+    assert "'07,45>'" in str(there.value) and "reward_fallback" in str(there.value)
+    assert "misbehave" in str(there.value.__cause__)  # the worker's traceback, chained
+    assert pool.replaced == 0  # the worker survives a raising function
+
+
+def test_a_hanging_function_is_stopped_at_reward_timeout_and_its_worker_replaced(pool, tokenizer):
+    replaced = pool.replaced
+    with pytest.raises(RewardFunctionError) as error:
+        pool.score_group(text_row("hang"), ids(tokenizer, "45"), ["stop"])
+    message = str(error.value)
+    assert "reward function reward_fns:misbehave did not finish within reward_timeout=2 s" in message
+    assert "'07,45>'" in message and "`reward_timeout`" in message
+    assert pool.replaced == replaced + 1
+    rewards, _ = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])  # served by the new worker
+    assert len(rewards) == 1
+
+
+def test_a_worker_that_dies_gives_its_exit_code_the_function_and_the_prompt(pool, tokenizer):
+    replaced = pool.replaced
+    with pytest.raises(RewardFunctionError) as error:
+        pool.score_group(text_row("crash"), ids(tokenizer, "45"), ["stop"])
+    message = str(error.value)
+    assert "the reward worker process died with exit code 3 while running reward function reward_fns:misbehave" \
+        in message
+    assert "'07,45>'" in message
+    assert pool.replaced == replaced + 1
+    _, parts = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])
+    assert parts["misbehave"] == [0.5]
+
+
+def test_a_worker_killed_by_a_signal_names_the_signal(pool, tokenizer):
+    with pytest.raises(RewardFunctionError, match=r"died with exit code -11 \(killed by SIGSEGV\) while running "
+                                                  r"reward function reward_fns:misbehave"):
+        pool.score_group(text_row("segfault"), ids(tokenizer, "45"), ["stop"])
+    _, parts = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])
+    assert parts["misbehave"] == [0.5]
+
+
+def test_reward_fallback_is_honoured_and_counted_through_the_pool(tokenizer, reward_path):
+    fallback_pool = RewardPool(1, RewardScorer(["reward_fns:misbehave"], fallback=-1.0), TokenizerRef.of(tokenizer),
+                               timeout_s=TIMEOUT_S * 5)
+    try:
+        rewards, parts = fallback_pool.score_group(text_row("raise"), ids(tokenizer, "45", "07"), ["stop", "stop"])
+        assert rewards == [-1.0, -1.0] and parts == {"misbehave": [-1.0, -1.0]}
+        fallback_pool.score_group(text_row("raise"), ids(tokenizer, "45"), ["stop"])
+        assert fallback_pool.fallbacks == 3  # what reward/fallbacks_total logs
+    finally:
+        fallback_pool.close()
+    assert not any(w.process.is_alive() for w in fallback_pool._workers)  # close() stopped them
+
+
+def test_a_reward_module_the_worker_cannot_import_fails_the_pool_at_start(tokenizer, monkeypatch):
+    scorer = RewardScorer(["asyncgrpo.rewards:format_reward"])
+    scorer.refs = ["no_such_module_xyz:reward"]  # passed the parent's check, not importable in the worker
+    with pytest.raises(RewardFunctionError, match="could not load the reward functions.*no_such_module_xyz"):
+        RewardPool(1, scorer, TokenizerRef.of(tokenizer))
