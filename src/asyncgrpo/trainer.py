@@ -236,8 +236,8 @@ class AsyncGRPOTrainer:
         self.producer = RolloutProducer(clients=self.clients, tokenizer=self.tokenizer, rows=prompts.rows,
                                         scorer=self.scorer, queue=self.queue, groups_per_step=self.groups_per_step,
                                         cfg=cfg, response_template=prompts.response_template,
-                                        start_position=self.data_position, recovery=self.recovery)
-        self.queue.batches_taken = self.step // cfg.num_iterations  # the producer schedules by batch index
+                                        start_position=self.data_position, recovery=self.recovery,
+                                        start_batch=self.step // cfg.num_iterations)  # a resumed run's next batch
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
         self._publishing = None
         # Resuming: hide what a killed run logged after its checkpoint (TensorBoard purges steps >= purge_step).
