@@ -35,8 +35,8 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
         for _ in range(2):
             trainer.train_step()
             trainer.sync(wait=True)
-            served.append([InferenceClient(u).adapter_paths().get(trainer.adapter_name) for u in urls])
-        final = str(trainer.store.path(trainer.version))
+            served.append([InferenceClient(u).adapter_paths().get(trainer.rollout.adapter_name) for u in urls])
+        final = str(trainer.rollout.adapter_path)
     finally:
         trainer.cleanup()
     assert served[-1] == [final, final]
