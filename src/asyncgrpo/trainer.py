@@ -18,17 +18,17 @@ import torch
 from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint, resolve_checkpoint,
                          restore_rng, save_checkpoint)
 from .config import AsyncGRPOConfig
-from .distributed import (accumulation, broadcast_object, configure_backend, dist_max, dist_sum, fp32_buffer_check,
-                          make_accelerator, on_main, recompute_rotary_buffers, require_shared_dir, setup_logging,
-                          zero3_init_in)
+from .distributed import (accumulation, broadcast_object, dist_max, dist_sum, make_accelerator, on_main,
+                          require_shared_dir, setup_logging)
 from .inference.recovery import check_outage_fits_ddp_timeout
-from .logprobs import find_scoring_head, sequence_logprobs
+from .logprobs import sequence_logprobs
 from .loss import grpo_loss, loss_normaliser
 from .rewards import reward_means
 from .rollout.queue import Group, pack_by_tokens, split_by_tokens
 from .rollout.side import RolloutSide
+from .policy import build_policy
 from .schedule import build_lr_scheduler
-from .sync.gather import backend_of, gather_lora_state, lora_parameters
+from .sync.gather import backend_of, gather_lora_state
 from .timeline import Timeline, span
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,18 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dic
     return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in batch.items()}
 
 
+@torch.no_grad()
+def score_completions(logprobs_of, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+                      device) -> list[list[float]]:
+    """The logprob of every completion token under `logprobs_of` (a collated batch on `device` -> (B, T-1) logprobs,
+    zero off the mask), one list per (prompt, completion)."""
+    groups = [Group(prompt="", prompt_ids=p, completion_ids=[c], behaviour_logprobs=[[0.0] * len(c)], rewards=[0.0],
+                    reward_parts={}, advantages=[0.0], version=0, adapter="") for p, c in zip(prompt_ids, completion_ids)]
+    batch = to_device(collate(groups, pad_id), device)
+    logprobs = logprobs_of(batch)
+    return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
+
+
 class AsyncGRPOTrainer:
     """One run: `setup()`, `train()`, `cleanup()`. Rank 0 also holds the rollout side (`self.rollout`: servers,
     producer, queue, publisher; rollout/side.py), None on the other ranks."""
@@ -138,7 +150,9 @@ class AsyncGRPOTrainer:
         self.model_path = on_main(self._resolve_model, "resolving the model")
         if not self.main:
             self.model_path = self._resolve_model()
-        self._build_model()
+        self.model, self.optimizer, self.tokenizer, self.peft_config, self.scoring_head = build_policy(
+            cfg, self.acc, self.model_path)  # the LoRA-wrapped model and its optimizer, prepared (policy.py)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Stepped by `_optimise` once per optimizer step, on every backend (schedule.py says why not via accelerate).
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
 
@@ -146,47 +160,6 @@ class AsyncGRPOTrainer:
         from .data import resolve_model_path
 
         return resolve_model_path(self.cfg)
-
-    def _build_model(self) -> None:
-        from peft import get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from .data import local_model_dir
-        from .lora import lora_config
-
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
-        with self.acc.local_main_process_first():  # a hub model is downloaded once per node; the others read the cache
-            local_dir = local_model_dir(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(local_dir)
-        dtype = getattr(torch, cfg.torch_dtype)
-        # Under ZeRO-3 the base is partitioned as it is built, in `torch_dtype` (zero3_init_in); under FSDP with
-        # `fsdp_cpu_ram_efficient_loading` only local rank 0 reads the weights (transformers), the others get them
-        # from rank 0 when the model is sharded (accelerate).
-        with zero3_init_in(dtype):
-            base = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
-        if any(hasattr(p, "ds_id") for p in base.parameters()):
-            rebuilt = recompute_rotary_buffers(base)  # zero.Init rounded them to torch_dtype too
-            log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s; rotary buffers of %d "
-                     "modules recomputed in fp32", cfg.torch_dtype, rebuilt)
-        if cfg.gradient_checkpointing:
-            # Non-reentrant: it works with frozen inputs and FSDP/ZeRO-3 (PEFT also makes the embeddings' output
-            # require grad when it sees checkpointing on).
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.peft_config = lora_config(cfg, base)  # lora_target_modules, in the language model only (lora.py)
-        model = get_peft_model(base, self.peft_config)
-        model.train()  # transformers 5 returns models in eval mode
-        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        assert trainable and all("lora_" in n for n in trainable), f"non-LoRA trainable params: {trainable[:3]}"
-        params = [p for _, p in lora_parameters(model)]
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                      betas=(cfg.adam_beta1, cfg.adam_beta2))
-        configure_backend(self.acc, model, max_grad_norm=cfg.max_grad_norm)
-        self.model, self.optimizer = self.acc.prepare(model, optimizer)
-        fp32_buffer_check(self.model)
-        # The LM head the chunked logprob path runs in place of the model's (None: full logits; logprobs.py says why).
-        self.scoring_head = find_scoring_head(self.acc.unwrap_model(self.model))
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def _start_rollout(self) -> None:
         """Rank 0: the output directory, then the rollout side (servers checked, prompts loaded, producer started)."""
@@ -289,15 +262,9 @@ class AsyncGRPOTrainer:
         return sequence_logprobs(self.model, self.scoring_head, batch["input_ids"], batch["attention_mask"],
                                  batch["mask"], self.cfg.temperature)
 
-    @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's own fp32 logprob of every completion token (for policy-equivalence checks)."""
-        groups = [Group(prompt="", prompt_ids=p, completion_ids=[c], behaviour_logprobs=[[0.0] * len(c)],
-                        rewards=[0.0], reward_parts={}, advantages=[0.0], version=self.version, adapter="")
-                  for p, c in zip(prompt_ids, completion_ids)]
-        batch = to_device(collate(groups, self.pad_id), self.acc.device)
-        logprobs = self.policy_logprobs(batch)
-        return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
+        return score_completions(self.policy_logprobs, prompt_ids, completion_ids, self.pad_id, self.acc.device)
 
     def _optimise(self, micro_batches: list[dict[str, torch.Tensor]], stats: StepStats) -> None:
         """Collective: GRPO loss over this rank's micro-batches, backward, clip, optimizer step, schedule step."""
