@@ -51,17 +51,16 @@ def write_probe_adapter(cfg, model_path: str, directory: Path) -> Path:
     """A zero LoRA (rank `lora_r`, `lora_target_modules`) with the shapes of `model_path`, built on the meta
     device (no weights read), written like a published version; returns its directory."""
     import torch
-    from peft import get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .distributed import without_zero3_init
-    from .lora import lora_config
+    from .policy import with_lora
     from .sync.publish import AdapterStore
 
     with torch.device("meta"), without_zero3_init():
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-        lora = lora_config(cfg, base)
-        model = get_peft_model(base, lora)
+        model, lora = with_lora(cfg, base)  # the trainer's own LoRA wrapping (policy.py)
     tensors = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in get_peft_model_state_dict(model).items()}
     return AdapterStore(directory).write(0, tensors, lora, base_model=model_path)
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,16 +18,17 @@ import torch
 from .checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint, resolve_checkpoint,
                          restore_rng, save_checkpoint)
 from .config import AsyncGRPOConfig
-from .distributed import (accumulation, broadcast_object, configure_backend, dist_max, dist_sum, fp32_buffer_check,
-                          make_accelerator, on_main, recompute_rotary_buffers, require_shared_dir, setup_logging,
-                          zero3_init_in)
+from .distributed import (accumulation, broadcast_object, dist_max, dist_sum, make_accelerator, on_main,
+                          require_shared_dir, setup_logging)
 from .inference.recovery import check_outage_fits_ddp_timeout
-from .logprobs import find_scoring_head, sequence_logprobs
+from .logprobs import sequence_logprobs
 from .loss import grpo_loss, loss_normaliser
 from .rewards import reward_means
-from .rollout.queue import Group, RolloutQueue, pack_by_tokens, split_by_tokens
+from .rollout.queue import Group, pack_by_tokens, split_by_tokens
+from .rollout.side import RolloutSide
+from .policy import build_policy
 from .schedule import build_lr_scheduler
-from .sync.gather import backend_of, gather_lora_state, lora_parameters
+from .sync.gather import backend_of, gather_lora_state
 from .timeline import Timeline, span
 
 log = logging.getLogger(__name__)
@@ -90,8 +89,21 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dic
     return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in batch.items()}
 
 
+@torch.no_grad()
+def score_completions(logprobs_of, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+                      device) -> list[list[float]]:
+    """The logprob of every completion token under `logprobs_of` (a collated batch on `device` -> (B, T-1) logprobs,
+    zero off the mask), one list per (prompt, completion)."""
+    groups = [Group(prompt="", prompt_ids=p, completion_ids=[c], behaviour_logprobs=[[0.0] * len(c)], rewards=[0.0],
+                    reward_parts={}, advantages=[0.0], version=0, adapter="") for p, c in zip(prompt_ids, completion_ids)]
+    batch = to_device(collate(groups, pad_id), device)
+    logprobs = logprobs_of(batch)
+    return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
+
+
 class AsyncGRPOTrainer:
-    """One run: `setup()`, `train()`, `cleanup()`. Rank 0 also owns the producer, the store and the publisher."""
+    """One run: `setup()`, `train()`, `cleanup()`. Rank 0 also holds the rollout side (`self.rollout`: servers,
+    producer, queue, publisher; rollout/side.py), None on the other ranks."""
 
     def __init__(self, cfg: AsyncGRPOConfig):
         self.cfg = cfg
@@ -99,14 +111,11 @@ class AsyncGRPOTrainer:
         self.step = 0
         self.data_position = 0  # rank 0: the data stream position after the last prompt trained on
         self.resumed_from: Path | None = None  # the checkpoint this run continues, if any
+        self.previous_run_id: str | None = None  # the run id that checkpoint was written by
+        self.rollout: RolloutSide | None = None  # rank 0, once set up
         self.wait_timeline = Timeline()  # rank 0: intervals spent waiting on the rollout queue
         self._batch: TrainBatch | None = None  # the batch being trained on (num_iterations steps)
         self.finished = False  # train() ran to max_steps (cleanup then keeps the final adapter loaded)
-
-    @property
-    def adapter_name(self) -> str:
-        """The adapter name the server serves the current policy under (rank 0)."""
-        return self.publisher.current_name
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -116,7 +125,7 @@ class AsyncGRPOTrainer:
         self._resume()  # before rank 0's setup: the producer starts at the checkpoint's data position
         # Rank 0 alone talks to the servers and reads the data; if that fails, every rank stops at once with its
         # message (`on_main`) instead of waiting `ddp_timeout` in the next collective.
-        on_main(self._setup_rank0, "start-up (doctor checks, data, reward functions)")
+        on_main(self._start_rollout, "start-up (doctor checks, data, reward functions)")
         # Version 0 is the untrained adapter (LoRA B = 0: the base policy), or when resuming the checkpoint's
         # version: it is published to every server before the producer sends its first request.
         self.sync(first=True)
@@ -141,7 +150,9 @@ class AsyncGRPOTrainer:
         self.model_path = on_main(self._resolve_model, "resolving the model")
         if not self.main:
             self.model_path = self._resolve_model()
-        self._build_model()
+        self.model, self.optimizer, self.tokenizer, self.peft_config, self.scoring_head = build_policy(
+            cfg, self.acc, self.model_path)  # the LoRA-wrapped model and its optimizer, prepared (policy.py)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Stepped by `_optimise` once per optimizer step, on every backend (schedule.py says why not via accelerate).
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
 
@@ -150,103 +161,16 @@ class AsyncGRPOTrainer:
 
         return resolve_model_path(self.cfg)
 
-    def _build_model(self) -> None:
-        from peft import get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from .data import local_model_dir
-        from .lora import lora_config
-
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
-        with self.acc.local_main_process_first():  # a hub model is downloaded once per node; the others read the cache
-            local_dir = local_model_dir(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(local_dir)
-        dtype = getattr(torch, cfg.torch_dtype)
-        # Under ZeRO-3 the base is partitioned as it is built, in `torch_dtype` (zero3_init_in); under FSDP with
-        # `fsdp_cpu_ram_efficient_loading` only local rank 0 reads the weights (transformers), the others get them
-        # from rank 0 when the model is sharded (accelerate).
-        with zero3_init_in(dtype):
-            base = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
-        if any(hasattr(p, "ds_id") for p in base.parameters()):
-            rebuilt = recompute_rotary_buffers(base)  # zero.Init rounded them to torch_dtype too
-            log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s; rotary buffers of %d "
-                     "modules recomputed in fp32", cfg.torch_dtype, rebuilt)
-        if cfg.gradient_checkpointing:
-            # Non-reentrant: it works with frozen inputs and FSDP/ZeRO-3 (PEFT also makes the embeddings' output
-            # require grad when it sees checkpointing on).
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.peft_config = lora_config(cfg, base)  # lora_target_modules, in the language model only (lora.py)
-        model = get_peft_model(base, self.peft_config)
-        model.train()  # transformers 5 returns models in eval mode
-        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        assert trainable and all("lora_" in n for n in trainable), f"non-LoRA trainable params: {trainable[:3]}"
-        params = [p for _, p in lora_parameters(model)]
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                      betas=(cfg.adam_beta1, cfg.adam_beta2))
-        configure_backend(self.acc, model, max_grad_norm=cfg.max_grad_norm)
-        self.model, self.optimizer = self.acc.prepare(model, optimizer)
-        fp32_buffer_check(self.model)
-        # The LM head the chunked logprob path runs in place of the model's (None: full logits; logprobs.py says why).
-        self.scoring_head = find_scoring_head(self.acc.unwrap_model(self.model))
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-
-    def _setup_rank0(self) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        from .data import load_prompt_set, server_max_model_len
-        from .doctor import require_healthy_setup
-        from .inference.client import InferenceClient
-        from .inference.recovery import ServerRecovery
-        from .rollout.producer import RolloutProducer
-        from .rollout.scoring import make_group_scorer
-        from .sync.delivery import make_delivery
-        from .sync.publish import AdapterPublisher, AdapterStore, clean_stale_temporaries
-
-        cfg = self.cfg
-        self.out_dir = Path(cfg.output_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        clean_partial(self.out_dir)  # what a save killed midway left behind
-        cfg.save(self.out_dir / "config.yaml")
-        self.clients = [InferenceClient(url, api_key=cfg.api_key, timeout_s=cfg.vllm_request_timeout)
-                        for url in cfg.server_urls]
-        for client in self.clients:
-            client.wait_healthy(cfg.vllm_server_timeout)
-        require_healthy_setup(cfg, self.clients, self.model_path)  # `asyncgrpo doctor`: fail now, naming the fix
-        self.client = self.clients[0]  # for what all servers share: the base model, max_model_len
-        # Names must be unique for the server's lifetime (vLLM refuses to re-load one), and versions on disk are
-        # immutable: each run gets an id, its adapters go to lora_adapter_path/<run id>/v<N>.
-        self.run_id = uuid.uuid4().hex[:8]
-        clean_stale_temporaries(cfg.lora_adapter_path)  # what writers of killed runs left in their directories
-        self.store = AdapterStore(Path(cfg.lora_adapter_path) / self.run_id)
-        # A server that stops answering is waited for (vllm_server_timeout), and gets the current adapter back
-        # before any generation goes to it; rollouts and syncs share this one view of which servers are up.
-        self.recovery = ServerRecovery(cfg.vllm_server_timeout)
-        self.publisher = AdapterPublisher(self.clients, f"{cfg.lora_name}-{self.run_id}", cfg.sync_mode,
-                                          cfg.sync_pause_mode, recovery=self.recovery,
-                                          adapter_root=cfg.lora_adapter_path,  # paths sent never leave it
-                                          delivery=make_delivery(cfg))  # adapter_delivery: shared_fs | http
-        self.recovery.restore = self.publisher.restore
-        # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted).
-        prompts = load_prompt_set(cfg, self.tokenizer, model_path=self.model_path,
-                                  server_max_model_len=server_max_model_len(self.client.models()))
-        self.queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards,
-                                  dynamic_sampling=cfg.dynamic_sampling)
-        # Decoding and reward scoring: in the request threads, or in `reward_workers` processes (closed by producer.stop)
-        self.scorer = make_group_scorer(cfg, self.tokenizer, prompts.response_template)
-        self.producer = RolloutProducer(clients=self.clients, rows=prompts.rows, scorer=self.scorer, queue=self.queue,
-                                        groups_per_step=self.groups_per_step, cfg=cfg,
-                                        start_position=self.data_position, recovery=self.recovery)
-        self.queue.batches_taken = self.step // cfg.num_iterations  # the producer schedules by batch index
-        self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
-        self._publishing = None
-        # Resuming: hide what a killed run logged after its checkpoint (TensorBoard purges steps >= purge_step).
-        self.writer = SummaryWriter(str(self.out_dir / "tensorboard"),
-                                    purge_step=self.step + 1 if self.resumed_from is not None else None)
-        self.writer.add_scalar("data/prompts_skipped_too_long", prompts.skipped_too_long, self.step)
-        if self.resumed_from is not None:
-            self._unload_previous_run()
-        self.producer.start()
+    def _start_rollout(self) -> None:
+        """Rank 0: the output directory, then the rollout side (servers checked, prompts loaded, producer started)."""
+        out = Path(self.cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        clean_partial(out)  # what a save killed midway left behind
+        self.cfg.save(out / "config.yaml")
+        self.rollout = RolloutSide(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path,
+                                   peft_config=self.peft_config, groups_per_step=self.groups_per_step, step=self.step,
+                                   data_position=self.data_position, previous_run_id=self.previous_run_id)
+        self.rollout.start()
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -263,7 +187,7 @@ class AsyncGRPOTrainer:
                 self.save_checkpoint()
         if self.main:
             bar.close()
-            self._wait_published()  # the run ends when its last version is served
+            self.rollout.wait_published()  # the run ends when its last version is served
         return self._finish(time.perf_counter() - started)
 
     def train_step(self) -> StepStats:
@@ -284,8 +208,8 @@ class AsyncGRPOTrainer:
         def take() -> list[Group]:
             t0 = time.perf_counter()
             with span(self.wait_timeline):  # the trainer's idle time, for `asyncgrpo bench throughput`
-                groups = self.queue.take(self.groups_per_step, self.version,
-                                         timeout_s=self.cfg.vllm_request_timeout * 4 + self.cfg.vllm_server_timeout)
+                groups = self.rollout.take(self.groups_per_step, self.version,
+                                           timeout_s=self.cfg.vllm_request_timeout * 4 + self.cfg.vllm_server_timeout)
             assert max(self.version - g.version for g in groups) <= self.cfg.max_staleness
             self._batch_stats(groups, stats, waited_s=time.perf_counter() - t0)
             self.data_position = max(self.data_position, 1 + max(g.index for g in groups))
@@ -321,11 +245,8 @@ class AsyncGRPOTrainer:
         rewards = torch.tensor([r for g in groups for r in g.rewards])
         stats.add(**{"time/wait_for_data_s": waited_s, "reward/mean": rewards.mean(), "reward/std": rewards.std(),
                      "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
-                     "queue/dropped_stale_total": self.queue.dropped_stale, "queue/depth": len(self.queue),
-                     "queue/dropped_zero_std_total": self.queue.dropped_zero_std,
                      # TRL's name: groups of this batch whose rewards are all equal (0 with dynamic_sampling)
                      "reward/frac_reward_zero_std": sum(max(g.rewards) == min(g.rewards) for g in groups) / len(groups),
-                     "queue/inflight_requests": self.producer.inflight,
                      "completion/mean_length": sum(g.n_completion_tokens for g in groups)
                      / (len(groups) * self.cfg.num_generations),
                      # hit max_completion_length (left out of the loss with mask_truncated_completions)
@@ -341,15 +262,9 @@ class AsyncGRPOTrainer:
         return sequence_logprobs(self.model, self.scoring_head, batch["input_ids"], batch["attention_mask"],
                                  batch["mask"], self.cfg.temperature)
 
-    @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's own fp32 logprob of every completion token (for policy-equivalence checks)."""
-        groups = [Group(prompt="", prompt_ids=p, completion_ids=[c], behaviour_logprobs=[[0.0] * len(c)],
-                        rewards=[0.0], reward_parts={}, advantages=[0.0], version=self.version, adapter="")
-                  for p, c in zip(prompt_ids, completion_ids)]
-        batch = to_device(collate(groups, self.pad_id), self.acc.device)
-        logprobs = self.policy_logprobs(batch)
-        return [logprobs[i][batch["mask"][i] > 0].tolist() for i in range(len(groups))]
+        return score_completions(self.policy_logprobs, prompt_ids, completion_ids, self.pad_id, self.acc.device)
 
     def _optimise(self, micro_batches: list[dict[str, torch.Tensor]], stats: StepStats) -> None:
         """Collective: GRPO loss over this rank's micro-batches, backward, clip, optimizer step, schedule step."""
@@ -429,8 +344,8 @@ class AsyncGRPOTrainer:
 
     # ---- weight sync ----------------------------------------------------------------------------------
     def sync(self, stats: StepStats | None = None, first: bool = False, wait: bool = False) -> None:
-        """Collective: every rank joins the LoRA-only gather; rank 0 hands the tensors to the publisher thread
-        (atomic write, then activation on every server), so that work overlaps the next training step. The next
+        """Collective: every rank joins the LoRA-only gather; rank 0 hands the tensors to the rollout side, which
+        writes and activates them on every server in the background, overlapping the next training step. The next
         sync first waits for this one, so versions go live in order and a failed publish stops the run there.
         `wait=True` (and the first sync) return only once the server serves the new version."""
         t0 = time.perf_counter()
@@ -440,11 +355,7 @@ class AsyncGRPOTrainer:
         version = self.version if first else self.version + 1
 
         def publish() -> None:
-            self._wait_published()  # raises here if the previous publish failed
-            waited = time.perf_counter() - gathered
-            self._publishing = self._publish_thread.submit(self._publish, version, tensors, self.step)
-            if first or wait or not self.cfg.publish_in_background:
-                self._wait_published()
+            waited = self.rollout.publish(version, tensors, self.step, wait=first or wait)
             if stats is not None:
                 stats.add(**{"sync/gather_s": gathered - t0, "sync/wait_previous_publish_s": waited,
                              "sync/gathered_bytes": gather_stats["gathered_bytes"]})
@@ -452,31 +363,11 @@ class AsyncGRPOTrainer:
         on_main(publish, f"publishing policy version {version}")  # the other ranks wait here (a failure stops all)
         self.version = version
 
-    def _publish(self, version: int, tensors, step: int) -> None:
-        """On rank 0's publisher thread: write version `version`, activate it, retire what nothing uses; its
-        timings go to TensorBoard at the step whose sync made the version."""
-        t0 = time.perf_counter()
-        path = self.store.write(version, tensors, self.peft_config, base_model=str(Path(self.model_path).resolve()))
-        written = time.perf_counter()
-        timing = self.publisher.publish(version, path)
-        self.producer.set_policy(version, self.publisher.current_name)  # new requests go to the new version
-        self.publisher.retire(in_use=self.producer.adapters_in_use())
-        self.store.prune(self.cfg.keep_adapter_versions, in_use=set(self.publisher.loaded.values()))
-        for key, value in {"sync/write_s": written - t0, "sync/server_s": timing.server_s,
-                           "sync/paused_s": timing.paused_s, "sync/load_s": timing.load_s}.items():
-            self.writer.add_scalar(key, value, step)
-
-    def _wait_published(self) -> None:
-        """Block until the publish in progress (if any) is done; re-raises its error."""
-        done, self._publishing = self._publishing, None
-        if done is not None:
-            done.result()
-
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         """Collective: write `<output_dir>/checkpoint-<step>` atomically (checkpoint.py)."""
         state = TrainerState(step=self.step, version=self.version, data_position=self.data_position,
-                             run_id=getattr(self, "run_id", ""), backend=backend_of(self.acc), world_size=self.world)
+                             run_id=self.rollout.run_id if self.rollout is not None else "", backend=backend_of(self.acc), world_size=self.world)
         save_checkpoint(self.acc, self.model, self.optimizer, state, output_dir=self.cfg.output_dir,
                         peft_config=self.peft_config, base_model=str(Path(self.model_path).resolve()),
                         total_limit=self.cfg.save_total_limit, lr_scheduler=self.lr_scheduler)
@@ -500,20 +391,9 @@ class AsyncGRPOTrainer:
         path = resolve_checkpoint(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
         state = load_checkpoint(path, self.acc, self.model, self.optimizer, lr_scheduler=self.lr_scheduler)
         self.step, self.version, self.data_position = state.step, state.version, state.data_position
-        self.resumed_from, self._previous_run_id = path, state.run_id
+        self.resumed_from, self.previous_run_id = path, state.run_id
         log.info("resuming from %s: step %d, policy version %d, data position %d", path, state.step, state.version,
                  state.data_position)
-
-    def _unload_previous_run(self) -> None:
-        """Rank 0, resuming: the run that wrote the checkpoint may have left its adapters loaded on the servers
-        (it was killed); unload them so they do not hold the server's adapter slots. Best effort."""
-        prefix = f"{self.cfg.lora_name}-{self._previous_run_id}-v"
-        for client in self.clients:
-            try:
-                for name in [n for n in client.adapter_paths() if n.startswith(prefix)]:
-                    client.unload_adapter(name)
-            except Exception as exc:  # noqa: BLE001 - a leftover adapter costs a slot, not correctness
-                log.warning("could not unload the previous run's adapters from %s: %s", client.base_url, exc)
 
     # ---- logging and the end --------------------------------------------------------------------------
     def _progress_bar(self):
@@ -523,32 +403,30 @@ class AsyncGRPOTrainer:
                     dynamic_ncols=True)
 
     def _log(self, stats: StepStats, bar) -> None:
-        elapsed = time.monotonic() - self.producer.started_at
-        stats.add(**{"rollout/generated_tokens_per_s": self.producer.generated_tokens / max(elapsed, 1e-9),
-                     "rollout/lost_groups_total": self.producer.lost_groups,
-                     "rollout/resent_groups_total": self.producer.resent_groups,
-                     "reward/fallbacks_total": self.scorer.fallbacks, "policy/version": self.version})
+        """Rank 0: the step's statistics with the rollout side's counters, to TensorBoard every `logging_steps`."""
+        stats.add(**self.rollout.stats(), **{"policy/version": self.version})
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
-            for key, value in stats.values.items():
-                self.writer.add_scalar(key, value, self.step)
+            self.rollout.log(stats.values, self.step)
         bar.set_postfix(reward=f"{stats.values['reward/mean']:.3f}", v=self.version, refresh=False)
         bar.update(1)
 
     def _finish(self, seconds: float) -> dict:
         summary = {}
         if self.main:
-            summary = {"steps": self.step, "version": self.version, "adapter_name": self.adapter_name,
-                       "adapter_path": str(self.store.path(self.version)), "model_path": str(self.model_path),
-                       "train_seconds": seconds, "dropped_stale": self.queue.dropped_stale,
-                       "dropped_zero_std": self.queue.dropped_zero_std,
-                       "lost_groups": self.producer.lost_groups, "resent_groups": self.producer.resent_groups,
-                       "tensorboard": str((self.out_dir / "tensorboard").resolve()),
+            rollout = self.rollout.stats()
+            summary = {"steps": self.step, "version": self.version, "adapter_name": self.rollout.adapter_name,
+                       "adapter_path": str(self.rollout.adapter_path), "model_path": str(self.model_path),
+                       "train_seconds": seconds, "dropped_stale": rollout["queue/dropped_stale_total"],
+                       "dropped_zero_std": rollout["queue/dropped_zero_std_total"],
+                       "lost_groups": rollout["rollout/lost_groups_total"],
+                       "resent_groups": rollout["rollout/resent_groups_total"],
+                       "tensorboard": str(self.rollout.tensorboard_dir.resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),
                        "start_step": self.start_step,
                        "resumed_from": str(self.resumed_from) if self.resumed_from is not None else None,
                        # every other version is unloaded at cleanup; this one too unless keep_final_adapter
-                       "adapter_left_loaded": self.adapter_name if self.cfg.keep_final_adapter else None}
-            (self.out_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+                       "adapter_left_loaded": self.rollout.adapter_name if self.cfg.keep_final_adapter else None}
+            (Path(self.cfg.output_dir) / "run_summary.json").write_text(json.dumps(summary, indent=2))
             log.info("done: %s", json.dumps(summary))
         self.finished = True
         return summary
@@ -560,23 +438,14 @@ class AsyncGRPOTrainer:
 
     def halt(self) -> None:
         """On SIGTERM/SIGINT (main thread, shutdown.py): resume every server a sync in progress has paused."""
-        publisher = getattr(self, "publisher", None)  # rank 0, once set up
-        if publisher is not None:
-            publisher.halt()
+        if self.rollout is not None:
+            self.rollout.halt()
 
     def cleanup(self) -> None:
-        """Stop the producer and close the logs; safe after a setup that failed part-way."""
-        if hasattr(self, "_publish_thread"):
-            self._publish_thread.shutdown(wait=True)
-        if hasattr(self, "producer"):
-            self.producer.stop()  # also stops the reward workers
-        elif hasattr(self, "scorer"):
-            self.scorer.close()
-        if getattr(self, "publisher", None) is not None:  # free the servers' adapter slots this run held
-            keep = self.publisher.current_name if self.finished and self.cfg.keep_final_adapter else None
-            self.publisher.unload_all(keep=keep)
-        if hasattr(self, "writer"):
-            self.writer.close()
+        """Stop the rollout side (it frees the servers' adapter slots) and leave the process group; safe after a
+        setup that failed part-way."""
+        if self.rollout is not None:
+            self.rollout.close(keep_final=self.finished and self.cfg.keep_final_adapter)
         if hasattr(self, "acc"):
             if self.finished:  # every rank reached the end: leave the process group together (a gloo rank that tore it
                 self.acc.wait_for_everyone()  # down while rank 0 was still unloading adapters was seen to abort at exit)

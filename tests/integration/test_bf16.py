@@ -25,8 +25,8 @@ def test_a_bf16_base_trains_fp32_lora_and_matches_the_server_within_bf16_precisi
         dtypes = {("lora" if "lora_" in n else "base"): p.dtype for n, p in trainer.model.named_parameters()}
         assert dtypes == {"base": torch.bfloat16, "lora": torch.float32}
         trainer.train()
-        path = trainer.store.path(trainer.version)
-        completions = client.complete(trainer.adapter_name, PROMPT, n=8, max_tokens=3, temperature=1.0)
+        path = trainer.rollout.adapter_path
+        completions = client.complete(trainer.rollout.adapter_name, PROMPT, n=8, max_tokens=3, temperature=1.0)
         mine = trainer.score([PROMPT] * len(completions), [c.token_ids for c in completions])
     finally:
         trainer.cleanup()

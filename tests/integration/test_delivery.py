@@ -74,17 +74,17 @@ def test_training_with_http_delivery_serves_only_the_receivers_copies_and_reprod
     served_after_sync = []
     try:
         trainer.setup()
-        publish = trainer.publisher.publish
+        publish = trainer.rollout.publisher.publish
         pauses = []
-        pause = trainer.client.pause
-        monkeypatch.setattr(trainer.client, "pause", lambda *a, **k: pauses.append(1) or pause(*a, **k))
+        pause = trainer.rollout.clients[0].pause
+        monkeypatch.setattr(trainer.rollout.clients[0], "pause", lambda *a, **k: pauses.append(1) or pause(*a, **k))
 
         def publish_and_read_back(version, path):
             timing = publish(version, path)
-            served_after_sync.append(_served_under(trainer.client, trainer.publisher.prefix))
+            served_after_sync.append(_served_under(trainer.rollout.clients[0], trainer.rollout.publisher.prefix))
             return timing
 
-        trainer.publisher.publish = publish_and_read_back
+        trainer.rollout.publisher.publish = publish_and_read_back
         trainer.train()
     finally:
         trainer.cleanup()
@@ -92,11 +92,11 @@ def test_training_with_http_delivery_serves_only_the_receivers_copies_and_reprod
     assert len(served_after_sync) == 3
     for served in served_after_sync:
         assert served and all(Path(p).parent == receiver_dir for p in served.values()), served
-    final = trainer.publisher.current_name  # keep_final_adapter: still loaded after the run
-    assert final == f"{trainer.publisher.prefix}-v3"
+    final = trainer.rollout.publisher.current_name  # keep_final_adapter: still loaded after the run
+    assert final == f"{trainer.rollout.publisher.prefix}-v3"
     client = InferenceClient(vllm_server.base_url)
     assert client.adapter_paths()[final] == str(receiver_dir / final)
-    local = trainer.store.path(3)
+    local = trainer.rollout.store.path(3)
     assert (receiver_dir / final / "adapter_model.safetensors").read_bytes() == \
         (local / "adapter_model.safetensors").read_bytes()
     # PEFT on the base, with the trainer's own files, reproduces what the server computes from the receiver's copy.

@@ -41,8 +41,8 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
         for _ in range(2):
             trainer.train_step()
             trainer.sync(wait=True)
-            served.append([InferenceClient(u).adapter_paths().get(trainer.adapter_name) for u in urls])
-        final = str(trainer.store.path(trainer.version))
+            served.append([InferenceClient(u).adapter_paths().get(trainer.rollout.adapter_name) for u in urls])
+        final = str(trainer.rollout.adapter_path)
     finally:
         trainer.cleanup()
     assert served[-1] == [final, final]
@@ -50,7 +50,7 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
     # Both servers start with nothing in flight, so the first two requests go one to each (least loaded, ties in
     # turn). Which server answers faster, and so gets more, is up to the machine: a slower one may still hold its
     # first requests when two steps are done, so how much each generated *within* the run is not asserted.
-    sent = trainer.producer.sent_per_server()
+    sent = trainer.rollout.producer.sent_per_server()
     assert set(sent) == set(urls) and min(sent.values()) >= 1, sent
     # Each server really received what it was sent: vLLM counts every completion it finishes (any finish reason; a
     # request for n completions counts n); the ones still in flight at the end finish shortly after: poll, with a

@@ -5,7 +5,7 @@ import pytest
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rollout.producer import version_needed
+from asyncgrpo.rollout.scheduler import version_needed
 
 
 def cfg(**kw):

@@ -20,16 +20,16 @@ def _max_diff(a: list[list[float]], b: list[list[float | None]]) -> float:
 
 def measure(trainer, prompts: list[list[int]], n: int = 4) -> dict:
     """`trainer` is set up and has published its weights. Returns the three max abs logprob differences."""
-    client, cfg = trainer.client, trainer.cfg
+    client, cfg = trainer.rollout.clients[0], trainer.cfg
     prompt_ids, completion_ids, served = [], [], []
     for ids in prompts:
-        for c in client.complete(trainer.adapter_name, ids, n=n, max_tokens=cfg.max_completion_length, temperature=cfg.temperature):
+        for c in client.complete(trainer.rollout.adapter_name, ids, n=n, max_tokens=cfg.max_completion_length, temperature=cfg.temperature):
             prompt_ids.append(ids)
             completion_ids.append(c.token_ids)
             served.append(c.logprobs)
 
     def server_scores() -> list[list[float]]:  # under the adapter the server serves now
-        return [client.score(trainer.adapter_name, p + c)[len(p):] for p, c in zip(prompt_ids, completion_ids)]
+        return [client.score(trainer.rollout.adapter_name, p + c)[len(p):] for p, c in zip(prompt_ids, completion_ids)]
 
     sampled = _max_diff(trainer.score(prompt_ids, completion_ids), served)
     trainer.train_step()  # the trainer moves on; the server still serves the previous version

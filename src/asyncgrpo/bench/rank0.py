@@ -85,7 +85,7 @@ def run_one(cfg) -> dict:
         t0 = time.monotonic()
         trainer.train()
         wall = time.monotonic() - t0
-        fallbacks = trainer.scorer.fallbacks
+        fallbacks = trainer.rollout.stats()["reward/fallbacks_total"]
     finally:
         trainer.cleanup()
     return {"steps": trainer.step, "wall_s": round(wall, 2), "reward_fallbacks": fallbacks,

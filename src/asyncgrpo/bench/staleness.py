@@ -113,7 +113,7 @@ def run_cell(cfg, world, client) -> dict:
     try:
         trainer.setup()
         trainer.train()
-        adapter = trainer.adapter_name
+        adapter = trainer.rollout.adapter_name
     finally:
         trainer.cleanup()
     history = step_history(Path(cfg.output_dir) / "tensorboard", tags=METRICS)
@@ -122,7 +122,7 @@ def run_cell(cfg, world, client) -> dict:
         [h[k] for h in history if k in h]), 4) for k in METRICS if any(k in h for h in history)}
     rewards = heldout_rewards(cfg, client, adapter, world)
     return {"heldout_reward": round(rewards["sampled"], 4), "heldout_greedy_accuracy": round(rewards["greedy"], 4),
-            "groups_dropped_stale": trainer.queue.dropped_stale, **means}
+            "groups_dropped_stale": trainer.rollout.queue.dropped_stale, **means}
 
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,

@@ -5,7 +5,7 @@ of 64, random init: 52 MB of fp32 weights against a 0.5 MB rank-8 LoRA on the at
 `--servers N` real vLLM servers on it (default 1; all at once) unless `--server URL[,URL...]` is given, and launches
 two CPU ranks of this module's worker under
 `accelerate launch` with the backend's config from launch/accelerate/. The worker builds the model exactly as the
-trainer does, and for each of a few rounds: one optimizer step on random tokens, then
+trainer does (`build_policy`, policy.py), and for each of a few rounds: one optimizer step on random tokens, then
 
     gather (the trainer's LoRA-only gather) -> write (atomic PEFT directory) -> publish (load on the server)
     -> the naive gather, for comparison: the whole state dict gathered to rank 0, then filtered to LoRA keys
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # The environment each backend needs on a CPU host (shared/NOTES.md): accelerate needs ACCELERATE_USE_CPU for
@@ -157,6 +158,25 @@ def _start_servers(stack, n: int, model_dir: Path, work: Path) -> list[str]:
 
 # ---- the worker: every rank ------------------------------------------------------------------------------
 
+@dataclass
+class Rig:
+    """What the worker measures with: the trainer's policy (`build_policy`) on every rank; on rank 0 also the
+    servers' clients and an adapter store, and the version last written."""
+
+    cfg: object
+    acc: object
+    policy: object  # policy.Policy
+    model_path: str
+    clients: list = field(default_factory=list)
+    store: object = None
+    prefix: str = ""
+    version: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.acc.is_main_process
+
+
 def _naive_gather(backend: str, acc, model) -> tuple[dict | None, int]:
     """Collective: what a trainer without a LoRA-only path does: gather the whole state dict to rank 0 (every base
     weight included), then keep the LoRA keys. Returns ({parameter name: tensor} on rank 0, bytes gathered)."""
@@ -189,17 +209,17 @@ def _naive_gather(backend: str, acc, model) -> tuple[dict | None, int]:
     return {n: t for n, t in full.items() if "lora_" in n}, nbytes
 
 
-def _random_step(trainer, generator) -> None:
+def _random_step(rig: Rig, generator) -> None:
     """Collective: one optimizer step on random tokens, so the LoRA weights (B included) are non-zero."""
     import torch
 
-    ids = torch.randint(3, trainer.tokenizer.vocab_size, (4, 24), generator=generator)
-    logits = trainer.model(input_ids=ids).logits
+    ids = torch.randint(3, rig.policy.tokenizer.vocab_size, (4, 24), generator=generator)
+    logits = rig.policy.model(input_ids=ids).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                              ids[:, 1:].reshape(-1))
-    trainer.acc.backward(loss)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    rig.acc.backward(loss)
+    rig.policy.optimizer.step()
+    rig.policy.optimizer.zero_grad(set_to_none=True)
 
 
 def _same_tensors(gathered: dict, naive: dict, prefix_free) -> bool:
@@ -214,7 +234,7 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows[1:] or rows)
 
 
-def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict:
+def _measure_mode(rig: Rig, backend: str, mode: str, version0, generator) -> dict:
     """Collective: ROUNDS x (step, gather, write, publish, naive gather) with a fresh publisher in `mode`."""
     import torch.distributed as dist
 
@@ -222,29 +242,29 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
     from ..sync.publish import AdapterPublisher
 
     publisher = None
-    if trainer.main:
-        publisher = AdapterPublisher(trainer.clients, f"{trainer.prefix}-{mode}", mode,
-                                     adapter_root=trainer.cfg.lora_adapter_path)
+    if rig.main:
+        publisher = AdapterPublisher(rig.clients, f"{rig.prefix}-{mode}", mode,
+                                     adapter_root=rig.cfg.lora_adapter_path)
         publisher.publish(0, version0)  # the version requests would be using when the first sync comes
-    peft_model = trainer.acc.unwrap_model(trainer.model)
+    peft_model = rig.acc.unwrap_model(rig.policy.model)
 
     def peft_keys(state):
         return _to_peft_keys(peft_model, {clean_fsdp_name(k).removeprefix("module."): v for k, v in state.items()})
 
     rows = []
     for _ in range(ROUNDS):
-        _random_step(trainer, generator)
+        _random_step(rig, generator)
         dist.barrier()
         step_end = time.perf_counter()
         stats: dict = {}
-        tensors = gather_lora_state(trainer.acc, trainer.model, stats)
+        tensors = gather_lora_state(rig.acc, rig.policy.model, stats)
         gathered = time.perf_counter()
         row = {"gather_s": gathered - step_end, "gathered_bytes": stats.get("gathered_bytes", 0)}
-        if trainer.main:
-            trainer.version += 1
-            path = trainer.store.write(trainer.version, tensors, trainer.peft_config, base_model=trainer.model_path)
+        if rig.main:
+            rig.version += 1
+            path = rig.store.write(rig.version, tensors, rig.policy.peft_config, base_model=rig.model_path)
             written = time.perf_counter()
-            timing = publisher.publish(trainer.version, path)
+            timing = publisher.publish(rig.version, path)
             served = time.perf_counter()
             publisher.retire(in_use=set())
             row.update(write_s=written - gathered, load_s=timing.load_s, pause_s=timing.paused_s,
@@ -253,12 +273,12 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
                        adapter_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
         dist.barrier()
         t0 = time.perf_counter()
-        naive, naive_bytes = _naive_gather(backend, trainer.acc, trainer.model)
+        naive, naive_bytes = _naive_gather(backend, rig.acc, rig.policy.model)
         row.update(naive_gather_s=time.perf_counter() - t0, naive_gathered_bytes=naive_bytes)
-        if trainer.main:
+        if rig.main:
             row["naive_matches"] = _same_tensors(tensors, naive, peft_keys)
         rows.append(row)
-    if not trainer.main:
+    if not rig.main:
         return {}
     summary = {k: _median(rows, k) for k in ("gather_s", "naive_gather_s", "write_s", "load_s", "pause_s",
                                              "server_s", "server_sum_s", "step_end_to_served_s")}
@@ -271,17 +291,29 @@ def _measure_mode(trainer, backend: str, mode: str, version0, generator) -> dict
     return summary
 
 
-def _policy_equivalence(trainer, adapter: str | None) -> float:
+def _score(rig: Rig, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+    """The policy's own fp32 logprob of every completion token, as the trainer computes it."""
+    from ..logprobs import sequence_logprobs
+    from ..trainer import score_completions
+
+    tokenizer, model, head = rig.policy.tokenizer, rig.policy.model, rig.policy.scoring_head
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return score_completions(lambda b: sequence_logprobs(model, head, b["input_ids"], b["attention_mask"], b["mask"],
+                                                         rig.cfg.temperature),
+                             prompt_ids, completion_ids, pad_id, rig.acc.device)
+
+
+def _policy_equivalence(rig: Rig, adapter: str | None) -> float:
     """Collective: max |served logprob - trainer logprob| over a few completions sampled from `adapter`."""
     from ..distributed import broadcast_object
 
     sequences = None
-    if trainer.main:
-        prompt = trainer.tokenizer.encode("61,16>")
-        done = trainer.client.complete(adapter, prompt, n=4, max_tokens=6, temperature=1.0)
+    if rig.main:
+        prompt = rig.policy.tokenizer.encode("61,16>")
+        done = rig.clients[0].complete(adapter, prompt, n=4, max_tokens=6, temperature=1.0)
         sequences = [(prompt, c.token_ids, c.logprobs) for c in done]
     sequences = broadcast_object(sequences)
-    mine = trainer.score([p for p, _, _ in sequences], [c for _, c, _ in sequences])
+    mine = _score(rig, [p for p, _, _ in sequences], [c for _, c, _ in sequences])
     return max(abs(a - b) for row, (_, _, served) in zip(mine, sequences) for a, b in zip(row, served))
 
 
@@ -293,43 +325,40 @@ def worker(argv: list[str]) -> None:
     from ..demo import default_config_path
     from ..distributed import make_accelerator
     from ..inference.client import InferenceClient
+    from ..policy import build_policy
     from ..sync.gather import backend_of, gather_lora_state
     from ..sync.publish import AdapterStore
-    from ..trainer import AsyncGRPOTrainer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args, overrides = parser.parse_known_args(argv)
     cfg = AsyncGRPOConfig.load(default_config_path(), ["--torch_num_threads", "1", "--ddp_timeout", "300", *overrides])
-    trainer = AsyncGRPOTrainer(cfg)
     torch.set_num_threads(1)
-    trainer.acc = make_accelerator(cfg.ddp_timeout)
-    trainer.main = trainer.acc.is_main_process
-    trainer.model_path = cfg.model_name_or_path
-    trainer._build_model()  # exactly the trainer's model: dtype, LoRA config, FSDP wrapping, prepare
-    backend = backend_of(trainer.acc)
+    acc = make_accelerator(cfg.ddp_timeout)
+    # Exactly the trainer's model: dtype, LoRA config, FSDP wrapping, prepare.
+    rig = Rig(cfg, acc, build_policy(cfg, acc, cfg.model_name_or_path), model_path=cfg.model_name_or_path)
+    backend = backend_of(acc)
     version0 = None
-    first = gather_lora_state(trainer.acc, trainer.model)  # version 0: LoRA B = 0
-    if trainer.main:
-        trainer.clients = [InferenceClient(url, api_key=cfg.api_key) for url in cfg.server_urls]
-        for client in trainer.clients:
+    first = gather_lora_state(acc, rig.policy.model)  # version 0: LoRA B = 0
+    if rig.main:
+        rig.clients = [InferenceClient(url, api_key=cfg.api_key) for url in cfg.server_urls]
+        for client in rig.clients:  # the first one also answers the logprob comparison
             client.wait_healthy(cfg.vllm_server_timeout)
-        trainer.client = trainer.clients[0]  # the logprob comparison asks the first server
-        trainer.prefix = f"bench-{os.getpid()}"
-        trainer.store = AdapterStore(Path(cfg.lora_adapter_path) / trainer.prefix)
-        version0 = trainer.store.write(0, first, trainer.peft_config, base_model=trainer.model_path)
+        rig.prefix = f"bench-{os.getpid()}"
+        rig.store = AdapterStore(Path(cfg.lora_adapter_path) / rig.prefix)
+        version0 = rig.store.write(0, first, rig.policy.peft_config, base_model=rig.model_path)
     generator = torch.Generator().manual_seed(0)
-    modes = {mode: _measure_mode(trainer, backend, mode, version0, generator) for mode in ("pause", "versioned")}
-    diff = _policy_equivalence(trainer, modes["versioned"].get("served_adapter"))
-    if trainer.main:
-        base_bytes = sum(p.numel() * p.element_size() for p in trainer.acc.unwrap_model(trainer.model).parameters())
-        result = {"backend_detected": backend, "world_size": trainer.acc.num_processes, "modes": modes,
-                  "servers": len(trainer.clients),
+    modes = {mode: _measure_mode(rig, backend, mode, version0, generator) for mode in ("pause", "versioned")}
+    diff = _policy_equivalence(rig, modes["versioned"].get("served_adapter"))
+    if rig.main:
+        base_bytes = sum(p.numel() * p.element_size() for p in acc.unwrap_model(rig.policy.model).parameters())
+        result = {"backend_detected": backend, "world_size": acc.num_processes, "modes": modes,
+                  "servers": len(rig.clients),
                   "max_abs_logprob_diff": diff, "torch_dtype": cfg.torch_dtype, "lora_r": cfg.lora_r,
                   "local_param_bytes_rank0": base_bytes, "model": str(cfg.model_name_or_path)}
         Path(args.out).write_text(json.dumps(result))
-    trainer.acc.wait_for_everyone()
-    trainer.acc.end_training()
+    acc.wait_for_everyone()
+    acc.end_training()
 
 
 if __name__ == "__main__":

@@ -1,14 +1,11 @@
 """RolloutProducer: on rank 0, in the background, keeps generation requests in flight and fills the queue.
 
-Scheduling (why staleness stays bounded): batch k is first trained at step k * num_iterations, at trainer version
-V(k) = k * num_iterations // weight_sync_steps.
-A request whose group will land in batch b is only sent once the server serves a version >= V(b) - max_staleness,
-and it is tagged with the version served when it was sent. So `max_staleness: 0` waits for every sync
-(synchronous on-policy GRPO) and `max_staleness: 1` generates batch k+1 while the trainer trains on batch k.
-The queue drops whatever still arrives too old (e.g. after an aborted request), and the producer refills.
+Scheduling: what may be sent, for which batch, at which version is the `RolloutSchedule` (rollout/scheduler.py, its
+own lock); the producer asks it for each request (`claim`) and tells it what came back. The queue drops whatever
+still arrives too old (e.g. after an aborted request), and the producer refills.
 
 Servers: each request goes to the server that is up with the fewest requests in flight, ties in round-robin order
-(rollout/servers.py says what that guarantees), counted here under the queue's lock.
+(rollout/servers.py says what that guarantees), counted here under the producer's lock.
 
 Faults: a request whose server stops answering loses its generation (counted in `lost_groups`); its prompt is sent
 again, before any new one, to a server that is up (counted in `resent_groups`), so no prompt of the data order is
@@ -27,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 
 from ..data import PromptRow, PromptStream
 from ..errors import BehaviourLogprobError, ServerUnreachableError
@@ -35,6 +32,7 @@ from ..inference.client import InferenceClient
 from ..inference.recovery import ServerRecovery
 from ..timeline import Timeline
 from .queue import Group, RolloutQueue, centred_advantages
+from .scheduler import RolloutSchedule
 from .scoring import GroupScorer
 from .servers import ServerPicker
 
@@ -70,36 +68,31 @@ def request_seed(seed: int, index: int, n: int) -> int:
     return (seed * 1_000_003 + index * n) % 2**31
 
 
-def version_needed(batch: int, cfg) -> int:
-    """The policy version a server must serve before requests for batch `batch` (0-based) may be sent: the trainer's
-    version when it first trains on that batch (step batch * num_iterations), less `max_staleness`."""
-    return batch * cfg.num_iterations // cfg.weight_sync_steps - cfg.max_staleness
-
-
 class RolloutProducer:
-    """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end."""
+    """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end.
+    `start_batch`: the index of the first batch to fill (a resumed run continues at its checkpoint's batch)."""
 
     def __init__(self, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
                  queue: RolloutQueue, groups_per_step: int, cfg, start_position: int = 0,
-                 recovery: ServerRecovery | None = None):
+                 recovery: ServerRecovery | None = None, start_batch: int = 0):
         self._clients = list(clients)
         self.servers = ServerPicker(clients)  # requests in flight per server: the next goes to the least loaded
         # A server that stops answering is recovered in the background (re-registered before it gets requests again)
         self.recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
-        self.recovery.listeners.append(self._wake)
+        self.schedule = RolloutSchedule(cfg, groups_per_step, cfg.inflight_requests(groups_per_step),
+                                        servers_up=lambda: any(self.recovery.is_up(c) for c in self._clients),
+                                        batches_taken=start_batch)
+        self.recovery.listeners.append(self.schedule.wake)  # a server went down or came back: decide again
+        queue.removal_listeners.append(self.schedule.removed)  # groups taken or dropped free their batch's slots
         self.scorer = scorer  # decodes and scores a group: in the request thread, or in reward worker processes
         self.queue = queue
         self.groups_per_step = groups_per_step
         self.cfg = cfg
         self.stream = PromptStream(rows, cfg.seed, start=start_position)  # a resumed run starts where it stopped
-        self._version = -1  # nothing served yet: no request is sent before the first set_policy()
-        self._adapter = ""
-        self._inflight = 0
-        self._inflight_by_adapter: Counter[str] = Counter()
+        self._lock = threading.Condition()  # guards the producer's own state below (the schedule has its own lock)
         self._resend: deque[tuple[PromptRow, int]] = deque()  # prompts whose generation was lost: sent first
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
-        self.max_inflight = cfg.inflight_requests(groups_per_step)  # request threads alive at once, at most
         self.error: BaseException | None = None  # the failure that stopped the producer, if one did
         self._processing = 0  # answers being scored now (stop() waits for these, not for requests in flight)
         self._local = threading.local()
@@ -116,36 +109,29 @@ class RolloutProducer:
 
     def set_policy(self, version: int, adapter: str) -> None:
         """The server now serves `adapter` as policy `version`; requests sent from now on are tagged with it."""
-        with self.queue.cond:
-            self._version, self._adapter = version, adapter
-            self.queue.cond.notify_all()
-
-    def _wake(self) -> None:
-        """A server went down or came back: re-evaluate whether (and where) to send."""
-        with self.queue.cond:
-            self.queue.cond.notify_all()
+        self.schedule.set_policy(version, adapter)
 
     def stop(self) -> None:
         """Send nothing more; requests in flight are abandoned (their daemon threads end with their HTTP call, or
         with the process), not waited for."""
-        with self.queue.cond:
+        self.schedule.stop()
+        with self._lock:
             self._stop = True
-            self.queue.cond.notify_all()
             # Answers being scored finish (CPU work, short); requests still waiting on a server are not waited for.
-            self.queue.cond.wait_for(lambda: self._processing == 0, timeout=STOP_PROCESSING_S)
+            self._lock.wait_for(lambda: self._processing == 0, timeout=STOP_PROCESSING_S)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)  # the scheduler only waits on the queue's condition: it returns at once
+            self._thread.join(timeout=30)  # the scheduler only waits on the schedule's condition: it returns at once
         self.scorer.close()  # reward worker processes, if any
 
     def _fail(self, exc: BaseException) -> None:
         """The first failure stops the producer (nothing more is sent) and goes to the trainer; later ones, often
         the same fault seen by other requests, are only logged at debug level."""
-        with self.queue.cond:
+        with self._lock:
             first = self.error is None and not self._stop
             if first:
                 self.error = exc
             self._stop = True
-            self.queue.cond.notify_all()
+        self.schedule.stop()
         if first:
             log.error("rollout failed, no more requests are sent: %s", exc)
             self.queue.fail(exc)
@@ -154,45 +140,36 @@ class RolloutProducer:
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self.schedule.inflight
+
+    @property
+    def max_inflight(self) -> int:
+        return self.schedule.max_inflight  # request threads alive at once, at most
 
     def inflight_per_server(self) -> dict[str, int]:
         """Requests in flight on each server, by URL."""
-        with self.queue.cond:
+        with self._lock:
             return self.servers.inflight_per_server()
 
     def sent_per_server(self) -> dict[str, int]:
         """Requests sent to each server so far, by URL."""
-        with self.queue.cond:
+        with self._lock:
             return self.servers.sent_per_server()
 
     def adapters_in_use(self) -> set[str]:
         """Adapter names that requests in flight were sent to (they must stay loaded)."""
-        with self.queue.cond:
-            return {name for name, count in self._inflight_by_adapter.items() if count > 0}
+        return self.schedule.adapters_in_use()
 
     # ---- scheduling ---------------------------------------------------------------------------------
-    def _may_send(self) -> bool:
-        """Under the queue lock: is there room for one more request, and is its batch's version served?"""
-        if self._stop:
-            return True
-        if self._inflight >= self.max_inflight or self._version < 0:
-            return False
-        if not any(self.recovery.is_up(c) for c in self._clients):
-            return False  # every server is down: wait for one to be recovered
-        batch = self.queue.batches_taken + (self.queue.queued_locked + self._inflight) // self.groups_per_step
-        return self._version >= version_needed(batch, self.cfg)
 
     def _run(self) -> None:
         try:
             while True:
-                with self.queue.cond:
-                    self.queue.cond.wait_for(self._may_send)
-                    if self._stop:
-                        return
-                    self._inflight += 1
-                    version, adapter = self._version, self._adapter
-                    self._inflight_by_adapter[adapter] += 1
+                claimed = self.schedule.claim()  # blocks until the schedule lets one more request go
+                if claimed is None:
+                    return  # stopped
+                version, adapter = claimed
+                with self._lock:
                     client = self.servers.pick(self.recovery.is_up)
                     prompt = self._resend.popleft() if self._resend else None  # (row, index) of a lost group
                     self.resent_groups += prompt is not None
@@ -219,20 +196,19 @@ class RolloutProducer:
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
         finally:
-            with self.queue.cond:
-                self._inflight -= 1
-                self._inflight_by_adapter[adapter] -= 1
+            self.schedule.finished(adapter)
+            with self._lock:
                 self.servers.done(client)
                 if getattr(self._local, "processing", False):
                     self._local.processing = False
                     self._processing -= 1
-                self.queue.cond.notify_all()
+                    self._lock.notify_all()
 
     def _begin_processing(self) -> bool:
         """A request's answer came: False if the producer has stopped (drop it). Else it counts as being processed
         until `_make_group` ends, and `stop()` waits for it: scoring runs torch, which must not still run in a daemon
         thread while the interpreter exits (C++ terminate). Requests still waiting for an answer are not waited for."""
-        with self.queue.cond:
+        with self._lock:
             if self._stop:
                 return False
             self._processing += 1
@@ -241,10 +217,10 @@ class RolloutProducer:
 
     def _lose_group(self, row: PromptRow, index: int) -> None:
         """This prompt's generation is lost: count it, and queue the prompt to be sent again before any new one."""
-        with self.queue.cond:
+        with self._lock:
             self.lost_groups += 1
             self._resend.append((row, index))
-            self.queue.cond.notify_all()
+        self.schedule.lost()  # after the prompt is queued to be resent: the freed slot goes to it
 
     def _recover_in_background(self, client: InferenceClient, seen_epoch: int, exc: ServerUnreachableError) -> None:
         """The server died (or restarted) under a request: recover it in the background, so that the other servers

@@ -8,6 +8,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -111,9 +112,12 @@ class RolloutQueue:
         self.dropped_stale = 0
         self.dropped_zero_std = 0  # groups dropped by dynamic sampling (the producer generated others instead)
         self._groups: deque[Group] = deque()
-        self.cond = threading.Condition()  # guards the queue; the producer also waits on it
+        self.cond = threading.Condition()  # guards the queue; `take` waits on it
         self._error: BaseException | None = None
-        self.batches_taken = 0  # batches handed to the trainer so far (the producer schedules from it)
+        self.batches_taken = 0  # batches this queue handed to the trainer
+        # Called as f(groups, batch) with `cond` held whenever groups leave the queue: taken as a batch, or dropped
+        # (the producer's schedule frees their slots). They must not call back into the queue.
+        self.removal_listeners: list[Callable[[int, bool], None]] = []
 
     def put(self, group: Group) -> None:
         """Queue a scored group; with dynamic sampling a group whose rewards are all equal (no advantage, no
@@ -121,6 +125,7 @@ class RolloutQueue:
         with self.cond:
             if self.dynamic_sampling and max(group.rewards) == min(group.rewards):
                 self.dropped_zero_std += 1
+                self._removed_locked(1, batch=False)
             else:
                 self._groups.append(group)
             self.cond.notify_all()
@@ -130,6 +135,10 @@ class RolloutQueue:
         with self.cond:
             self._error = error
             self.cond.notify_all()
+
+    def _removed_locked(self, groups: int, batch: bool) -> None:
+        for listener in self.removal_listeners:
+            listener(groups, batch)
 
     def __len__(self) -> int:
         with self.cond:
@@ -141,7 +150,8 @@ class RolloutQueue:
         if dropped:
             self._groups = keep
             self.dropped_stale += dropped
-            self.cond.notify_all()  # the producer refills what was dropped
+            self._removed_locked(dropped, batch=False)  # the producer refills what was dropped
+            self.cond.notify_all()
         return dropped
 
     def take(self, n: int, trainer_version: int, timeout_s: float) -> list[Group]:
@@ -161,6 +171,7 @@ class RolloutQueue:
                     if self.scale_rewards == "batch":
                         scale_by_batch_std(out)
                     self.batches_taken += 1
+                    self._removed_locked(n, batch=True)
                     self.cond.notify_all()
                     return out
                 remaining = deadline - time.monotonic()
@@ -171,8 +182,3 @@ class RolloutQueue:
                     raise TimeoutError(f"no rollout batch after {timeout_s:.0f} s ({len(self._groups)}/{n} groups "
                                        f"queued{zero_std}); is the inference server generating?")
                 self.cond.wait(timeout=min(remaining, 1.0))
-
-    @property
-    def queued_locked(self) -> int:
-        """Groups queued now; call with `cond` held."""
-        return len(self._groups)

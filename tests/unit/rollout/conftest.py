@@ -31,7 +31,7 @@ class DigitTokenizer:
 
 
 class ParkingCondition(threading.Condition):
-    """The queue's condition, recording when the producer thread waits on it (its send rule just said no)."""
+    """The schedule's condition, recording when the producer thread waits on it (its send rule just said no)."""
 
     def __init__(self):
         super().__init__()
@@ -78,8 +78,6 @@ class StubRollout:
         self.server, self.client = self.servers[0], self.clients[0]
         self.queue = RolloutQueue(self.cfg.max_staleness, scale_rewards=self.cfg.scale_rewards,
                                   dynamic_sampling=self.cfg.dynamic_sampling)
-        if park:
-            self.queue.cond = ParkingCondition()
         self.scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None,
                                    {"format_reward": {"pattern": "^7$"}})
         if reward is not None:  # a function of the test's own, reported under the name format_reward
@@ -89,6 +87,8 @@ class StubRollout:
         scoring = InThreadScoring(self.scorer, tokenizer or DigitTokenizer(), response_template)
         self.producer = RolloutProducer(clients=self.clients, rows=self.rows, scorer=scoring, queue=self.queue,
                                         groups_per_step=groups_per_step, cfg=self.cfg, recovery=recovery)
+        if park:
+            self.producer.schedule.cond = ParkingCondition()
 
     def generation_bodies(self, server=None) -> list[dict]:
         """The JSON bodies of the generation requests `server` (default: the first) received, in arrival order."""

@@ -2,7 +2,7 @@
 staleness allowed."""
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.rollout.producer import version_needed
+from asyncgrpo.rollout.scheduler import version_needed
 
 
 def cfg(**kw):

@@ -2,7 +2,7 @@
 
 The server is a Python fake (no HTTP) that holds every generation request until the test releases it: a real vLLM
 server cannot be told to keep exactly these requests in flight, and the point here is the producer's accounting, not
-the transport (tests/integration/test_training.py runs the producer against a real server). The queue's condition is
+the transport (tests/integration/test_training.py runs the producer against a real server). The schedule's condition is
 instrumented to say when the producer thread has parked (its send rule is false), so every assertion is taken in a
 state where the producer has finished deciding; nothing sleeps.
 """
@@ -64,7 +64,7 @@ class HeldServer:
 
 
 class ParkingCondition(threading.Condition):
-    """The queue's condition, recording when the producer thread waits on it (its send rule just said no)."""
+    """The schedule's condition, recording when the producer thread waits on it (its send rule just said no)."""
 
     def __init__(self):
         super().__init__()
@@ -84,13 +84,13 @@ class Harness:
                                          "max_staleness": max_staleness, "max_inflight_requests": max_inflight,
                                          "scale_rewards": scale_rewards, **cfg_values})
         self.queue = RolloutQueue(cfg.max_staleness)
-        self.cond = self.queue.cond = ParkingCondition()
         self.server = HeldServer()
         rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(40)]
         scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None, {"format_reward": {"pattern": "^7$"}})
         self.producer = RolloutProducer(clients=[self.server], rows=rows,
                                         scorer=InThreadScoring(scorer, DigitTokenizer()), queue=self.queue, groups_per_step=groups_per_step, cfg=cfg,
                                         start_position=start_position)
+        self.cond = self.producer.schedule.cond = ParkingCondition()
         self.rows = rows
 
     def settled(self, action=None) -> tuple[int, int, int]:
@@ -106,7 +106,8 @@ class Harness:
             assert time.monotonic() < deadline, "requests in flight never reached the server"
             time.sleep(0.005)
         with self.cond:
-            return self.producer.inflight, self.queue.queued_locked, len(self.server.requests)
+            inflight, sent = self.producer.inflight, len(self.server.requests)
+        return inflight, len(self.queue), sent
 
     def release(self, k: int) -> None:
         """Let `k` held requests answer, and wait until they are out of flight. Only where the send rule keeps the
@@ -222,3 +223,34 @@ def test_a_resumed_producer_continues_at_the_checkpoints_data_position(harness):
     stream = PromptStream(h.rows, seed=0)
     order = [next(stream).prompt_ids for _ in range(15)]  # the uninterrupted run's data order
     assert [g.prompt_ids for g in batch] == order[13:15]
+
+
+def test_the_schedule_alone_resumes_at_its_batch_frees_lost_slots_and_waits_for_a_server():
+    from asyncgrpo.rollout.scheduler import RolloutSchedule
+
+    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 4,
+                                     "per_device_train_batch_size": 8, "max_staleness": 0})
+    up = [True]
+    s = RolloutSchedule(cfg, groups_per_step=2, max_inflight=8, servers_up=lambda: up[0], batches_taken=3)
+    s.set_policy(2, "pol-v2")
+    with s.cond:
+        assert not s.may_send()  # a run resumed at batch 3 needs version 3 for it
+    s.set_policy(3, "pol-v3")
+    assert [s.claim(), s.claim()] == [(3, "pol-v3"), (3, "pol-v3")]
+    with s.cond:
+        assert (s.next_batch(), s.may_send()) == (4, False)  # batch 3 is fully sent; batch 4 needs version 4
+    s.lost()  # one of batch 3's requests failed: its slot is free again
+    with s.cond:
+        assert (s.next_batch(), s.may_send()) == (3, True)
+        up[0] = False
+        assert not s.may_send()  # every server down: nothing is sent
+        up[0] = True
+    assert s.claim() == (3, "pol-v3")
+    s.removed(2, batch=True)  # batch 3 taken by the trainer
+    with s.cond:
+        assert (s.batches_taken, s.pending, s.next_batch(), s.may_send()) == (4, 0, 4, False)
+    assert s.adapters_in_use() == {"pol-v3"}
+    s.finished("pol-v3")
+    assert (s.inflight, s.adapters_in_use()) == (2, {"pol-v3"})
+    s.stop()
+    assert s.claim() is None

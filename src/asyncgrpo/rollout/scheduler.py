@@ -1,0 +1,120 @@
+"""RolloutSchedule: what the producer may send, for which batch, at which policy version. One object, one lock.
+
+Why staleness stays bounded: batch k is first trained at step k * num_iterations, at trainer version
+V(k) = k * num_iterations // weight_sync_steps. A request whose group will land in batch b is only sent once the
+server serves a version >= V(b) - max_staleness (`version_needed`), and it is tagged with the version served when it
+was sent. So `max_staleness: 0` waits for every sync (synchronous on-policy GRPO) and `max_staleness: 1` generates
+batch k+1 while the trainer trains on batch k.
+
+Which batch a new request fills: every group sent and not yet taken by the trainer, dropped by the queue or lost with
+its request (`pending`: in flight or queued) fills the batches after the `batches_taken` already taken, in order; the
+new one comes after them. The queue reports what leaves it (`removed`), the producer what it sends (`claim`), what
+came back (`finished`) and what it lost (`lost`).
+
+Lock order: the queue calls `removed` with its own lock held; the schedule never calls the queue.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+
+def version_needed(batch: int, cfg) -> int:
+    """The policy version a server must serve before requests for batch `batch` (0-based) may be sent: the trainer's
+    version when it first trains on that batch (step batch * num_iterations), less `max_staleness`."""
+    return batch * cfg.num_iterations // cfg.weight_sync_steps - cfg.max_staleness
+
+
+class RolloutSchedule:
+    """The send rule and the state it reads, guarded by `cond` (the producer thread waits on it in `claim`).
+
+    `servers_up()` says whether any inference server is up (ServerRecovery); `batches_taken` is the index of the first
+    batch still to fill (a resumed run starts at its checkpoint's batch)."""
+
+    def __init__(self, cfg, groups_per_step: int, max_inflight: int, *,
+                 servers_up: Callable[[], bool] = lambda: True, batches_taken: int = 0):
+        self.cfg = cfg
+        self.groups_per_step = groups_per_step
+        self.max_inflight = max_inflight  # requests in flight at once, at most
+        self.servers_up = servers_up
+        self.cond = threading.Condition()
+        self.version = -1  # nothing served yet: no request is sent before the first set_policy()
+        self.adapter = ""
+        self.inflight = 0  # requests sent whose answer has not been handled yet
+        self._inflight_by_adapter: Counter[str] = Counter()
+        self.pending = 0  # groups sent and not yet taken, dropped or lost: in flight or queued
+        self.batches_taken = batches_taken
+        self.stopped = False
+
+    # ---- what the publisher and the trainer's side tell it ----------------------------------------------------
+    def set_policy(self, version: int, adapter: str) -> None:
+        """The servers now serve `adapter` as policy `version`; requests sent from now on are tagged with it."""
+        with self.cond:
+            self.version, self.adapter = version, adapter
+            self.cond.notify_all()
+
+    def removed(self, groups: int, batch: bool) -> None:
+        """`groups` groups left the queue: taken as one batch (`batch`), or dropped (stale, or zero reward std)."""
+        with self.cond:
+            self.pending -= groups
+            self.batches_taken += batch
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        """Something the rule reads outside this object changed (a server went down or came back)."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        """Send nothing more; `claim` returns None from now on."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    # ---- the producer ---------------------------------------------------------------------------------------
+    def may_send(self) -> bool:
+        """With `cond` held: is there room for one more request, and is its batch's version served? (True once
+        stopped, so that a waiting `claim` returns.)"""
+        if self.stopped:
+            return True
+        if self.inflight >= self.max_inflight or self.version < 0:
+            return False
+        if not self.servers_up():
+            return False  # every server is down: wait for one to be recovered
+        return self.version >= version_needed(self.next_batch(), self.cfg)
+
+    def next_batch(self) -> int:
+        """With `cond` held: the batch a group sent now would land in."""
+        return self.batches_taken + self.pending // self.groups_per_step
+
+    def claim(self) -> tuple[int, str] | None:
+        """Block until one more request may be sent, count it as sent, and return the (version, adapter) to send it
+        with; None once stopped."""
+        with self.cond:
+            self.cond.wait_for(self.may_send)
+            if self.stopped:
+                return None
+            self.inflight += 1
+            self.pending += 1
+            self._inflight_by_adapter[self.adapter] += 1
+            return self.version, self.adapter
+
+    def finished(self, adapter: str) -> None:
+        """A request sent to `adapter` is out of flight (its group is queued, lost, or dropped)."""
+        with self.cond:
+            self.inflight -= 1
+            self._inflight_by_adapter[adapter] -= 1
+            self.cond.notify_all()
+
+    def lost(self) -> None:
+        """A sent group will not reach the queue (its request failed or was aborted): its slot is free again."""
+        with self.cond:
+            self.pending -= 1
+            self.cond.notify_all()
+
+    def adapters_in_use(self) -> set[str]:
+        """Adapter names that requests in flight were sent to (they must stay loaded)."""
+        with self.cond:
+            return {name for name, count in self._inflight_by_adapter.items() if count > 0}
