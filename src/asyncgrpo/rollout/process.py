@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often a wait checks that the child is alive: a dead child is reported within about this
 TAKE_GRACE_S = 60.0  # beyond take's own timeout (the child raises TimeoutError itself): the answer's transfer
 JOIN_S = 10.0  # for the child to exit once it has answered `close`, or after a signal
+RESUME_TIMEOUT_S = 10.0  # each /is_paused and /resume call after the child died: answered at once by a live server
 
 
 def open_rollout_side(cfg, **kwargs) -> RolloutSide | RolloutProcess:
@@ -186,12 +187,34 @@ class RolloutProcess:
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with code {code}"
-        self._broken = (f"the rollout process (pid {self.process.pid}) {how} while the trainer waited for `{op}`. "
-                        f"Fix: its last log lines (prefix [rollout]) say what it was doing; SIGKILL is most often the "
-                        f"out-of-memory killer (give the host more memory or lower max_inflight), SIGSEGV a native "
-                        f"library or reward function; rerun with `rollout_process: false` to see the failure in the "
-                        f"training process")
+        resumed = _resume_left_paused(self.cfg)
+        left = f" It left {', '.join(resumed)} paused mid-sync; the trainer resumed them." if resumed else ""
+        self._broken = (f"the rollout process (pid {self.process.pid}) {how} while the trainer waited for "
+                        f"`{op}`.{left} Fix: its last log lines (prefix [rollout]) say what it was doing; SIGKILL is "
+                        f"most often the out-of-memory killer (give the host more memory or lower "
+                        f"max_inflight_requests), SIGSEGV a native library or reward function; rerun with "
+                        f"`rollout_process: false` to see the failure in the training process")
         return RolloutProcessError(self._broken)
+
+
+def _resume_left_paused(cfg) -> list[str]:
+    """A rollout process killed mid-sync could not resume the servers it had paused (`sync_mode: pause`); the
+    trainer, still alive, does it for it. Returns the URLs it resumed. Best effort: the run is failing anyway."""
+    if cfg.sync_mode != "pause":
+        return []
+    from ..inference.client import InferenceClient
+
+    resumed = []
+    for url in cfg.server_urls:
+        try:
+            with InferenceClient(url, api_key=cfg.api_key, timeout_s=RESUME_TIMEOUT_S) as client:
+                if client.is_paused():
+                    client.resume()
+                    resumed.append(url)
+                    log.warning("resumed %s, which the dead rollout process had left paused", url)
+        except Exception as exc:  # noqa: BLE001 - report and go on: the error raised names the dead process
+            log.error("could not check whether %s was left paused by the dead rollout process: %s", url, exc)
+    return resumed
 
 
 # ---- the child --------------------------------------------------------------------------------------------
@@ -253,6 +276,10 @@ def _handle(side: RolloutSide, op: str, args: tuple):
 
         version, blob, step, wait = args
         return side.publish(version, load(blob), step, wait=wait)
+    if op == "start":
+        side.start()
+        logging.getLogger(__name__).info("rollout side started in process %d (parent %d)", os.getpid(), os.getppid())
+        return None
     if op in ("adapter_name", "adapter_path"):
         return getattr(side, op)
     assert op in ("start", "wait_published", "stats", "log", "close"), op

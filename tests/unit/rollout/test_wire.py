@@ -25,13 +25,16 @@ def _fp32(values):
 
 def _groups() -> list[Group]:
     rng = np.random.default_rng(0)
-    first = Group(prompt="23+19=", prompt_ids=[3, 53, 54, 46, 52, 60, 64], completion_ids=[[55, 1], [150_000, 7, 9], []],
+    first = Group(prompt="23+19=", prompt_ids=[3, 53, 54, 46, 52, 60, 64],
+                  completion_ids=[[55, 1], [150_000, 7, 9], []],
                   behaviour_logprobs=[_fp32([-0.25, -1e-7]), _fp32(rng.normal(size=3) - 3), []],
-                  rewards=[1.0, 0.1 + 0.2, -3.5], reward_parts={"accuracy": [1.0, None, 0.0], "format": [0.5, 0.25, None]},
+                  rewards=[1.0, 0.1 + 0.2, -3.5],
+                  reward_parts={"accuracy": [1.0, None, 0.0], "format": [0.5, 0.25, None]},
                   advantages=[0.7071067811865476, -1 / 3, 1e-300], version=4, adapter="policy-ab12cd34-v4",
                   finish_reasons=["stop", "length", "abort"], index=17, masked=[False, True, False])
-    second = Group(prompt="héllo ∑", prompt_ids=[2**31 - 1], completion_ids=[[0]], behaviour_logprobs=[_fp32([-88.5])],
-                   rewards=[0.0], reward_parts={}, advantages=[0.0], version=0, adapter="policy-ab12cd34-v0")
+    second = Group(prompt="héllo ∑", prompt_ids=[2**31 - 1], completion_ids=[[0]],
+                   behaviour_logprobs=[_fp32([-88.5])], rewards=[0.0], reward_parts={}, advantages=[0.0], version=0,
+                   adapter="policy-ab12cd34-v0")
     return [first, second]  # the second: empty finish_reasons and masked, no reward parts, defaults
 
 
@@ -51,7 +54,8 @@ def test_logprobs_travel_as_fp32_and_the_blob_is_smaller_than_pickled_groups():
     assert back[3].behaviour_logprobs[5] == _fp32(big[3].behaviour_logprobs[5])  # rounded to fp32, nothing more
     assert back[3].behaviour_logprobs[5] != big[3].behaviour_logprobs[5]  # (fp64 inputs: the rounding is visible)
     tokens = 8 * 8 * 256
-    assert 8 * tokens < len(encode_groups(big)) < 8 * tokens + 4096  # 4 bytes of id + 4 of logprob per token, + per completion and header
+    # 4 bytes of id + 4 of logprob per token, plus a few per completion and the header
+    assert 8 * tokens < len(encode_groups(big)) < 8 * tokens + 4096
     assert len(encode_groups(big)) < 0.7 * len(pickle.dumps(big))
 
 
@@ -116,8 +120,8 @@ def test_an_exception_whose_attributes_do_not_pickle_falls_back_with_its_message
 def test_a_dead_rollout_process_is_reported_with_its_signal_not_waited_for():
     """A real child killed with SIGKILL (what the out-of-memory killer does): the call raises within a poll."""
     ctx = multiprocessing.get_context("spawn")
-    proxy = RolloutProcess(type("Cfg", (), {"output_dir": "/tmp", "vllm_request_timeout": 1.0})(), model_path="m",
-                           peft_config=None, groups_per_step=1)
+    cfg = type("Cfg", (), {"output_dir": "/tmp", "vllm_request_timeout": 1.0, "sync_mode": "versioned"})()
+    proxy = RolloutProcess(cfg, model_path="m", peft_config=None, groups_per_step=1)
     proxy._conn, child_end = ctx.Pipe()
     proxy.process = ctx.Process(target=time.sleep, args=(600,))
     proxy.process.start()
