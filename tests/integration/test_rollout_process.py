@@ -71,6 +71,7 @@ def test_a_run_with_its_rollout_side_in_a_child_process_trains_and_publishes(two
 def test_no_rollout_process_outlives_the_run(two_process_run):
     _, _, proc = two_process_run
     assert not _alive(_child_pid(proc.stderr))
+    assert "did not exit within" not in proc.stderr  # it closed and exited when asked, it was not killed
 
 
 def _train(url: str, out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
@@ -146,3 +147,22 @@ def test_sigterm_reaches_the_rollout_process_which_resumes_a_paused_server(vllm_
     assert f"resumed {url}, which a weight sync in progress had paused" in log
     assert re.search(r"\[rollout\].*received SIGTERM: making sure no inference server is left paused", log), log[-3000:]
     assert not _alive(child)
+
+
+def _error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("asyncgrpo: error:")]
+
+
+def test_an_error_in_the_rollout_process_reaches_the_user_as_it_would_in_process(tmp_path):
+    """No server answers: the child's start-up fails; the trainer raises the same type with the same message (the CLI
+    prints AsyncGRPOErrors as one line; a fallback RolloutProcessError would read differently)."""
+    dead = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there
+    lines = {}
+    for mode in ("false", "true"):
+        proc = _train(dead, tmp_path / mode, "--rollout_process", mode, "--vllm_server_timeout", "2")
+        code = proc.wait(timeout=240)
+        log = (tmp_path / mode / "train.log").read_text()
+        assert code == 2, log[-3000:]
+        lines[mode] = _error_lines(log)
+    assert len(lines["true"]) == 1 and dead in lines["true"][0]
+    assert lines["true"] == lines["false"]
