@@ -137,6 +137,9 @@ class RolloutProcess:
 
     # ---- plumbing ---------------------------------------------------------------------------------------
     def _stop_child(self, bound: float) -> None:
+        # Closed first: a child that was not asked to close (a broken pipe, a signal) reads EOF, resumes any server it
+        # paused, unloads this run's versions and exits by itself.
+        self._conn.close()
         self.process.join(timeout=bound)
         if self.process.is_alive():
             log.warning("the rollout process (pid %d) did not exit within %.0f s; terminating it", self.process.pid,
@@ -146,7 +149,6 @@ class RolloutProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self._conn.close()
 
     def _call(self, op: str, *args, timeout_s: float | None = None):
         """Send `op(*args)` to the child and wait for its answer: the value, or its exception raised here. Waits
@@ -158,17 +160,27 @@ class RolloutProcess:
             self._conn.send((op, args))
         except (BrokenPipeError, ConnectionError, EOFError) as exc:
             raise self._died(op) from exc
+        try:
+            status, value = self._answer(op, timeout_s)
+        except BaseException:
+            # No answer read (the child died, the wait timed out, or a signal's SystemExit came in the middle): a late
+            # answer would be taken for the next call's, so the pipe is used no more.
+            if self._broken is None:
+                self._broken = f"a call to the rollout process (`{op}`) was interrupted before its answer came"
+            raise
+        if status == "error":
+            raise rebuild_exception(value)
+        return value
+
+    def _answer(self, op: str, timeout_s: float | None) -> tuple[str, object]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             if self._conn.poll(wait):
                 try:
-                    status, value = self._conn.recv()
+                    return self._conn.recv()
                 except (EOFError, ConnectionError) as exc:
                     raise self._died(op) from exc
-                if status == "error":
-                    raise rebuild_exception(value)
-                return value
             if not self.process.is_alive() and not self._conn.poll(0):
                 raise self._died(op)
             if deadline is not None and time.monotonic() >= deadline:
