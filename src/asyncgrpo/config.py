@@ -260,6 +260,11 @@ it at the same path; with `http` it stays on the trainer's side."""
     sync_pause_mode: str = "keep"
     """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
     `wait` (drain first), `abort` (end them; their generations are lost and counted, their prompts sent again)."""
+    rollout_process: bool = False
+    """Run rank 0's rollout side (producer, request threads, reward functions, publisher) in a child process rank 0
+    spawns, talking to the trainer over a pipe: it no longer shares the training process's GIL and cores, and a
+    reward function that crashes its interpreter stops the run with an error naming the rollout process instead of
+    killing the trainer. False: the rollout side runs on threads of rank 0 (docs/running.md)."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
     keep_final_adapter: bool = True

@@ -52,3 +52,8 @@ class SyncError(AsyncGRPOError):
 
 class CheckpointError(AsyncGRPOError):
     """A checkpoint cannot be saved or resumed from (missing, incomplete, corrupt, or an unsupported backend)."""
+
+
+class RolloutProcessError(AsyncGRPOError):
+    """The rollout process (`rollout_process: true`) died, stopped answering, or raised an error that could not be
+    rebuilt in the trainer with its own type (the message then carries that type, its message and its traceback)."""

@@ -25,6 +25,7 @@ from .logprobs import sequence_logprobs
 from .loss import grpo_loss, loss_normaliser
 from .rewards import reward_means
 from .rollout.queue import Group, pack_by_tokens, split_by_tokens
+from .rollout.process import RolloutProcess, open_rollout_side
 from .rollout.side import RolloutSide
 from .policy import build_policy
 from .schedule import build_lr_scheduler
@@ -112,7 +113,7 @@ class AsyncGRPOTrainer:
         self.data_position = 0  # rank 0: the data stream position after the last prompt trained on
         self.resumed_from: Path | None = None  # the checkpoint this run continues, if any
         self.previous_run_id: str | None = None  # the run id that checkpoint was written by
-        self.rollout: RolloutSide | None = None  # rank 0, once set up
+        self.rollout: RolloutSide | RolloutProcess | None = None  # rank 0, once set up (rollout_process: a proxy)
         self.wait_timeline = Timeline()  # rank 0: intervals spent waiting on the rollout queue
         self._batch: TrainBatch | None = None  # the batch being trained on (num_iterations steps)
         self.finished = False  # train() ran to max_steps (cleanup then keeps the final adapter loaded)
@@ -167,9 +168,10 @@ class AsyncGRPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         clean_partial(out)  # what a save killed midway left behind
         self.cfg.save(out / "config.yaml")
-        self.rollout = RolloutSide(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path,
-                                   peft_config=self.peft_config, groups_per_step=self.groups_per_step, step=self.step,
-                                   data_position=self.data_position, previous_run_id=self.previous_run_id)
+        self.rollout = open_rollout_side(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path,
+                                          peft_config=self.peft_config, groups_per_step=self.groups_per_step,
+                                          step=self.step, data_position=self.data_position,
+                                          previous_run_id=self.previous_run_id)  # rollout_process: a child's
         self.rollout.start()
 
     # ---- the loop -------------------------------------------------------------------------------------

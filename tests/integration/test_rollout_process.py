@@ -1,0 +1,168 @@
+"""`rollout_process: true` against the session's real vLLM server: a 2-process accelerate run (DDP, gloo) trains with
+its rollout side in a child process of rank 0, and no child outlives it; a rollout process killed mid-run stops the
+trainer with an error naming it, never a hang; SIGTERM during a sync held paused reaches the child, which resumes the
+server before the run exits 143."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.bench.sync import cpu_launch_env
+from asyncgrpo.demo import default_config_path, launch_command, launch_environment
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.sync.publish import HOLD_PAUSED_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD = re.compile(r"rollout side running in its own process \(pid (\d+)\)")
+DEADLINE_S = 300  # a CPU run reaches its first syncs within a minute; on a loaded 2-core machine, a few
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is still a (non-zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _child_pid(log: str) -> int:
+    found = CHILD.findall(log)
+    assert len(found) == 1, log[-3000:]  # rank 0 alone spawns one
+    return int(found[0])
+
+
+@pytest.fixture(scope="module")
+def two_process_run(vllm_server, world, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rollout-process")
+    overrides = ["--rollout_process", "true", "--max_steps", "3", "--per_device_train_batch_size", "32",
+                 "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
+                 "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+                 "--vllm_request_timeout", "40", "--learning_rate", "5e-3"]
+    cmd = launch_command(2, find_free_port(), default_config_path(), overrides)
+    proc = subprocess.run(cmd, env=launch_environment(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, json.loads((out / "run_summary.json").read_text()), proc
+
+
+def test_a_run_with_its_rollout_side_in_a_child_process_trains_and_publishes(two_process_run, client, tb_scalars):
+    out, summary, proc = two_process_run
+    assert summary["steps"] == 3 and summary["version"] == 3
+    assert [v for _, v in tb_scalars(out / "tensorboard", "policy/version")] == [1.0, 2.0, 3.0]
+    assert len(tb_scalars(out / "tensorboard", "reward/mean")) == 3  # the trainer's stats, written by the child
+    assert len(tb_scalars(out / "tensorboard", "sync/server_s")) == 4  # the child's own publish timings (v0..v3)
+    child = _child_pid(proc.stderr)  # rank 0 logs the pid it spawned; the child logs its own and its parent's
+    assert re.search(rf"\[rollout\] .* rollout side started in process {child} \(parent \d+\)", proc.stderr)
+    # close(keep_final=True) went through the pipe: the final version alone stays loaded.
+    served = client.adapter_paths()
+    assert served[summary["adapter_name"]] == summary["adapter_path"]
+    run_prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
+    assert [n for n in served if n.startswith(run_prefix)] == [summary["adapter_name"]]
+
+
+def test_no_rollout_process_outlives_the_run(two_process_run):
+    _, _, proc = two_process_run
+    assert not _alive(_child_pid(proc.stderr))
+    assert "did not exit within" not in proc.stderr  # it closed and exited when asked, it was not killed
+
+
+def _train(url: str, out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """One training process (no launcher: rank 0) with its rollout side in a child; output to out/train.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--rollout_process", "true",
+           "--vllm_server_base_url", url, "--lora_adapter_path", str(out / "adapters"), "--output_dir", str(out),
+           "--max_steps", "30", "--per_device_train_batch_size", "32", "--max_inflight_requests", "4",
+           "--ddp_timeout", "120", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env={**cpu_launch_env(), **(env or {})}, stdout=open(out / "train.log", "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def _wait_until(ready, proc: subprocess.Popen, out: Path) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not ready():
+        assert proc.poll() is None, (out / "train.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, (out / "train.log").read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def test_a_rollout_process_killed_mid_sync_stops_the_trainer_naming_it_and_no_server_stays_paused(vllm_server,
+                                                                                                   tmp_path):
+    url = vllm_server.base_url
+    marker = tmp_path / "paused-by-sync"
+    # The hook holds version 1's sync paused in the child: the kill lands mid-sync, the worst moment.
+    proc = _train(url, tmp_path, "--sync_mode", "pause", env={HOLD_PAUSED_ENV: str(marker)})
+    try:
+        _wait_until(marker.exists, proc, tmp_path)
+        child = _child_pid((tmp_path / "train.log").read_text())
+        with InferenceClient(url) as client:
+            assert client.is_paused() is True  # the fault is real
+        os.kill(child, signal.SIGKILL)  # as the out-of-memory killer would
+        code = proc.wait(timeout=120)  # reported within a poll, not after take's timeout
+        with InferenceClient(url) as client:
+            paused_after = client.is_paused()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with InferenceClient(url) as client:
+            client.resume()  # whatever happened, leave the session server usable
+    log = (tmp_path / "train.log").read_text()
+    assert code == 2, log[-3000:]
+    assert f"asyncgrpo: error: the rollout process (pid {child}) was killed by SIGKILL while the trainer waited" in log
+    assert "Fix:" in log and not (tmp_path / "run_summary.json").exists()
+    # The child could not resume the server it paused; the trainer, still alive, did (and its message says so).
+    assert f"It left {url} paused mid-sync; the trainer resumed them." in log
+    assert paused_after is False, log[-3000:]
+    assert not _alive(child)
+
+
+def test_sigterm_reaches_the_rollout_process_which_resumes_a_paused_server(vllm_server, tmp_path):
+    url = vllm_server.base_url
+    marker = tmp_path / "paused-by-sync"
+    # The test hook (in the child, which inherits the environment) holds version 1's sync paused until halted.
+    proc = _train(url, tmp_path, "--sync_mode", "pause", env={HOLD_PAUSED_ENV: str(marker)})
+    try:
+        _wait_until(marker.exists, proc, tmp_path)
+        child = _child_pid((tmp_path / "train.log").read_text())
+        with InferenceClient(url) as client:
+            assert client.is_paused() is True  # held paused by the child: the fault is real
+            proc.send_signal(signal.SIGTERM)  # to the trainer only, as a launcher does
+            code = proc.wait(timeout=120)
+            paused_after = client.is_paused()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with InferenceClient(url) as client:
+            client.resume()  # whatever happened, leave the session server usable
+    log = (tmp_path / "train.log").read_text()
+    assert code == 143, log[-3000:]
+    assert paused_after is False, log[-3000:]
+    assert f"resumed {url}, which a weight sync in progress had paused" in log
+    assert re.search(r"\[rollout\].*received SIGTERM: making sure no inference server is left paused", log), log[-3000:]
+    assert not _alive(child)
+
+
+def _error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("asyncgrpo: error:")]
+
+
+def test_an_error_in_the_rollout_process_reaches_the_user_as_it_would_in_process(tmp_path):
+    """No server answers: the child's start-up fails; the trainer raises the same type with the same message (the CLI
+    prints AsyncGRPOErrors as one line; a fallback RolloutProcessError would read differently)."""
+    dead = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there
+    lines = {}
+    for mode in ("false", "true"):
+        proc = _train(dead, tmp_path / mode, "--rollout_process", mode, "--vllm_server_timeout", "2")
+        code = proc.wait(timeout=240)
+        log = (tmp_path / mode / "train.log").read_text()
+        assert code == 2, log[-3000:]
+        lines[mode] = _error_lines(log)
+    assert len(lines["true"]) == 1 and dead in lines["true"][0]
+    assert lines["true"] == lines["false"]
