@@ -24,6 +24,9 @@ def cmd_train(args, overrides: list[str]) -> int:
             trainer.train()
         finally:
             trainer.cleanup()
+    from .distributed import leave_launched_process
+
+    leave_launched_process(0)  # a finished rank of a launch skips interpreter finalization (distributed.py says why)
     return 0
 
 

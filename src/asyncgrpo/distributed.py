@@ -25,6 +25,26 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def leave_launched_process(code: int) -> None:
+    """End a rank of a multi-process launch once its work is done and its process group destroyed: flush the logs
+    and the standard streams, then `os._exit(code)`, skipping interpreter finalization. There, on 2-rank gloo
+    launches (FSDP2, ZeRO-2), a rank was seen to abort ~1 in 30 runs with "terminate called without an active
+    exception" after the run had finished and saved everything: the launcher then reports the job failed (exit -6)
+    and stops the other ranks. Everything this project starts (reward workers, the rollout process, TensorBoard) is
+    closed explicitly before this point; nothing is left for atexit. A single process returns normally."""
+    if launched_world_size() <= 1:
+        return
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be written anyway
+            pass
+    os._exit(code)
+
+
 def require_usable_device() -> bool:
     """Returns True to run on CPU. A launch of several ranks on a host where CUDA is not usable stops here, unless
     CPU was asked for explicitly: a GPU launch config must never fall back silently to gloo on CPU (a job on a

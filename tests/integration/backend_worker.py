@@ -194,6 +194,9 @@ def main() -> None:
         (out / "result.json").write_text(json.dumps(result, indent=1))
     trainer.acc.wait_for_everyone()
     trainer.acc.end_training()
+    from asyncgrpo.distributed import leave_launched_process
+
+    leave_launched_process(0)  # as `asyncgrpo train` does: no interpreter finalization after a finished run
 
 
 def trainer_broadcast(obj):

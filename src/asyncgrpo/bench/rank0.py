@@ -1,4 +1,4 @@
-"""How much does reward scoring slow rank 0's own work? Three short toy runs against one vLLM CPU server:
+"""How much does reward scoring slow rank 0's own work? Four short toy runs against one vLLM CPU server:
 
     asyncgrpo bench rank0 --json [--server URL] [--key value ...]
 
@@ -6,7 +6,10 @@
 2. `heavy_reward_threads`: the same answer check after ~20 ms of pure-Python CPU work per completion
    (`asyncgrpo.toy.task:slow_larger_reward`), scored in the request threads of the training process
    (`reward_workers: 0`, today's default): it competes with the training loop for the GIL;
-3. `heavy_reward_process`: the same heavy reward in `reward_workers: 2` worker processes.
+3. `heavy_reward_process`: the same heavy reward with the whole rollout side (requests, scoring, queue, publisher)
+   in its own process (`rollout_process: true`), scored in that process's threads;
+4. `heavy_reward_workers`: the rollout side in the training process, the heavy reward in `reward_workers: 2`
+   worker processes.
 
 The figure is rank 0's optimizer step time while it is not waiting on the rollout queue: the wall time of each
 `train_step` less the time it spent in `queue.take` (`time/wait_for_data_s`), averaged over the steps after
@@ -16,8 +19,8 @@ scoring-bound, so rank 0 waits often, and its busy steps overlap with scoring: t
 Both are wall-clock figures: on a shared machine read them with `loadavg_*`; `train_thread_cpu_s` (the training
 thread's CPU time per measured step) hardly moves with load and shows whether the work itself changed.
 
-Only reward scoring moves out of the training process here; generation requests, the queue and the publisher
-still run in its threads.
+In run 4 only decoding and scoring leave the training process; in run 3 everything but the gather and the training
+loop does (the batch crosses a pipe in a compact binary form, rollout/wire.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ WARMUP_STEPS = 4
 MS_PER_COMPLETION = 20.0  # slow_larger_reward's default: the CPU-heavy reward's cost per completion
 TRIVIAL = "asyncgrpo.toy:larger_reward"
 HEAVY = "asyncgrpo.toy.task:slow_larger_reward"
-RUNS = (("trivial_reward", TRIVIAL, 0), ("heavy_reward_threads", HEAVY, 0), ("heavy_reward_process", HEAVY, 2))
+# (name, reward, reward_workers, rollout_process)
+RUNS = (("trivial_reward", TRIVIAL, 0, False), ("heavy_reward_threads", HEAVY, 0, False),
+        ("heavy_reward_process", HEAVY, 0, True), ("heavy_reward_workers", HEAVY, 2, False))
 # On top of configs/demo.yaml: one trainer process, 8 prompts x 8 completions per step, the next batch generated
 # (and scored) while this one trains, a sync after every step without pausing generation.
 WORKLOAD = ["--max_steps", "14", "--per_device_train_batch_size", "64", "--torch_num_threads", "1",
@@ -114,21 +119,25 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
             server.wait_ready()
             server_url = server.base_url
         runs = {}
-        for name, reward, workers in RUNS:
+        for name, reward, workers, in_process in RUNS:
             shutil.rmtree(work / name, ignore_errors=True)
             cfg = AsyncGRPOConfig.load(default_config_path(), [
                 *WORKLOAD, "--reward_funcs", f"[{reward}]", "--reward_workers", str(workers),
+                "--rollout_process", str(in_process).lower(),
                 "--output_dir", str(work / name), "--lora_adapter_path", str(work / name / "adapters"),
                 "--vllm_server_base_url", server_url, *overrides])
-            runs[name] = {"reward": reward, "reward_workers": workers, **run_one(cfg)}
+            runs[name] = {"reward": reward, "reward_workers": workers, "rollout_process": in_process,
+                          **run_one(cfg)}
     trivial = runs["trivial_reward"]
     result = {f"step_s_{name}": r["step_s"] for name, r in runs.items()}
     result.update({
         "ratio_heavy_threads_over_trivial": _ratio(runs["heavy_reward_threads"]["step_s"], trivial["step_s"]),
         "ratio_heavy_process_over_trivial": _ratio(runs["heavy_reward_process"]["step_s"], trivial["step_s"]),
+        "ratio_heavy_workers_over_trivial": _ratio(runs["heavy_reward_workers"]["step_s"], trivial["step_s"]),
         **{f"loop_s_{name}": r["loop_s"] for name, r in runs.items()},
         "ratio_loop_heavy_threads_over_trivial": _ratio(runs["heavy_reward_threads"]["loop_s"], trivial["loop_s"]),
         "ratio_loop_heavy_process_over_trivial": _ratio(runs["heavy_reward_process"]["loop_s"], trivial["loop_s"]),
+        "ratio_loop_heavy_workers_over_trivial": _ratio(runs["heavy_reward_workers"]["loop_s"], trivial["loop_s"]),
         "runs": runs,
         "settings": {"workload": dict(zip(WORKLOAD[::2], WORKLOAD[1::2])), "overrides": overrides,
                      "warmup_steps": WARMUP_STEPS, "heavy_ms_per_completion": MS_PER_COMPLETION,
