@@ -2,7 +2,7 @@
 and scorer, against the in-process HTTP stub of tests/unit/conftest.py. The stub stands in for vLLM only where a test
 needs an answer a real server cannot give on demand (a dropped request, a request held, a chosen logprob, finish
 reason or token id); each test module says which. `rollout_on_stub(route, **config)` builds one; every producer built
-is stopped at teardown."""
+is stopped at teardown, through `stop_within`."""
 
 from __future__ import annotations
 
@@ -40,6 +40,35 @@ class ParkingCondition(threading.Condition):
         if threading.current_thread().name == "rollout-producer":
             self.parked.set()
         return super().wait(timeout)
+
+
+STOP_BOUND_S = 15.0
+
+
+def stop_within(producer, bound_s: float = STOP_BOUND_S) -> None:
+    """`producer.stop()`, failing the test if it has not returned within `bound_s`. A liveness bound, not a speed
+    check: with no answer being scored stop() only joins a thread that returns at once, while a count of answers being
+    scored that never gets back to 0 makes it wait its whole STOP_PROCESSING_S (30 s), longer than this bound. Without
+    the bound such a mistake only slows each test down by 30 s (mutation testing saw it as a timeout, not a failure)."""
+    errors: list[BaseException] = []
+
+    def stop():
+        try:
+            producer.stop()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
+            errors.append(exc)
+
+    stopper = threading.Thread(target=stop, name="test-stop", daemon=True)
+    stopper.start()
+    stopper.join(bound_s)
+    assert not stopper.is_alive(), f"stop() had not returned after {bound_s} s with no answer being scored"
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(name="stop_within")
+def stop_within_fixture():
+    return stop_within
 
 
 def answer(body: dict, token_ids: list[list[int]], finish_reasons: list[str] | None = None,
@@ -110,6 +139,7 @@ def rollout_on_stub(stubs):
         return made[-1]
 
     make.answer = answer
+    make.stop = stop_within
     yield make
     for rollout in made:
-        rollout.producer.stop()
+        stop_within(rollout.producer)

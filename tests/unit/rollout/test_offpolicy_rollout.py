@@ -63,7 +63,7 @@ def run_producer(rollout_on_stub, choices, **cfg_values):
     try:
         return rollout.run(), seen
     finally:
-        rollout.producer.stop()
+        rollout_on_stub.stop(rollout.producer)
 
 
 def choice(i, logprobs, finish_reason):
@@ -148,5 +148,5 @@ def test_the_producer_refills_what_dynamic_sampling_dropped(rollout_on_stub):
             with queue.cond:
                 queue.cond.wait(timeout=0.1)
     finally:
-        producer.stop()
+        rollout_on_stub.stop(producer)
     assert len(answers) >= 4 and len(queue) == 0

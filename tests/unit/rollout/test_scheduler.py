@@ -119,7 +119,7 @@ class Harness:
 
 
 @pytest.fixture
-def harness():
+def harness(stop_within):
     made = []
 
     def make(**kw) -> Harness:
@@ -130,7 +130,7 @@ def harness():
     yield make
     for h in made:
         h.server.release()  # the pool's threads must finish before stop() can join them
-        h.producer.stop()
+        stop_within(h.producer)
 
 
 def test_nothing_is_sent_before_the_first_policy_is_served(harness):
