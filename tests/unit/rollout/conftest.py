@@ -123,7 +123,7 @@ class StubRollout:
         """The JSON bodies of the generation requests `server` (default: the first) received, in arrival order."""
         return [json.loads(r["body"]) for r in (server or self.server).requests if r["path"] == "/v1/completions"]
 
-    def run(self, version: int = 0, adapter: str = "demo-v0", groups: int | None = None, timeout_s: float = 30):
+    def run(self, version: int = 0, adapter: str = "demo-v0", groups: int | None = None, timeout_s: float = 15):
         """Start, serve `adapter` as `version`, and take one batch (`groups` groups, default one step's)."""
         self.producer.start()
         self.producer.set_policy(version, adapter)

@@ -140,7 +140,7 @@ def test_the_producer_refills_what_dynamic_sampling_dropped(rollout_on_stub):
     producer.start()
     try:
         producer.set_policy(0, "demo-v0")
-        [kept] = queue.take(1, trainer_version=0, timeout_s=30)
+        [kept] = queue.take(1, trainer_version=0, timeout_s=15)
         assert kept.rewards == [0.0, 1.0] and kept.index == 0
         deadline = time.monotonic() + 30
         while queue.dropped_zero_std < 3:  # the next batch's slot keeps being refilled after each drop

@@ -43,7 +43,7 @@ def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_
     try:
         producer.set_policy(0, "demo-v0")
         with pytest.raises(InferenceServerError, match="engine dead"):
-            queue.take(2, trainer_version=0, timeout_s=60)
+            queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)
         rollout_on_stub.stop(producer)
         # stop() returned while the other requests still hang on the server: it did not wait for them.
         assert not release.is_set() and timed_out == []

@@ -35,7 +35,7 @@ def test_take_waits_for_the_producer_and_keeps_order():
     t = threading.Thread(target=lambda: q.put(group(0, "second")))
     with q.cond:
         t.start()  # cannot put until take() releases the lock while waiting
-    assert [g.prompt for g in q.take(2, trainer_version=0, timeout_s=30)] == ["first", "second"]
+    assert [g.prompt for g in q.take(2, trainer_version=0, timeout_s=15)] == ["first", "second"]
     t.join()
 
 
