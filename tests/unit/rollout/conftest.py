@@ -42,10 +42,10 @@ class ParkingCondition(threading.Condition):
         return super().wait(timeout)
 
 
-STOP_BOUND_S = 15.0
+BOUND_S = 15.0  # liveness bounds of stop() and take() below
 
 
-def stop_within(producer, bound_s: float = STOP_BOUND_S) -> None:
+def stop_within(producer, bound_s: float = BOUND_S) -> None:
     """`producer.stop()`, failing the test if it has not returned within `bound_s`. A liveness bound, not a speed
     check: with no answer being scored stop() only joins a thread that returns at once, while a count of answers being
     scored that never gets back to 0 makes it wait its whole STOP_PROCESSING_S (30 s), longer than this bound. Without
@@ -64,6 +64,32 @@ def stop_within(producer, bound_s: float = STOP_BOUND_S) -> None:
     assert not stopper.is_alive(), f"stop() had not returned after {bound_s} s with no answer being scored"
     if errors:
         raise errors[0]
+
+
+def take_within(q: RolloutQueue, n: int, timeout_s: float, bound_s: float = BOUND_S, trainer_version: int = 0):
+    """`q.take(...)` in a thread, failing the test if it has not returned (or raised) within `bound_s`: a liveness
+    bound for the tests of take's own timeout, whose mistakes (a deadline that never comes, a wait that is never
+    woken) would otherwise hang the test instead of failing it."""
+    result: dict = {}
+
+    def take():
+        try:
+            result["groups"] = q.take(n, trainer_version=trainer_version, timeout_s=timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
+            result["error"] = exc
+
+    taker = threading.Thread(target=take, name="test-take", daemon=True)
+    taker.start()
+    taker.join(bound_s)
+    assert not taker.is_alive(), f"take(timeout_s={timeout_s}) had not returned after {bound_s} s"
+    if "error" in result:
+        raise result["error"]
+    return result["groups"]
+
+
+@pytest.fixture(name="take_within")
+def take_within_fixture():
+    return take_within
 
 
 @pytest.fixture(name="stop_within")

@@ -106,7 +106,7 @@ def test_batch_scaling_leaves_groups_centred_only_until_the_queue_scales_the_who
 
 
 @pytest.mark.parametrize("late", ["answer", "error"])
-def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unreported(rollout_on_stub, late):
+def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unreported(rollout_on_stub, take_within, late):
     arrived, release = threading.Event(), threading.Event()
     scored = []
 
@@ -132,4 +132,4 @@ def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unre
     assert (scored, len(rollout.queue), rollout.producer.generated_tokens) == ([], 0, 0)
     assert rollout.producer.error is None
     with pytest.raises(TimeoutError):  # nothing handed to the trainer either
-        rollout.queue.take(1, trainer_version=0, timeout_s=0.01)
+        take_within(rollout.queue, 1, timeout_s=0.01)
