@@ -117,6 +117,18 @@ def test_chunked_logprobs_default_to_temperature_1_and_a_chunk_sized_from_the_vo
     assert torch.allclose(chunked_token_logprobs(hidden, weight, targets), naive.squeeze(0), atol=1e-5, rtol=0)
 
 
+def test_rows_whose_logits_lie_far_apart_each_get_their_own_log_sum_exp():
+    # Row 1's logits are ~100x row 0's: shifted by the chunk's largest logit instead of its own row's, row 0's
+    # exponentials would all underflow in float32 (exp(-88) is the floor) and its log-sum-exp become -inf.
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 8, generator=g), torch.randn(50, 8, generator=g)
+    hidden[1] *= 100.0
+    targets = torch.tensor([3, 4])
+    naive = token_logprobs(torch.nn.functional.linear(hidden, weight).unsqueeze(0), targets.unsqueeze(0), 1.0)
+    chunked = chunked_token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=2)
+    assert torch.isfinite(chunked).all() and torch.allclose(chunked, naive.squeeze(0), atol=1e-4, rtol=0)
+
+
 def test_chunk_size_does_not_change_the_result_and_is_sized_from_the_vocabulary():
     one = _naive_and_chunked(1.0, chunk_size=1)[1]
     all_at_once = _naive_and_chunked(1.0, chunk_size=100)[1]
