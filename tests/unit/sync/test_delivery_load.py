@@ -96,16 +96,29 @@ def test_shared_fs_loads_the_trainers_own_path_and_expects_it_back_resolved(tmp_
     assert delivery.served_path(client, "policy-v1", via_link) == str(real.resolve())  # what vLLM reports
 
 
-def test_http_load_asks_the_receiver_to_load_its_committed_copy(receiver, tmp_path):
+def test_http_load_asks_the_receiver_to_load_its_committed_copy(receiver, tmp_path, caplog):
     rec, url, vllm = receiver
     path = version(AdapterStore(tmp_path / "trainer-side"), 1)
     delivery = HttpDelivery({VLLM: ReceiverClient(url, KEY)})
     delivery.stage(Unreachable(), "policy-v1", path)
     assert vllm.calls == []  # staging only uploads: the load comes inside the pause
-    delivery.load(Unreachable(), "policy-v1", path)
+    with caplog.at_level("WARNING", logger="asyncgrpo.sync.delivery"):
+        delivery.load(Unreachable(), "policy-v1", path)
     assert vllm.calls == [("policy-v1", str(rec.root / "policy-v1"))]
+    assert "uploading it again" not in caplog.text  # committed there: loaded at once, not sent twice
     assert delivery.served_path(Unreachable(), "policy-v1", path) == str(rec.root / "policy-v1")
     assert delivery.served_path(Unreachable(), "policy-v2", path) is None  # never staged
+
+
+def test_make_delivery_gives_each_receiver_the_servers_api_key(receiver, monkeypatch):
+    from asyncgrpo.config import API_KEY_ENV, AsyncGRPOConfig
+    from asyncgrpo.sync.delivery import make_delivery
+
+    rec, url, vllm = receiver
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    cfg = AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=VLLM,
+                          adapter_receiver_url=url)
+    assert make_delivery(cfg).receivers[VLLM].committed() == []  # the receiver requires KEY: a 401 without it
 
 
 def test_http_load_of_a_version_the_receiver_lost_uploads_it_again_then_loads_it(receiver, tmp_path):
