@@ -211,7 +211,28 @@ def test_the_receiver_is_called_directly_whatever_proxy_the_environment_names(re
     assert client.committed() == [] and client.health()
 
 
-def test_a_receiver_that_does_not_answer_in_time_fails_the_call_with_its_url(monkeypatch):
+def call_within(call, bound_s: float = 15.0):
+    """`call()` in a thread: its result or its exception, failing the test if it has not returned within `bound_s`
+    (a liveness bound: a call that passes no read timeout would wait forever on a receiver that never answers)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
+            result["error"] = exc
+
+    caller = threading.Thread(target=run, name="test-call", daemon=True)
+    caller.start()
+    caller.join(bound_s)
+    assert not caller.is_alive(), f"the call had not returned after {bound_s} s: no read timeout?"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+@pytest.mark.parametrize("call", ["committed", "upload", "load"])
+def test_a_receiver_that_does_not_answer_in_time_fails_the_call_with_its_url(call, monkeypatch, tmp_path):
     import socket
 
     from asyncgrpo.sync import delivery as delivery_module
@@ -221,10 +242,19 @@ def test_a_receiver_that_does_not_answer_in_time_fails_the_call_with_its_url(mon
     listener.listen()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     monkeypatch.setattr(delivery_module, "ADMIN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(delivery_module, "UPLOAD_TIMEOUT_S", 0.2)
+    client = ReceiverClient(url, KEY)
+    path = version(AdapterStore(tmp_path / "trainer-side"), 1)
+    calls = {"committed": client.committed, "upload": lambda: client.upload("policy-v1", path),
+             "load": lambda: client.load("policy-v1")}
+    first = {"committed": "list adapters: GET /adapters", "upload": "upload adapter_model.safetensors: PUT "
+             "/adapters/policy-v1/adapter_model.safetensors", "load": "load policy-v1: POST /adapters/policy-v1/load"}
     try:
         with pytest.raises(InferenceServerError) as info:
-            ReceiverClient(url, KEY).committed()
+            call_within(calls[call])
         assert not isinstance(info.value, ServerUnreachableError)  # it answered the connection: not a dead node
-        assert str(info.value).startswith(f"list adapters: GET {url}/adapters failed: ")
+        what, method_route = first[call].split(": ")
+        method, route = method_route.split(" ")
+        assert str(info.value).startswith(f"{what}: {method} {url}{route} failed: ")
     finally:
         listener.close()
