@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,13 @@ def run_mutmut(patterns: list[str], children: int) -> None:
     # A fresh copy each time: mutmut keeps results of unchanged functions, but a test changed since is not seen.
     shutil.rmtree(REPO / "mutants", ignore_errors=True)
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *patterns]
-    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL)  # its progress line redraws itself: too long
+    # Tests that launch `python -m asyncgrpo ...` in a subprocess import the mutated copy too (mutmut puts it on
+    # sys.path only in its own processes), also where asyncgrpo is not installed in the running interpreter.
+    # The folder exists before mutmut starts: Python remembers a path entry missing at its first import as unusable.
+    (REPO / "mutants" / "src").mkdir(parents=True)
+    paths = [str(REPO / "mutants" / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)  # its progress line redraws: too long
     if proc.returncode != 0:
         sys.exit(f"mutate: `{' '.join(cmd)}` exited with {proc.returncode} (run it by hand to see why)")
 

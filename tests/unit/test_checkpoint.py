@@ -225,6 +225,7 @@ def test_checkpoint_restores_the_schedule_where_it_stopped(tmp_path):
     for _ in range(3):
         train_one_step(model, optimizer)
         scheduler.step()
+    at_step3 = scheduler.state_dict()
     state = ckpt.TrainerState(step=3, version=3, data_position=12, run_id="abcd1234")
     path = ckpt.save_checkpoint(ACC, model, optimizer, state, output_dir=tmp_path, peft_config=peft_config,
                                 base_model="tiny", lr_scheduler=scheduler)
@@ -247,6 +248,11 @@ def test_checkpoint_restores_the_schedule_where_it_stopped(tmp_path):
     old_scheduler = build_lr_scheduler(old_optimizer, config)
     ckpt.load_checkpoint(path, ACC, old, old_optimizer, lr_scheduler=old_scheduler)
     assert old_optimizer.param_groups[0]["lr"] == pytest.approx(step3)
+    # ... in the state of a schedule that ran those steps, step count included (torch reads `_step_count` to warn
+    # about a scheduler.step() before any optimizer.step(), which a resumed run's first step would otherwise trip)
+    restored = old_scheduler.state_dict()
+    assert restored.pop("_last_lr") == pytest.approx(at_step3.pop("_last_lr"))
+    assert restored == at_step3 and restored["_step_count"] == 4
 
 
 # ---- corruption, RNG, a real Accelerator, a real kill --------------------------------------------------------------

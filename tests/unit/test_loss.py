@@ -80,14 +80,17 @@ def _naive_and_chunked(temperature, softcap=None, bias=False, chunk_size=3, weig
                 logits = torch.tanh(logits / softcap) * softcap
             lp = token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature).squeeze(0)
         weight.grad = None
+        if b is not None:
+            b.grad = None
         (lp * upstream).sum().backward()
-        results.append((lp.detach(), h.grad, None if weight.grad is None else weight.grad.clone()))
+        results.append((lp.detach(), h.grad, None if weight.grad is None else weight.grad.clone(),
+                        None if b is None or b.grad is None else b.grad.clone()))
     return results
 
 
 def test_chunked_logprobs_and_their_gradients_equal_the_naive_ones_at_any_temperature():
     for temperature in (1.0, 0.7, 1.3, 2.0):  # 2.0 too: a check against one special value would pass at 1.0
-        (lp, gh, _), (clp, cgh, _) = _naive_and_chunked(temperature)
+        (lp, gh, _, _), (clp, cgh, _, _) = _naive_and_chunked(temperature)
         assert torch.allclose(clp, lp, atol=1e-5, rtol=0), temperature
         assert torch.allclose(cgh, gh, atol=1e-5, rtol=0), temperature
         assert clp.dtype == torch.float32
@@ -96,12 +99,34 @@ def test_chunked_logprobs_and_their_gradients_equal_the_naive_ones_at_any_temper
 
 
 def test_chunked_logprobs_apply_softcap_and_bias_and_give_the_head_its_gradient():
-    (lp, gh, gw), (clp, cgh, cgw) = _naive_and_chunked(0.8, softcap=3.0, bias=True, chunk_size=4, weight_grad=True)
+    (lp, gh, gw, gb), (clp, cgh, cgw, cgb) = _naive_and_chunked(0.8, softcap=3.0, bias=True, chunk_size=4,
+                                                                  weight_grad=True)
     assert torch.allclose(clp, lp, atol=1e-5, rtol=0)
     assert torch.allclose(cgh, gh, atol=1e-5, rtol=0)
     assert torch.allclose(cgw, gw, atol=1e-5, rtol=0)
+    assert cgb is not None and cgb.shape == (50,) and torch.allclose(cgb, gb, atol=1e-5, rtol=0)  # summed per row
     uncapped = _naive_and_chunked(0.8, bias=True)[1][0]
     assert (uncapped - clp).abs().max() > 1e-2  # the softcap changed the values: the comparison has teeth
+
+
+def test_chunked_logprobs_default_to_temperature_1_and_a_chunk_sized_from_the_vocabulary():
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(7, 8, generator=g), torch.randn(50, 8, generator=g)
+    targets = torch.randint(0, 50, (7,), generator=g)
+    naive = token_logprobs(torch.nn.functional.linear(hidden, weight).unsqueeze(0), targets.unsqueeze(0), 1.0)
+    assert torch.allclose(chunked_token_logprobs(hidden, weight, targets), naive.squeeze(0), atol=1e-5, rtol=0)
+
+
+def test_rows_whose_logits_lie_far_apart_each_get_their_own_log_sum_exp():
+    # Row 1's logits are ~100x row 0's: shifted by the chunk's largest logit instead of its own row's, row 0's
+    # exponentials would all underflow in float32 (exp(-88) is the floor) and its log-sum-exp become -inf.
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 8, generator=g), torch.randn(50, 8, generator=g)
+    hidden[1] *= 100.0
+    targets = torch.tensor([3, 4])
+    naive = token_logprobs(torch.nn.functional.linear(hidden, weight).unsqueeze(0), targets.unsqueeze(0), 1.0)
+    chunked = chunked_token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=2)
+    assert torch.isfinite(chunked).all() and torch.allclose(chunked, naive.squeeze(0), atol=1e-4, rtol=0)
 
 
 def test_chunk_size_does_not_change_the_result_and_is_sized_from_the_vocabulary():

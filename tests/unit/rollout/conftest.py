@@ -2,7 +2,7 @@
 and scorer, against the in-process HTTP stub of tests/unit/conftest.py. The stub stands in for vLLM only where a test
 needs an answer a real server cannot give on demand (a dropped request, a request held, a chosen logprob, finish
 reason or token id); each test module says which. `rollout_on_stub(route, **config)` builds one; every producer built
-is stopped at teardown."""
+is stopped at teardown, through `stop_within`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,61 @@ class ParkingCondition(threading.Condition):
         if threading.current_thread().name == "rollout-producer":
             self.parked.set()
         return super().wait(timeout)
+
+
+BOUND_S = 15.0  # liveness bounds of stop() and take() below
+
+
+def stop_within(producer, bound_s: float = BOUND_S) -> None:
+    """`producer.stop()`, failing the test if it has not returned within `bound_s`. A liveness bound, not a speed
+    check: with no answer being scored stop() only joins a thread that returns at once, while a count of answers being
+    scored that never gets back to 0 makes it wait its whole STOP_PROCESSING_S (30 s), longer than this bound. Without
+    the bound such a mistake only slows each test down by 30 s (mutation testing saw it as a timeout, not a failure)."""
+    errors: list[BaseException] = []
+
+    def stop():
+        try:
+            producer.stop()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
+            errors.append(exc)
+
+    stopper = threading.Thread(target=stop, name="test-stop", daemon=True)
+    stopper.start()
+    stopper.join(bound_s)
+    assert not stopper.is_alive(), f"stop() had not returned after {bound_s} s with no answer being scored"
+    if errors:
+        raise errors[0]
+
+
+def take_within(q: RolloutQueue, n: int, timeout_s: float, bound_s: float = BOUND_S, trainer_version: int = 0):
+    """`q.take(...)` in a thread, failing the test if it has not returned (or raised) within `bound_s`: a liveness
+    bound for the tests of take's own timeout, whose mistakes (a deadline that never comes, a wait that is never
+    woken) would otherwise hang the test instead of failing it."""
+    result: dict = {}
+
+    def take():
+        try:
+            result["groups"] = q.take(n, trainer_version=trainer_version, timeout_s=timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
+            result["error"] = exc
+
+    taker = threading.Thread(target=take, name="test-take", daemon=True)
+    taker.start()
+    taker.join(bound_s)
+    assert not taker.is_alive(), f"take(timeout_s={timeout_s}) had not returned after {bound_s} s"
+    if "error" in result:
+        raise result["error"]
+    return result["groups"]
+
+
+@pytest.fixture(name="take_within")
+def take_within_fixture():
+    return take_within
+
+
+@pytest.fixture(name="stop_within")
+def stop_within_fixture():
+    return stop_within
 
 
 def answer(body: dict, token_ids: list[list[int]], finish_reasons: list[str] | None = None,
@@ -94,7 +149,7 @@ class StubRollout:
         """The JSON bodies of the generation requests `server` (default: the first) received, in arrival order."""
         return [json.loads(r["body"]) for r in (server or self.server).requests if r["path"] == "/v1/completions"]
 
-    def run(self, version: int = 0, adapter: str = "demo-v0", groups: int | None = None, timeout_s: float = 30):
+    def run(self, version: int = 0, adapter: str = "demo-v0", groups: int | None = None, timeout_s: float = 15):
         """Start, serve `adapter` as `version`, and take one batch (`groups` groups, default one step's)."""
         self.producer.start()
         self.producer.set_policy(version, adapter)
@@ -110,6 +165,7 @@ def rollout_on_stub(stubs):
         return made[-1]
 
     make.answer = answer
+    make.stop = stop_within
     yield make
     for rollout in made:
-        rollout.producer.stop()
+        stop_within(rollout.producer)

@@ -72,7 +72,7 @@ def run_producer(rollout_on_stub, choices, **cfg_values):
     try:
         return rollout.run(), seen
     finally:
-        rollout.producer.stop()
+        rollout_on_stub.stop(rollout.producer)
 
 
 def choice(i, logprobs, finish_reason):
@@ -149,7 +149,7 @@ def test_the_producer_refills_what_dynamic_sampling_dropped(rollout_on_stub):
     producer.start()
     try:
         producer.set_policy(0, "demo-v0")
-        [kept] = queue.take(1, trainer_version=0, timeout_s=30)
+        [kept] = queue.take(1, trainer_version=0, timeout_s=15)
         assert kept.rewards == [0.0, 1.0] and kept.index == 0
         deadline = time.monotonic() + 30
         while queue.dropped_zero_std < 3:  # the next batch's slot keeps being refilled after each drop
@@ -157,5 +157,5 @@ def test_the_producer_refills_what_dynamic_sampling_dropped(rollout_on_stub):
             with queue.cond:
                 queue.cond.wait(timeout=0.1)
     finally:
-        producer.stop()
+        rollout_on_stub.stop(producer)
     assert len(answers) >= 4 and len(queue) == 0

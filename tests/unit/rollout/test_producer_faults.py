@@ -23,7 +23,7 @@ def test_a_group_lost_with_its_server_is_generated_again_before_new_prompts(roll
 
     rollout = rollout_on_stub(route)
     groups = rollout.run()
-    rollout.producer.stop()
+    rollout_on_stub.stop(rollout.producer)
     assert (rollout.producer.lost_groups, rollout.producer.resent_groups) == (drops, drops)
     assert all(p == prompts_sent[0] for p in prompts_sent[:drops + 1])  # the lost prompt went out again, before the next one
     assert sorted(g.index for g in groups) == [0, 1]  # so the batch holds the first two prompts: none skipped

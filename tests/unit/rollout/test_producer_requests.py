@@ -84,7 +84,7 @@ def test_a_group_aborted_by_a_sync_is_lost_and_its_prompt_sent_again_first(rollo
 
     rollout = rollout_on_stub(route)
     groups = rollout.run()
-    rollout.producer.stop()
+    rollout_on_stub.stop(rollout.producer)
     assert (rollout.producer.lost_groups, rollout.producer.resent_groups) == (1, 1)
     assert prompts_sent[0] == prompts_sent[1]  # the aborted prompt, again, before the next one
     assert sorted(g.index for g in groups) == [0, 1]  # no prompt of the data order skipped
@@ -106,7 +106,7 @@ def test_batch_scaling_leaves_groups_centred_only_until_the_queue_scales_the_who
 
 
 @pytest.mark.parametrize("late", ["answer", "error"])
-def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unreported(rollout_on_stub, late):
+def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unreported(rollout_on_stub, take_within, late):
     arrived, release = threading.Event(), threading.Event()
     scored = []
 
@@ -123,7 +123,7 @@ def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unre
     rollout.producer.start()
     rollout.producer.set_policy(0, "demo-v0")
     assert arrived.wait(DEADLINE_S)
-    rollout.producer.stop()  # returns with the request still held by the server
+    rollout_on_stub.stop(rollout.producer)  # returns with the request still held by the server
     release.set()
     deadline = time.monotonic() + DEADLINE_S
     while rollout.producer.inflight:  # the request's thread ends once its answer is handled
@@ -132,4 +132,4 @@ def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unre
     assert (scored, len(rollout.queue), rollout.producer.generated_tokens) == ([], 0, 0)
     assert rollout.producer.error is None
     with pytest.raises(TimeoutError):  # nothing handed to the trainer either
-        rollout.queue.take(1, trainer_version=0, timeout_s=0.01)
+        take_within(rollout.queue, 1, timeout_s=0.01)

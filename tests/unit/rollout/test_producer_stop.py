@@ -11,6 +11,7 @@ import pytest
 from asyncgrpo.errors import InferenceServerError
 
 INFLIGHT = 3
+DEADLINE_S = 15.0
 
 
 def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_the_rest(rollout_on_stub):
@@ -42,8 +43,8 @@ def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_
     try:
         producer.set_policy(0, "demo-v0")
         with pytest.raises(InferenceServerError, match="engine dead"):
-            queue.take(2, trainer_version=0, timeout_s=60)
-        producer.stop()
+            queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)
+        rollout_on_stub.stop(producer)
         # stop() returned while the other requests still hang on the server: it did not wait for them.
         assert not release.is_set() and timed_out == []
         assert producer.inflight == INFLIGHT - 1
@@ -52,7 +53,7 @@ def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_
         assert producer.error is not None and "engine dead" in str(producer.error)
     finally:
         release.set()
-        producer.stop()
+        rollout_on_stub.stop(producer)
 
 
 def test_stop_on_a_producer_never_started_returns_and_sends_nothing(rollout_on_stub):
@@ -60,7 +61,7 @@ def test_stop_on_a_producer_never_started_returns_and_sends_nothing(rollout_on_s
     # run's adapters): joining a thread that never started would raise and hide the setup's own error.
     rollout = rollout_on_stub()
     rollout.producer.set_policy(0, "demo-v0")
-    rollout.producer.stop()
+    rollout_on_stub.stop(rollout.producer)
     assert rollout.producer.error is None and rollout.generation_bodies() == []
 
 
@@ -78,3 +79,27 @@ def test_after_a_failed_request_the_producer_thread_ends_without_sending_the_nex
         assert time.monotonic() < deadline, "the producer thread kept running after the failure"
         time.sleep(0.005)
     assert len(rollout.generation_bodies()) == 1 and rollout.producer.lost_groups == 0
+
+
+def test_stop_waits_for_an_answer_being_scored_and_returns_once_it_is_scored(rollout_on_stub):
+    # Scoring runs reward functions (torch) in the request's daemon thread: it must not still run when the trainer
+    # exits after stop(). A request still waiting for its answer is not waited for (the tests above).
+    scoring, release = threading.Event(), threading.Event()
+
+    def reward(prompts, completions, **columns):
+        scoring.set()
+        assert release.wait(DEADLINE_S)
+        return [1.0] * len(completions)
+
+    rollout = rollout_on_stub(reward=reward)
+    rollout.producer.start()
+    rollout.producer.set_policy(0, "demo-v0")
+    assert scoring.wait(DEADLINE_S)
+    stopper = threading.Thread(target=rollout.producer.stop, name="test-stop", daemon=True)
+    stopper.start()
+    stopper.join(1.0)  # a stop() that does not wait returns well within this; one that waits is still alive
+    assert stopper.is_alive(), "stop() returned while an answer was still being scored"
+    release.set()
+    stopper.join(DEADLINE_S)  # a liveness bound: the count of answers being scored must get back to 0
+    assert not stopper.is_alive(), "stop() kept waiting after the answer was scored"
+    assert len(rollout.queue) == 0 and rollout.producer.error is None  # scored after stop(): dropped, not queued

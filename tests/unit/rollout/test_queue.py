@@ -36,21 +36,21 @@ def test_take_waits_for_the_producer_and_keeps_order():
     t = threading.Thread(target=lambda: q.put(group(0, "second")))
     with q.cond:
         t.start()  # cannot put until take() releases the lock while waiting
-    assert [g.prompt for g in q.take(2, trainer_version=0, timeout_s=30)] == ["first", "second"]
+    assert [g.prompt for g in q.take(2, trainer_version=0, timeout_s=15)] == ["first", "second"]
     t.join()
 
 
 def test_producer_failure_reaches_the_trainer():
     q = RolloutQueue(max_staleness=1)
     q.fail(RuntimeError("server gone"))
-    with pytest.raises(RuntimeError, match="server gone"):
-        q.take(1, trainer_version=0, timeout_s=30)
+    with pytest.raises(RuntimeError, match="server gone"):  # at once: the failure is checked before any wait
+        q.take(1, trainer_version=0, timeout_s=0.01)
 
 
-def test_take_times_out_with_a_message():
+def test_take_times_out_with_a_message(take_within):
     q = RolloutQueue(max_staleness=1)
     with pytest.raises(TimeoutError, match="0/2 groups"):
-        q.take(2, trainer_version=0, timeout_s=0.01)
+        take_within(q, 2, timeout_s=0.01)
 
 
 def test_take_serves_the_oldest_version_first_so_late_groups_are_not_wasted():
@@ -133,19 +133,19 @@ def test_batches_taken_and_dropped_groups_add_up_over_calls():
     assert (q.batches_taken, q.dropped_stale) == (3, 3)
 
 
-def test_a_timeout_after_dynamic_sampling_drops_says_how_many_and_what_to_change():
+def test_a_timeout_after_dynamic_sampling_drops_says_how_many_and_what_to_change(take_within):
     q = RolloutQueue(max_staleness=0, dynamic_sampling=True)
     for rewards in ([1.0, 1.0], [0.0, 0.0], [1.0, 0.0]):
         q.put(dataclasses.replace(group(0), rewards=rewards))
     with pytest.raises(TimeoutError) as err:
-        q.take(2, trainer_version=0, timeout_s=0.01)
+        take_within(q, 2, timeout_s=0.01)
     message = str(err.value)
     for part in ("no rollout batch after 0 s", "(1/2 groups queued, 2 dropped so far by dynamic_sampling",
                  "make the reward finer or the prompts easier, or turn it off)", "is the inference server generating?"):
         assert part in message, part
     plain = RolloutQueue(max_staleness=0)
     with pytest.raises(TimeoutError) as err:
-        plain.take(2, trainer_version=0, timeout_s=0.01)
+        take_within(plain, 2, timeout_s=0.01)
     assert "(0/2 groups queued)" in str(err.value) and "dynamic_sampling" not in str(err.value)
 
 

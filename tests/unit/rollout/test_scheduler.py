@@ -100,11 +100,9 @@ class Harness:
             if action is not None:
                 action()
             self.cond.notify_all()
-        assert self.cond.parked.wait(DEADLINE_S), "the producer never parked"
-        deadline = time.monotonic() + DEADLINE_S
-        while self.server.held != self.producer.inflight:  # requests just sent are on their way to the server
-            assert time.monotonic() < deadline, "requests in flight never reached the server"
-            time.sleep(0.005)
+        self.wait_until(self.cond.parked.is_set, "the producer never parked")
+        # requests just sent are on their way to the server
+        self.wait_until(lambda: self.server.held == self.producer.inflight, "requests in flight never reached the server")
         with self.cond:
             inflight, sent = self.producer.inflight, len(self.server.requests)
         return inflight, len(self.queue), sent
@@ -114,14 +112,20 @@ class Harness:
     producer from sending in their place (otherwise in flight would not go down)."""
         target = self.producer.inflight - k
         self.server.release(k)
+        self.wait_until(lambda: self.producer.inflight <= target, "released requests never finished")
+
+    def wait_until(self, condition, what: str) -> None:
+        """Poll `condition` (a counter or a flag, not a server) until DEADLINE_S; a producer that failed meanwhile
+        fails the test at once, with its error, instead of at the deadline."""
         deadline = time.monotonic() + DEADLINE_S
-        while self.producer.inflight > target:
-            assert time.monotonic() < deadline, "released requests never finished"
-            time.sleep(0.005)  # polling a counter, not waiting for a server
+        while not condition():
+            assert self.producer.error is None, f"the producer failed: {self.producer.error!r}"
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
 
 
 @pytest.fixture
-def harness():
+def harness(stop_within):
     made = []
 
     def make(**kw) -> Harness:
@@ -132,7 +136,7 @@ def harness():
     yield make
     for h in made:
         h.server.release()  # the pool's threads must finish before stop() can join them
-        h.producer.stop()
+        stop_within(h.producer)
 
 
 def test_nothing_is_sent_before_the_first_policy_is_served(harness):

@@ -316,6 +316,25 @@ def test_a_pause_that_fails_is_undone_at_once_and_not_left_for_halt(tmp_path):
     assert publisher.halt() == []  # nothing is recorded as paused any more
 
 
+def test_a_halt_after_syncs_that_ended_waits_for_no_pause_call(tmp_path, monkeypatch):
+    # halt() waits for pause calls still on their way, at most HALT_WAIT_S; once every sync has ended (one paused
+    # and resumed the server, one whose pause failed) none is on its way, so it returns at once, even with a long wait.
+    from asyncgrpo.sync import publish as publish_module
+
+    monkeypatch.setattr(publish_module, "HALT_WAIT_S", 600.0)
+    v1, v2 = versions(tmp_path, 2)
+    server = Server()
+    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
+    publisher.publish(1, v1)
+    server.fail["pause"] = InferenceServerError("pause timed out", status=None)
+    with pytest.raises(SyncError):
+        publisher.publish(2, v2)
+    halting = threading.Thread(target=publisher.halt, name="test-halt", daemon=True)
+    halting.start()
+    halting.join(15.0)  # a liveness bound: a pause counted as still on its way makes halt() wait its 600 s
+    assert not halting.is_alive(), "halt() waited for a pause call that had returned"
+
+
 def test_a_resume_that_fails_says_the_server_may_still_be_paused_and_how_to_resume_it(tmp_path):
     v1, v2 = versions(tmp_path, 2)
     server = Server()
