@@ -78,6 +78,29 @@ def random_adapter(world):
 
 
 @pytest.fixture(scope="session")
+def train_two_processes(vllm_server):
+    """`train_two_processes(out, *overrides) -> (run summary, finished process)`: `asyncgrpo train` launched on 2 gloo
+    ranks (configs/demo.yaml) against the session server, writing to `out`; a failed launch fails the test with its
+    stderr."""
+    import json
+    import subprocess
+
+    from asyncgrpo.demo import default_config_path, launch_command, launch_environment
+    from asyncgrpo.inference.server import find_free_port
+
+    def run(out: Path, *overrides: str):
+        args = ["--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
+                "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+                "--vllm_request_timeout", "40", *overrides]
+        cmd = launch_command(2, find_free_port(), default_config_path(), args)
+        proc = subprocess.run(cmd, env=launch_environment(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((out / "run_summary.json").read_text()), proc
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def tb_scalars():
     """`tb_scalars(tensorboard_dir, tag) -> [(step, value), ...]`, read back from the event files."""
 

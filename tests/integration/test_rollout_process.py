@@ -3,7 +3,6 @@ its rollout side in a child process of rank 0, and no child outlives it; a rollo
 trainer with an error naming it, never a hang; SIGTERM during a sync held paused reaches the child, which resumes the
 server before the run exits 143."""
 
-import json
 import os
 import re
 import signal
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.demo import default_config_path, launch_command, launch_environment
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import find_free_port
 from asyncgrpo.sync.publish import HOLD_PAUSED_ENV
@@ -41,16 +39,11 @@ def _child_pid(log: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def two_process_run(vllm_server, world, tmp_path_factory):
+def two_process_run(world, train_two_processes, tmp_path_factory):
     out = tmp_path_factory.mktemp("rollout-process")
-    overrides = ["--rollout_process", "true", "--max_steps", "3", "--per_device_train_batch_size", "32",
-                 "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
-                 "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
-                 "--vllm_request_timeout", "40", "--learning_rate", "5e-3"]
-    cmd = launch_command(2, find_free_port(), default_config_path(), overrides)
-    proc = subprocess.run(cmd, env=launch_environment(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, json.loads((out / "run_summary.json").read_text()), proc
+    summary, proc = train_two_processes(out, "--rollout_process", "true", "--max_steps", "3",
+                                        "--per_device_train_batch_size", "32", "--learning_rate", "5e-3")
+    return out, summary, proc
 
 
 def test_a_run_with_its_rollout_side_in_a_child_process_trains_and_publishes(two_process_run, client, tb_scalars):

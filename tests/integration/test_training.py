@@ -1,6 +1,5 @@
 """Real multi-process training: `accelerate launch` with 2 CPU processes (DDP, gloo) against the real server."""
 
-import json
 import os
 import re
 import subprocess
@@ -10,23 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncgrpo.demo import default_config_path, launch_command, launch_environment
-from asyncgrpo.inference.server import find_free_port
-
 PROMPT = [3 + b for b in b"23+19="]
 
 
 @pytest.fixture(scope="module")
-def two_process_run(vllm_server, world, tmp_path_factory):
+def two_process_run(world, train_two_processes, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    overrides = ["--max_steps", "4", "--per_device_train_batch_size", "32", "--max_staleness", "1",
-                 "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
-                 "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
-                 "--vllm_request_timeout", "40", "--learning_rate", "5e-3"]
-    cmd = launch_command(2, find_free_port(), default_config_path(), overrides)
-    proc = subprocess.run(cmd, env=launch_environment(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, json.loads((out / "run_summary.json").read_text()), proc
+    summary, proc = train_two_processes(out, "--max_steps", "4", "--per_device_train_batch_size", "32",
+                                        "--max_staleness", "1", "--learning_rate", "5e-3")
+    return out, summary, proc
 
 
 def test_two_processes_train_and_publish_every_step(two_process_run, client, tb_scalars):
@@ -56,17 +47,12 @@ def test_the_written_adapter_gives_the_served_logprobs(two_process_run, client, 
     assert torch.allclose(mine, torch.tensor(completion.logprobs), atol=1e-3, rtol=0)
 
 
-def test_reward_workers_score_a_two_process_run_and_stop_with_it(vllm_server, tmp_path, tb_scalars):
+def test_reward_workers_score_a_two_process_run_and_stop_with_it(train_two_processes, tmp_path, tb_scalars):
     """`reward_workers: 2`: rank 0 scores in two spawned worker processes; the run trains, logs its rewards, and
     leaves no worker behind."""
-    overrides = ["--max_steps", "3", "--per_device_train_batch_size", "32", "--reward_workers", "2",
-                 "--reward_funcs", "[asyncgrpo.toy.task:slow_larger_reward]", "--reward_kwargs",
-                 "{slow_larger_reward: {ms_per_completion: 1}}", "--output_dir", str(tmp_path),
-                 "--lora_adapter_path", str(tmp_path / "adapters"), "--vllm_server_base_url", vllm_server.base_url,
-                 "--ddp_timeout", "120", "--vllm_server_timeout", "30", "--vllm_request_timeout", "40"]
-    cmd = launch_command(2, find_free_port(), default_config_path(), overrides)
-    proc = subprocess.run(cmd, env=launch_environment(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, proc = train_two_processes(tmp_path, "--max_steps", "3", "--per_device_train_batch_size", "32",
+                                  "--reward_workers", "2", "--reward_funcs", "[asyncgrpo.toy.task:slow_larger_reward]",
+                                  "--reward_kwargs", "{slow_larger_reward: {ms_per_completion: 1}}")
     (pids,) = re.findall(r"reward scoring in 2 worker processes \(pids (\d+ \d+)\)", proc.stderr)  # rank 0 only
     rewards = [v for _, v in tb_scalars(tmp_path / "tensorboard", "reward/mean")]
     assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards) and max(rewards) > 0.0
