@@ -37,6 +37,12 @@ class ServerUnreachableError(InferenceServerError):
     The rollout producer and the publisher wait for such a server to come back (`vllm_server_timeout`)."""
 
 
+class AdapterNotLoadedError(InferenceServerError):
+    """A server answered that the adapter a request named does not exist (vLLM: HTTP 404 "The model `X` does not
+    exist"). A restarted vLLM knows no adapters until they are registered again, so the rollout producer treats this
+    like a restart (the group is lost and the server recovered), unless it comes again right after a recovery."""
+
+
 class BehaviourLogprobError(InferenceServerError):
     """A server reported a sampled token's logprob that no sampler can produce (NaN, infinite, or below
     `rollout.producer.BEHAVIOUR_LOGPROB_FLOOR`): training on it would make the loss NaN or meaningless."""

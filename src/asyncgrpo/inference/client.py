@@ -26,7 +26,7 @@ import requests
 from urllib3.exceptions import NewConnectionError
 
 from asyncgrpo.config import API_KEY_ENV
-from asyncgrpo.errors import InferenceServerError, ServerUnreachableError
+from asyncgrpo.errors import AdapterNotLoadedError, InferenceServerError, ServerUnreachableError
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,12 @@ class InferenceClient:
         if seed is not None:
             body["seed"] = seed
         body.update(extra or {})
-        resp = self._request("complete", "POST", "/v1/completions", body=body, read_timeout_s=self.timeout_s)
+        try:
+            resp = self._request("complete", "POST", "/v1/completions", body=body, read_timeout_s=self.timeout_s)
+        except InferenceServerError as exc:
+            if exc.status == 404 and f"`{model}` does not exist" in (exc.body or ""):  # vLLM's text for an unknown model
+                raise AdapterNotLoadedError(str(exc), status=exc.status, body=exc.body) from exc
+            raise
         data = self._json("complete", resp, fast=True)
         return [self._completion(choice, data.get("model", model), resp.url) for choice in
                 sorted(data["choices"], key=lambda c: c["index"])]  # fmt: skip

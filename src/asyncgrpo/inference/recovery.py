@@ -3,8 +3,10 @@
 When a call finds a server unreachable (ServerUnreachableError: it was killed, crashed or is restarting), the
 caller hands the server to `ServerRecovery.recover`. That marks it down (the rollout producer sends it nothing),
 polls `/health` with exponential backoff until `vllm_server_timeout` has passed, then re-registers the adapter
-version being served (`restore`; a restarted vLLM knows no adapters) before marking it up again. So no generation
-reaches a restarted server before the current adapter is loaded on it.
+version being served (`restore`; a restarted vLLM knows no adapters) before marking it up again. So no request is
+sent to a restarted server before the current adapter is loaded on it. One already sent can still reach it first
+(its connection retries outlast a fast restart): the server answers that the adapter does not exist
+(AdapterNotLoadedError), nothing is generated, and the producer counts the group lost like any other in the outage.
 
 Several threads may fail on the same server at once: the first one recovers it, the others wait for that recovery
 and return (or raise its error). A server that does not come back in time raises InferenceServerError naming the

@@ -12,6 +12,9 @@ again, before any new one, to a server that is up (counted in `resent_groups`), 
 skipped. The server is recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`,
 re-register the current adapter) and gets no request until it is back. One that never returns fails the run with
 the server's name. A request aborted by a sync (`sync_pause_mode: abort`) is lost and sent again the same way.
+A server that answers that the request's adapter does not exist has restarted (a restarted vLLM knows no adapters
+until recovery registers them; a request's connection retries can reach it before that, or it restarted between two
+requests): the same, unless it says so again right after its recovery registered the adapter (`_adapter_missing`).
 
 Stopping: the first failure stops the producer on the spot (no request is sent after it) and hands the error to the
 trainer through the queue. `stop()` does not wait for requests still in flight: each runs on a daemon thread of
@@ -27,7 +30,7 @@ import time
 from collections import deque
 
 from ..data import PromptRow, PromptStream
-from ..errors import BehaviourLogprobError, ServerUnreachableError
+from ..errors import AdapterNotLoadedError, BehaviourLogprobError, InferenceServerError, ServerUnreachableError
 from ..inference.client import InferenceClient
 from ..inference.recovery import ServerRecovery
 from ..timeline import Timeline
@@ -96,6 +99,7 @@ class RolloutProducer:
         self.error: BaseException | None = None  # the failure that stopped the producer, if one did
         self._processing = 0  # answers being scored now (stop() waits for these, not for requests in flight)
         self._local = threading.local()
+        self._forgot_at: dict[str, int] = {}  # server -> epoch at which it last forgot an adapter, until a success
         # statistics, read by the trainer for logging
         self.generated_tokens = 0
         self.lost_groups = 0
@@ -191,6 +195,13 @@ class RolloutProducer:
                 self._lose_group(row, index)
                 self._recover_in_background(client, seen, exc)
                 return
+            except AdapterNotLoadedError as exc:
+                self._adapter_missing(client, seen, adapter, exc)  # raises if this is not a restart
+                self._lose_group(row, index)
+                self._recover_in_background(client, seen, exc)
+                return
+            with self._lock:
+                self._forgot_at.pop(client.base_url, None)  # it served a request: a later 404 is a new restart
             if group is not None and not self._stop:
                 self.queue.put(group)
         except BaseException as exc:  # noqa: BLE001
@@ -222,7 +233,26 @@ class RolloutProducer:
             self._resend.append((row, index))
         self.schedule.lost()  # after the prompt is queued to be resent: the freed slot goes to it
 
-    def _recover_in_background(self, client: InferenceClient, seen_epoch: int, exc: ServerUnreachableError) -> None:
+    def _adapter_missing(self, client: InferenceClient, seen_epoch: int, adapter: str,
+                         exc: AdapterNotLoadedError) -> None:
+        """`client`'s server answered that `adapter` does not exist. If it was marked down or recovered since the
+        request was sent, the request met it restarting: recovery registers the adapter. If not, it restarted
+        unseen (between requests), and a recovery is needed (recorded as the epoch it forgot at). But if it forgets
+        again on the first request after that recovery registered the adapter, with nothing served in between, the
+        requests and the registrations are not reaching the same vLLM: raise, naming the likely cause."""
+        url = client.base_url
+        with self._lock:
+            if self.recovery.epoch(client) != seen_epoch or not self.recovery.is_up(client):
+                return
+            if self._forgot_at.get(url) == seen_epoch - 1:
+                raise InferenceServerError(
+                    f"{exc}. {url} says {adapter} does not exist right after it was registered on it again (nothing "
+                    f"was served in between): the requests and the adapter loads are not reaching the same vLLM "
+                    f"server. Fix: if {url} is a load balancer or a service over several vLLM servers, list each "
+                    f"server in vllm_server_base_url instead", status=exc.status, body=exc.body) from exc
+            self._forgot_at[url] = seen_epoch
+
+    def _recover_in_background(self, client: InferenceClient, seen_epoch: int, exc: InferenceServerError) -> None:
         """The server died (or restarted) under a request: recover it in the background, so that the other servers
         keep generating meanwhile."""
         if self._stop:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.errors import AdapterNotLoadedError, InferenceServerError
 from asyncgrpo.inference import client as client_module
 from asyncgrpo.inference.client import InferenceClient
 
@@ -119,6 +119,19 @@ def test_json_error_body_is_quoted_verbatim(stubs):
         InferenceClient(stub.url).complete("policy-v9", [1, 2, 3], n=2, max_tokens=4)
 
     assert body in str(err.value) and err.value.status == 404 and err.value.body == body
+    assert isinstance(err.value, AdapterNotLoadedError)  # the model asked for is the one it says does not exist
+
+
+def test_only_a_404_naming_the_requested_model_is_an_adapter_not_loaded(stubs):
+    """Another model's name, or a 404 without that text (a route missing), stays a plain InferenceServerError: the
+    producer would take those for a server restart and recover instead of failing."""
+    other = '{"error":{"message":"The model `policy-v8` does not exist.","type":"NotFoundError","code":404}}'
+    for status, body in [(404, other), (404, '{"detail":"Not Found"}'), (400, other.replace("v8", "v9"))]:
+        stub = stubs(lambda s, h, status=status, body=body: (status, "application/json", body))
+        with pytest.raises(InferenceServerError) as err:
+            InferenceClient(stub.url).complete("policy-v9", [1, 2, 3], n=2, max_tokens=4)
+        assert not isinstance(err.value, AdapterNotLoadedError), (status, body)
+        assert err.value.status == status
 
 
 def test_503_is_retried_until_the_server_answers(stubs, sleeps):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from asyncgrpo.errors import InferenceServerError, ServerUnreachableError
+from asyncgrpo.errors import AdapterNotLoadedError, InferenceServerError, ServerUnreachableError
 from asyncgrpo.inference.recovery import ServerRecovery
 
 DEADLINE_S = 15.0
@@ -145,3 +145,108 @@ def test_a_server_being_recovered_gets_no_request_while_another_is_up(rollout_on
         back.set()
     assert sorted(g.index for g in groups) == [0, 1, 2, 3]
     assert [len(rollout.generation_bodies(s)) for s in rollout.servers] == [4, 0]
+
+
+def not_loaded(body: dict) -> tuple[int, str, str]:
+    """vLLM's answer to a request for an adapter it does not have (a restarted server knows none)."""
+    return 404, "application/json", json.dumps({"error": {"message": f"The model `{body['model']}` does not exist.",
+                                                          "type": "NotFoundError", "param": "model", "code": 404}})
+
+
+def test_a_server_that_forgot_its_adapter_between_requests_is_recovered_and_the_group_sent_again(rollout_on_stub):
+    restored = []
+    recovery = RecordingRecovery(30, restore=restored.append)
+
+    def route(stub, handler):
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        body = json.loads(handler.body)
+        if not restored:  # restarted unseen: nothing was registered on it since
+            return not_loaded(body)
+        return rollout_on_stub.answer(body, [[7]] * body["n"])
+
+    rollout = rollout_on_stub(route, recovery=recovery)
+    groups = rollout.run(timeout_s=DEADLINE_S)
+    assert sorted(g.index for g in groups) == [0, 1]
+    assert restored == [rollout.client] and recovery.epoch(rollout.client) == 1
+    ((client, seen_epoch, cause),) = recovery.handed
+    assert client is rollout.client and seen_epoch == 0
+    assert isinstance(cause, AdapterNotLoadedError) and "`demo-v0` does not exist" in str(cause)
+    assert rollout.producer.lost_groups == 1 and rollout.producer.resent_groups == 1
+    first, again = [b["prompt"] for b in rollout.generation_bodies()][:2]
+    assert first == again  # the lost prompt, sent again before any new one
+
+
+def test_a_server_that_forgets_again_right_after_its_recovery_fails_the_run_with_the_likely_cause(rollout_on_stub):
+    restored = []
+    recovery = RecordingRecovery(30, restore=restored.append)
+
+    def route(stub, handler):  # registrations go somewhere else: every request says the adapter does not exist
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        return not_loaded(json.loads(handler.body))
+
+    rollout = rollout_on_stub(route, recovery=recovery)
+    with pytest.raises(InferenceServerError) as err:
+        rollout.run(timeout_s=DEADLINE_S)
+    message = str(err.value)
+    assert "`demo-v0` does not exist" in message and rollout.server.url in message
+    assert "right after it was registered on it again" in message and "list each server in vllm_server_base_url" \
+        in message
+    assert restored == [rollout.client]  # one recovery, then the second forgetting ends the run
+    assert len(rollout.generation_bodies()) == 2 and rollout.producer.error is err.value
+
+
+def test_an_adapter_missing_on_a_server_being_recovered_is_that_outage_not_a_second_forgetting(rollout_on_stub):
+    """The request reached the restarted server before its recovery registered the adapter (its connection retries
+    outlasted the restart): the group is lost in that outage. A later forgetting, after the recovery, is a new
+    restart (recovered again), not the run's end: only one right after a recovery that itself followed one is."""
+    restoring, back, restored = threading.Event(), threading.Event(), []
+
+    def restore(client):
+        restored.append(client)
+        if len(restored) == 1:
+            restoring.set()
+            assert back.wait(DEADLINE_S)
+
+    recovery = ServerRecovery(30, restore=restore)
+    answers = []
+
+    def route(stub, handler):
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        body = json.loads(handler.body)
+        answers.append(body["prompt"])
+        if len(answers) == 1:  # an outage is being recovered while this request meets the restarted server
+            threading.Thread(target=recovery.recover, args=(rollout.client, 0), daemon=True).start()
+            assert restoring.wait(DEADLINE_S)
+            threading.Timer(0.2, back.set).start()
+            return not_loaded(body)
+        if len(answers) == 2:  # the first request after that recovery: the server restarted again, unseen
+            return not_loaded(body)
+        return rollout_on_stub.answer(body, [[7]] * body["n"])
+
+    rollout = rollout_on_stub(route, recovery=recovery)
+    groups = rollout.run(timeout_s=DEADLINE_S)
+    assert sorted(g.index for g in groups) == [0, 1]
+    assert restored == [rollout.client] * 2 and recovery.epoch(rollout.client) == 2
+    assert rollout.producer.lost_groups == 2 and rollout.producer.error is None
+
+
+def test_a_server_that_served_between_two_forgettings_is_recovered_both_times(rollout_on_stub):
+    restored, answers = [], []
+    recovery = ServerRecovery(30, restore=restored.append)
+
+    def route(stub, handler):  # restarted unseen before the first request and again after the second
+        if handler.path == "/health":
+            return 200, "text/plain", ""
+        body = json.loads(handler.body)
+        answers.append(body["prompt"])
+        if len(answers) in (1, 3):
+            return not_loaded(body)
+        return rollout_on_stub.answer(body, [[7]] * body["n"])
+
+    rollout = rollout_on_stub(route, recovery=recovery)
+    groups = rollout.run(timeout_s=DEADLINE_S)
+    assert len(groups) == 2 and rollout.producer.error is None and len(answers) == 4
+    assert restored == [rollout.client] * 2 and rollout.producer.lost_groups == 2
