@@ -175,3 +175,25 @@ def test_a_reward_module_the_worker_cannot_import_fails_the_pool_at_start(tokeni
     scorer.refs = ["no_such_module_xyz:reward"]  # passed the parent's check, not importable in the worker
     with pytest.raises(RewardFunctionError, match="could not load the reward functions.*no_such_module_xyz"):
         RewardPool(1, scorer, TokenizerRef.of(tokenizer))
+
+
+def test_reward_workers_picks_the_scorer_and_hands_it_the_rewards_config(tokenizer, template):
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.rollout.scoring import make_group_scorer
+
+    ref, kwargs = "asyncgrpo.rewards:format_reward", {"format_reward": {"pattern": "^7$"}}
+    values = {"lora_adapter_path": "/tmp/adapters", "reward_funcs": [ref], "reward_weights": [2.5],
+              "reward_fallback": -3.0, "reward_kwargs": kwargs}
+    in_thread = make_group_scorer(AsyncGRPOConfig.from_dict(values), tokenizer, template)
+    assert isinstance(in_thread, InThreadScoring)
+    assert in_thread.tokenizer is tokenizer and in_thread.response_template is template
+    scorer = in_thread.scorer
+    assert (scorer.refs, scorer.weights, scorer.fallback, scorer.kwargs) == (
+        [ref], [2.5], -3.0, kwargs)
+    pooled = make_group_scorer(AsyncGRPOConfig.from_dict({**values, "reward_workers": 2, "reward_timeout": 7.0}),
+                               tokenizer, template)
+    try:
+        assert isinstance(pooled, RewardPool) and pooled.workers == 2 and pooled.timeout_s == 7.0
+        assert pooled.spec == type(pooled.spec)([ref], [2.5], -3.0, kwargs, TokenizerRef.of(tokenizer), template)
+    finally:
+        pooled.close()
