@@ -4,7 +4,7 @@ Runs mutmut (configured in pyproject.toml, [tool.mutmut]) and prints one JSON li
 killed, how many survived or timed out, per module, and the survivors by name (`mutmut show NAME` prints the diff).
 A measurement, like the benchmarks: not part of CI. docs/testing.md lists the survivors and why each one stays.
 
-    python scripts/mutate.py                         # every mutant (~30 minutes on a shared 2-core machine)
+    python scripts/mutate.py                         # every mutant (docs/testing.md has the last run's time)
     python scripts/mutate.py "asyncgrpo.loss.*"      # only these mutants (mutmut's name patterns)
     python scripts/mutate.py --report                # only summarise the results of the last run
 """
@@ -70,7 +70,8 @@ def summarise(wall_s: float | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("patterns", nargs="*", help="mutant name patterns (default: every mutant)")
-    parser.add_argument("--children", type=int, default=2, help="mutants tested at once (default 2)")
+    # 4 on 2 cores: many of a mutant's tests wait (on threads, sockets, spawned processes) rather than compute.
+    parser.add_argument("--children", type=int, default=4, help="mutants tested at once (default 4)")
     parser.add_argument("--report", action="store_true", help="summarise the last run without running again")
     args = parser.parse_args()
     wall_s = None

@@ -52,7 +52,9 @@ class RolloutSide:
         self._publishing: Future | None = None
 
     # ---- start ----------------------------------------------------------------------------------------
-    def start(self) -> None:
+    # Not mutated (make mutate): start() wires parts that each have unit tests of their own, behind the doctor,
+    # which needs a real server; every integration test that trains runs it (docs/testing.md).
+    def start(self) -> None:  # pragma: no mutate block
         """Check every server (`asyncgrpo doctor`: fail now, naming the fix), load the prompts, start the producer.
         It sends nothing before the first `publish`."""
         from torch.utils.tensorboard import SummaryWriter
@@ -103,7 +105,7 @@ class RolloutSide:
             self._unload_previous_run()
         self.producer.start()
 
-    def _unload_previous_run(self) -> None:
+    def _unload_previous_run(self) -> None:  # pragma: no mutate block - as start(); test_checkpoint.py (integration)
         """The run that wrote the checkpoint may have left its adapters loaded on the servers (it was killed); unload
         them so they do not hold the server's adapter slots. Best effort."""
         prefix = f"{self.cfg.lora_name}-{self.previous_run_id}-v"
