@@ -1,6 +1,7 @@
 """The rollout side's interface as the trainer uses it: versions published in order on one background thread, a failed
-publish raised by the next call, `take` handing the trainer's version to the queue, `close` unloading every version
-but the kept final one, `halt` reaching the publisher.
+publish raised by the next call, `take` handing the trainer's version to the queue, `close` waiting for the publish in
+progress and unloading every version but the kept final one, `halt` reaching the publisher; and what it reports
+(`stats` against counters and a clock the test sets, `log`, each sync's timings).
 
 Generation goes to the in-process HTTP stub (tests/unit/rollout/conftest.py) with a real producer, queue and scorer.
 The adapter servers the publisher talks to are recording Python fakes (no HTTP), as in tests/unit/sync: a load held
@@ -11,6 +12,7 @@ against a real server runs in every integration test that trains (tests/integrat
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -194,6 +196,36 @@ def test_close_unloads_every_version_this_run_loaded_but_the_kept_final_one(side
     unloaded = [name for call, name in server.calls if call == "unload"]
     assert unloaded == ([f"{prefix}-v0"] if keep_final else [f"{prefix}-v0", f"{prefix}-v1"])
     assert list(server.served) == ([f"{prefix}-v1"] if keep_final else [])
+
+
+def joining_the_publish_thread(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked in ThreadPoolExecutor.shutdown, joining a worker (its stack, read as a debugger
+    would: there is no other way to see that a call is waiting rather than slow)."""
+    frame, names = sys._current_frames().get(thread.ident), []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return bool(names) and names[0] in ("_wait_for_tstate_lock", "join") and "shutdown" in names
+
+
+def test_close_waits_for_the_publish_in_progress_so_the_version_it_loads_is_unloaded_too(side_on_stub):
+    side, server = side_on_stub()
+    prefix = side.publisher.prefix
+    side.publish(0, tensors(0), step=0, wait=True)
+    server.gates[f"{prefix}-v1"] = gate = threading.Event()
+    side.publish(1, tensors(1), step=1)  # on the publish thread, its load held at the gate
+    closer = threading.Thread(target=side.close, kwargs={"keep_final": False}, name="test-close", daemon=True)
+    closer.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while closer.is_alive() and not joining_the_publish_thread(closer):  # waiting for the publish, or returned
+        assert time.monotonic() < deadline, "close neither returned nor waited for the publish thread"
+        time.sleep(0.005)  # polling a thread's state, not waiting for a server
+    gate.set()
+    closer.join(DEADLINE_S)
+    assert not closer.is_alive(), "close did not return once the publish in progress was done"
+    assert loads(server) == [f"{prefix}-v0", f"{prefix}-v1"]
+    assert {name for call, name in server.calls if call == "unload"} == {f"{prefix}-v0", f"{prefix}-v1"}
+    assert server.served == {}  # no version of this run is left holding a server's adapter slot
 
 
 def test_halt_reaches_the_publisher_so_no_later_sync_pauses_a_server(side_on_stub):
