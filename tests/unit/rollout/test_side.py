@@ -1,6 +1,7 @@
 """The rollout side's interface as the trainer uses it: versions published in order on one background thread, a failed
-publish raised by the next call, `take` handing the trainer's version to the queue, `close` unloading every version
-but the kept final one, `halt` reaching the publisher.
+publish raised by the next call, `take` handing the trainer's version to the queue, `close` waiting for the publish in
+progress and unloading every version but the kept final one, `halt` reaching the publisher; and what it reports
+(`stats` against counters and a clock the test sets, `log`, each sync's timings).
 
 Generation goes to the in-process HTTP stub (tests/unit/rollout/conftest.py) with a real producer, queue and scorer.
 The adapter servers the publisher talks to are recording Python fakes (no HTTP), as in tests/unit/sync: a load held
@@ -11,15 +12,20 @@ against a real server runs in every integration test that trains (tests/integrat
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import SyncError
+from asyncgrpo.rollout import side as side_module
 from asyncgrpo.rollout.side import RolloutSide
-from asyncgrpo.sync.publish import AdapterPublisher, AdapterStore
+from asyncgrpo.sync.publish import CONFIG_NAME, AdapterPublisher, AdapterStore
 
 DEADLINE_S = 15.0  # every wait here is milliseconds when the code is right
 
@@ -192,6 +198,36 @@ def test_close_unloads_every_version_this_run_loaded_but_the_kept_final_one(side
     assert list(server.served) == ([f"{prefix}-v1"] if keep_final else [])
 
 
+def joining_the_publish_thread(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked in ThreadPoolExecutor.shutdown, joining a worker (its stack, read as a debugger
+    would: there is no other way to see that a call is waiting rather than slow)."""
+    frame, names = sys._current_frames().get(thread.ident), []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return bool(names) and names[0] in ("_wait_for_tstate_lock", "join") and "shutdown" in names
+
+
+def test_close_waits_for_the_publish_in_progress_so_the_version_it_loads_is_unloaded_too(side_on_stub):
+    side, server = side_on_stub()
+    prefix = side.publisher.prefix
+    side.publish(0, tensors(0), step=0, wait=True)
+    server.gates[f"{prefix}-v1"] = gate = threading.Event()
+    side.publish(1, tensors(1), step=1)  # on the publish thread, its load held at the gate
+    closer = threading.Thread(target=side.close, kwargs={"keep_final": False}, name="test-close", daemon=True)
+    closer.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while closer.is_alive() and not joining_the_publish_thread(closer):  # waiting for the publish, or returned
+        assert time.monotonic() < deadline, "close neither returned nor waited for the publish thread"
+        time.sleep(0.005)  # polling a thread's state, not waiting for a server
+    gate.set()
+    closer.join(DEADLINE_S)
+    assert not closer.is_alive(), "close did not return once the publish in progress was done"
+    assert loads(server) == [f"{prefix}-v0", f"{prefix}-v1"]
+    assert {name for call, name in server.calls if call == "unload"} == {f"{prefix}-v0", f"{prefix}-v1"}
+    assert server.served == {}  # no version of this run is left holding a server's adapter slot
+
+
 def test_halt_reaches_the_publisher_so_no_later_sync_pauses_a_server(side_on_stub):
     side, server = side_on_stub(sync_mode="pause")
     side.publish(0, tensors(0), step=0, wait=True)  # the first version loads without a pause
@@ -208,3 +244,109 @@ def test_a_side_that_never_started_halts_and_closes_without_error(rollout_on_stu
     side.halt()
     side.close(keep_final=True)
     assert (side.version, side.adapter_name, side.adapter_path) == (None, None, None)
+
+
+# ---- what the side reports: its constructor's defaults, stats(), log(), each publish's timings ----------------------
+def bare_side(tmp_path, **kwargs) -> RolloutSide:
+    """A side that is never started (no server, no producer): its constructor and the parts that only read counters."""
+    cfg = AsyncGRPOConfig.from_dict({"output_dir": str(tmp_path / "out"), "lora_adapter_path": str(tmp_path / "a")})
+    return RolloutSide(cfg, tokenizer=None, model_path=str(tmp_path), peft_config=Lora(), groups_per_step=3, **kwargs)
+
+
+def clock(monkeypatch, monotonic: float = 0.0, perf_counter: list[float] | None = None) -> None:
+    """side.py reads time through its module's `time`: replace that name alone (every other module keeps the real
+    clock). `monotonic` is a fixed reading; `perf_counter` the readings in the order they are taken."""
+    ticks = iter(perf_counter or [])
+    monkeypatch.setattr(side_module, "time", SimpleNamespace(monotonic=lambda: monotonic,
+                                                             perf_counter=lambda: next(ticks)))
+
+
+def test_a_side_built_without_resume_arguments_starts_a_fresh_run_and_logs_under_output_dir(tmp_path):
+    side = bare_side(tmp_path)
+    assert (side.start_step, side.data_position, side.previous_run_id) == (0, 0, None)
+    assert side.groups_per_step == 3
+    assert side.tensorboard_dir == tmp_path / "out" / "tensorboard"  # the run summary names it
+
+
+class Counted:
+    """A producer's, queue's or scorer's counters, set by the test; len() is the queue's depth."""
+
+    def __init__(self, depth: int = 0, **counters):
+        self.__dict__.update(counters)
+        self.depth = depth
+
+    def __len__(self):
+        return self.depth
+
+
+def side_with_counters(tmp_path, started_at: float) -> RolloutSide:
+    side = bare_side(tmp_path)
+    side.producer = Counted(started_at=started_at, generated_tokens=600, lost_groups=2, resent_groups=3, inflight=4)
+    side.queue = Counted(depth=5, dropped_stale=6, dropped_zero_std=7)
+    side.scorer = Counted(fallbacks=8)
+    return side
+
+
+def test_stats_reports_each_counter_under_its_tensorboard_name_and_tokens_per_second_since_the_producer_started(
+        tmp_path, monkeypatch):
+    side = side_with_counters(tmp_path, started_at=100.0)
+    clock(monkeypatch, monotonic=104.0)  # 4 s after the producer started
+    assert side.stats() == {"rollout/generated_tokens_per_s": 150.0,  # 600 tokens / 4 s
+                            "rollout/lost_groups_total": 2, "rollout/resent_groups_total": 3,
+                            "reward/fallbacks_total": 8, "queue/dropped_stale_total": 6, "queue/depth": 5,
+                            "queue/dropped_zero_std_total": 7, "queue/inflight_requests": 4}
+
+
+def test_the_token_rate_over_less_than_a_second_is_not_capped_and_at_time_zero_is_finite(tmp_path, monkeypatch):
+    side = side_with_counters(tmp_path, started_at=100.0)
+    clock(monkeypatch, monotonic=100.5)
+    assert side.stats()["rollout/generated_tokens_per_s"] == 1200.0  # 600 tokens / 0.5 s
+    clock(monkeypatch, monotonic=100.0)  # no time has passed: divided by 1e-9 s, not by zero
+    assert side.stats()["rollout/generated_tokens_per_s"] == pytest.approx(600 / 1e-9)
+
+
+def test_log_writes_each_value_under_its_name_at_the_given_step(tmp_path):
+    side = bare_side(tmp_path)
+    side.writer = Writer()
+    side.log({"train/loss": 0.25, "rollout/lost_groups_total": 3}, step=7)
+    assert side.writer.scalars == [("train/loss", 0.25, 7), ("rollout/lost_groups_total", 3, 7)]
+
+
+def test_publish_returns_the_seconds_it_waited_before_handing_over_and_logs_the_syncs_timings_at_its_step(side_on_stub,
+                                                                                                 monkeypatch):
+    side, _ = side_on_stub()
+    timings = []
+    publish = side.publisher.publish
+    side.publisher.publish = lambda *args: timings.append(publish(*args)) or timings[-1]
+    # publish() reads the clock before and after waiting (main thread), then _publish before and after the write
+    # (publish thread, which runs after both and before publish returns: wait=True)
+    clock(monkeypatch, perf_counter=[10.0, 12.5, 20.0, 20.25])
+    assert side.publish(0, tensors(0), step=7, wait=True) == 2.5
+    (timing,) = timings
+    assert side.writer.scalars == [("sync/write_s", 0.25, 7), ("sync/server_s", timing.server_s, 7),
+                                   ("sync/paused_s", timing.paused_s, 7), ("sync/load_s", timing.load_s, 7)]
+
+
+def test_a_published_version_names_the_resolved_model_path_as_its_base_model(side_on_stub, tmp_path):
+    side, _ = side_on_stub()
+    side.publish(0, tensors(0), step=0, wait=True)
+    config = json.loads((side.store.path(0) / CONFIG_NAME).read_text())
+    assert config["base_model_name_or_path"] == str(Path(tmp_path).resolve())
+
+
+def test_a_version_a_server_still_has_loaded_stays_on_disk_beyond_keep_adapter_versions(side_on_stub,
+                                                                                        rollout_on_stub):
+    held.release, held.answer = threading.Event(), rollout_on_stub.answer
+    side, _ = side_on_stub(held, keep_adapter_versions=1)
+    prefix = side.publisher.prefix
+    try:
+        side.publish(0, tensors(0), step=0, wait=True)
+        deadline = time.monotonic() + DEADLINE_S
+        while side.producer.adapters_in_use() != {f"{prefix}-v0"}:  # a request on version 0 is in flight
+            assert time.monotonic() < deadline, "no request was sent"
+            time.sleep(0.005)
+        side.publish(1, tensors(1), step=1, wait=True)  # prunes to 1 version, but version 0 is still loaded
+        assert set(side.publisher.loaded) == {f"{prefix}-v0", f"{prefix}-v1"}
+        assert side.store.versions() == [0, 1]
+    finally:
+        held.release.set()
