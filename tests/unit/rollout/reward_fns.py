@@ -42,3 +42,37 @@ def segfault(prompts, completions, **columns):
     import ctypes
 
     ctypes.string_at(0)
+
+
+class MisbehavingTokenizer:
+    """A stand-in tokenizer (TokenizerRef("never-ready" or a directory, "reward_fns", "MisbehavingTokenizer")) for
+    the failures a real tokenizer cannot produce on demand: loading that never ends, and decoding that does what the
+    first token id says: 1 hangs, 2 exits (os._exit(3)), 3 closes the worker's pipe and hangs (its process lives on).
+    Before hanging it creates `hanging` in its directory, so that a test can wait for the worker to be busy."""
+
+    def __init__(self, directory):
+        self.directory = directory
+
+    @classmethod
+    def from_pretrained(cls, directory):
+        if directory == "never-ready":
+            threading.Event().wait()
+        return cls(directory)
+
+    def __len__(self):
+        return 100
+
+    def decode(self, ids, skip_special_tokens=True):
+        action = ids[0] if ids else 0
+        if action == 2:
+            os._exit(3)
+        if action == 3:
+            import gc
+            from multiprocessing.connection import Connection
+
+            for conn in [o for o in gc.get_objects() if isinstance(o, Connection)]:
+                conn.close()
+        if action in (1, 3):
+            open(os.path.join(self.directory, "hanging"), "w").close()
+            threading.Event().wait()
+        return "x"

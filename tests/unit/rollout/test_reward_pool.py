@@ -8,7 +8,11 @@ loaded by reference as a user's would be."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,8 @@ import pytest
 from asyncgrpo.data import PromptRow, response_template_for
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.reward_pool import WORKER_NICE, RewardPool, TokenizerRef
+from asyncgrpo.rollout import reward_pool
+from asyncgrpo.rollout.reward_pool import DECODING, WORKER_NICE, RewardPool, TokenizerRef
 from asyncgrpo.rollout.scoring import InThreadScoring
 
 HERE = str(Path(__file__).parent)
@@ -89,6 +94,8 @@ def test_pool_gives_the_in_thread_rewards_for_a_text_row(pool, tokenizer, templa
     rewards, parts = expected
     assert parts["math_accuracy"] == [1.0, 0.0, 0.0]
     assert parts["torch_imported"] == [1.0] * 3  # this test process has torch...
+    # ...a spawned worker has not (a forked one would): checked here too, where the pool is made
+    assert pool.score_group(text_row(), completion_ids, reasons)[1]["torch_imported"] == [0.0] * 3
 
 
 def test_workers_do_not_import_torch(pool, tokenizer):
@@ -194,6 +201,99 @@ def test_reward_workers_picks_the_scorer_and_hands_it_the_rewards_config(tokeniz
                                tokenizer, template)
     try:
         assert isinstance(pooled, RewardPool) and pooled.workers == 2 and pooled.timeout_s == 7.0
+        assert [w.process.name for w in pooled._workers] == ["reward-worker-0", "reward-worker-1"]
         assert pooled.spec == type(pooled.spec)([ref], [2.5], -3.0, kwargs, TokenizerRef.of(tokenizer), template)
     finally:
         pooled.close()
+
+
+def test_a_pool_of_no_workers_is_refused(tokenizer):
+    with pytest.raises(AssertionError):  # (make_group_scorer builds none for reward_workers: 0) it would never score
+        RewardPool(0, RewardScorer(["asyncgrpo.rewards:format_reward"]), TokenizerRef.of(tokenizer))
+
+
+# ---- failures of the worker itself, with a tokenizer that misbehaves on purpose (reward_fns.MisbehavingTokenizer:
+# a real tokenizer cannot be made to hang, exit or break its pipe on demand) --------------------------------------
+def _ends(fn, deadline_s: float = 30.0) -> dict:
+    """Runs fn() in a thread and returns {"value": ...} or {"error": ...}; fails if fn is still running at a
+    generous deadline (the guard against a hang, not a timing)."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    assert not thread.is_alive(), f"still running after {deadline_s} s: a hang"
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def decoding_pool(tmp_path_factory, reward_path):
+    directory = tmp_path_factory.mktemp("misbehaving-tokenizer")
+    tokenizer = TokenizerRef(str(directory), "reward_fns", "MisbehavingTokenizer")
+    made = RewardPool(1, RewardScorer(["reward_fns:misbehave"]), tokenizer, timeout_s=TIMEOUT_S)
+    yield made, directory
+    made.close()
+
+
+def test_a_hang_while_decoding_is_named_as_the_decoding_stage_not_as_a_reward_function(decoding_pool):
+    pool, _ = decoding_pool
+    with pytest.raises(RewardFunctionError) as error:
+        pool.score_group(text_row(), [[1]], ["stop"])  # MisbehavingTokenizer: id 1 hangs in decode
+    assert str(error.value).startswith(f"{DECODING} did not finish within reward_timeout=2 s\n  on prompt '07,45>'")
+    assert pool.replaced == 1  # this pool's first replacement
+
+
+def test_a_worker_that_exits_while_decoding_names_the_decoding_stage(decoding_pool):
+    pool, _ = decoding_pool
+    with pytest.raises(RewardFunctionError, match=re.escape(f"died with exit code 3 while running {DECODING}\n")):
+        pool.score_group(text_row(), [[2]], ["stop"])  # id 2: os._exit(3) in decode
+
+
+def test_a_worker_whose_pipe_breaks_while_it_lives_on_is_killed_and_replaced(decoding_pool, monkeypatch):
+    pool, _ = decoding_pool
+    monkeypatch.setattr(reward_pool, "WORKER_STOP_TIMEOUT_S", 0.5)  # the wait for an exit that will not come
+    broken, replaced = pool._workers[0], pool.replaced
+    outcome = _ends(lambda: pool.score_group(text_row(), [[3]], ["stop"]))  # id 3: closes its pipe, then hangs
+    assert isinstance(outcome.get("error"), RewardFunctionError), outcome
+    assert f"the reward worker process died with exit code None while running {DECODING}" in str(outcome["error"])
+    assert broken.process.exitcode == -signal.SIGKILL and pool.replaced == replaced + 1  # killed, not left behind
+    assert pool.score_group(text_row(), [[5]], ["stop"]) == ([0.5], {"misbehave": [0.5]})  # the new worker
+
+
+def test_close_kills_a_worker_that_is_still_scoring(decoding_pool, monkeypatch):
+    pool, directory = decoding_pool
+    monkeypatch.setattr(reward_pool, "WORKER_STOP_TIMEOUT_S", 0.5)  # close()'s wait before it kills
+    marker = directory / "hanging"
+    marker.unlink(missing_ok=True)
+    pool.timeout_s = 600.0  # the call itself would wait far longer than close()
+    busy = pool._workers[0]
+    outcomes = []
+    caller = threading.Thread(target=lambda: outcomes.append(_ends(lambda: pool.score_group(text_row(), [[1]],
+                                                                                            ["stop"]))), daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not marker.exists():  # the worker is inside the hanging decode
+        assert time.monotonic() < deadline, "the worker never started decoding"
+        time.sleep(0.05)
+    assert _ends(pool.close) == {"value": None}
+    assert busy.process.exitcode == -signal.SIGKILL
+    caller.join(30)
+    assert not caller.is_alive() and isinstance(outcomes[0].get("error"), RewardFunctionError)  # the call ended too
+    replaced = pool.replaced
+    with pytest.raises(RewardFunctionError, match=re.escape("the reward pool was closed (the run is stopping)")):
+        pool.score_group(text_row(), [[5]], ["stop"])
+    assert pool.replaced == replaced  # a closed pool starts no worker in place of the killed one
+    pool.close()  # a second close is a no-op
+
+
+def test_a_worker_that_never_gets_ready_fails_the_pool_at_its_start_timeout(reward_path):
+    never = TokenizerRef("never-ready", "reward_fns", "MisbehavingTokenizer")  # its from_pretrained never returns
+    outcome = _ends(lambda: RewardPool(1, RewardScorer(["reward_fns:misbehave"]), never, start_timeout_s=1.0))
+    assert isinstance(outcome.get("error"), RewardFunctionError), outcome
+    assert str(outcome["error"]).startswith("a reward worker process did not start within 1 s (exit code -9). Fix:")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import errno
 import signal
+import struct
 import time
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 
 from asyncgrpo.errors import ConfigError, InferenceServerError, RewardFunctionError, RolloutProcessError
 from asyncgrpo.rollout.process import RolloutProcess
+from asyncgrpo.rollout import wire
 from asyncgrpo.rollout.queue import Group
 from asyncgrpo.rollout.wire import decode_groups, encode_groups, pack_exception, rebuild_exception
 
@@ -35,7 +38,13 @@ def _groups() -> list[Group]:
     second = Group(prompt="héllo ∑", prompt_ids=[2**31 - 1], completion_ids=[[0]],
                    behaviour_logprobs=[_fp32([-88.5])], rewards=[0.0], reward_parts={}, advantages=[0.0], version=0,
                    adapter="policy-ab12cd34-v0")
-    return [first, second]  # the second: empty finish_reasons and masked, no reward parts, defaults
+    third = Group(prompt="2*3=", prompt_ids=[7, 8], completion_ids=[[11, 12], [13]],
+                  behaviour_logprobs=[_fp32([-0.5, -2.0]), _fp32([-0.125])], rewards=[0.25, -1.0],
+                  reward_parts={"accuracy": [0.0, 1.0], "length": [None, -0.5]}, advantages=[0.5, -0.5], version=5,
+                  adapter="policy-ab12cd34-v5", finish_reasons=["stop", "stop"], index=18, masked=[True, False])
+    # the second: empty finish_reasons and masked, no reward parts, defaults; the third: reward parts and masks
+    # after a group that had some (each group reads its own slice, not the first group's)
+    return [first, second, third]
 
 
 def test_a_batch_round_trips_exactly_through_the_binary_form():
@@ -43,6 +52,47 @@ def test_a_batch_round_trips_exactly_through_the_binary_form():
     blob = encode_groups(groups)
     assert isinstance(blob, bytes)
     assert decode_groups(blob) == groups  # dataclass equality: every field, every value, None parts and empty lists
+
+
+def test_decoded_values_have_the_python_types_the_group_declares():
+    back = decode_groups(encode_groups(_groups()))
+    # (equality alone would accept 3.0 for 3 and 0.0 for False)
+    assert all(type(t) is int for g in back for t in g.prompt_ids)
+    assert all(type(m) is bool for g in back for m in g.masked) and back[0].masked == [False, True, False]
+    assert all(type(v) is int for g in back for v in (g.version, g.index))
+
+
+def test_integer_rewards_advantages_and_parts_come_back_as_floats():
+    """An integer reward (e.g. a `reward_fallback: 0` in YAML) is stored as float64 like every other reward."""
+    group = Group(prompt="p", prompt_ids=[1], completion_ids=[[2], [3]], behaviour_logprobs=[[-1.0], [-2.0]],
+                  rewards=[1, 0], reward_parts={"accuracy": [1, 0]}, advantages=[1, -1], version=2, adapter="a")
+    (back,) = decode_groups(encode_groups([group]))
+    assert back == group
+    assert [type(v) for v in back.rewards + back.advantages] == [float] * 4
+    assert [type(v) for v in back.reward_parts["accuracy"]] == [float, float]
+
+
+def test_the_blob_is_a_length_a_pickled_header_and_the_arrays_in_their_documented_dtypes():
+    groups = _groups()
+    blob = encode_groups(groups)
+    (size,) = struct.unpack_from("<I", blob, 0)
+    header = pickle.loads(blob[4:4 + size])
+    assert header["format"] == 1
+    assert header["arrays"] == [
+        ("prompt_ids", "<i4", 10), ("prompt_lens", "<i4", 3),
+        ("completion_ids", "<i4", 9), ("completion_lens", "<i4", 6),
+        ("logprobs", "<f4", 9), ("logprob_lens", "<i4", 6),
+        ("n_completions", "<i4", 3), ("rewards", "<f8", 6), ("advantages", "<f8", 6), ("masked", "|u1", 5),
+        ("version", "<i8", 3), ("index", "<i8", 3), ("part_values", "<f8", 10), ("part_present", "|u1", 10)]
+    assert len(blob) == 4 + size + sum(np.dtype(dtype).itemsize * count for _, dtype, count in header["arrays"])
+
+
+def test_a_blob_of_another_format_is_refused_naming_its_format(monkeypatch):
+    monkeypatch.setattr(wire, "_FORMAT", 2)
+    blob = encode_groups(_groups())
+    monkeypatch.setattr(wire, "_FORMAT", 1)
+    with pytest.raises(AssertionError, match="^2$"):
+        decode_groups(blob)
 
 
 def test_logprobs_travel_as_fp32_and_the_blob_is_smaller_than_pickled_groups():
@@ -100,6 +150,39 @@ def test_an_exception_that_cannot_be_rebuilt_falls_back_with_its_type_message_an
     text = str(fallback)
     assert "LocalError: the reward server said no" in text and "the rollout process raised" in text
     assert "its traceback in the rollout process" in text and "_through_the_pipe" in text
+
+
+class _Outer:
+    class NestedError(Exception):  # qualname "_Outer.NestedError": found by walking the dotted name
+        pass
+
+
+def test_an_exception_class_nested_in_a_class_is_rebuilt_as_itself():
+    nested = _through_the_pipe(_Outer.NestedError("inner"))
+    assert type(nested) is _Outer.NestedError and str(nested) == "inner"
+
+
+def test_an_os_error_is_rebuilt_as_its_subclass_with_errno_and_strerror():
+    missing = _through_the_pipe(OSError(errno.ENOENT, "No such file or directory"))
+    assert type(missing) is FileNotFoundError  # OSError's constructor arguments pick the subclass and set errno
+    assert (missing.errno, missing.strerror) == (errno.ENOENT, "No such file or directory")
+    assert str(missing) == "[Errno 2] No such file or directory"
+
+
+def test_the_childs_traceback_is_one_note_without_its_trailing_newline():
+    payload = pack_exception(ValueError("bad value"), "Traceback (most recent call last):\n  File \"x.py\"\n"
+                                                      "ValueError: bad value\n\n")
+    rebuilt = rebuild_exception(payload)
+    assert type(rebuilt) is ValueError and rebuilt.args == ("bad value",)
+    assert rebuilt.__notes__ == ["--- raised in the rollout process ---\nTraceback (most recent call last):\n"
+                                 "  File \"x.py\"\nValueError: bad value"]
+
+
+def test_an_exception_whose_args_do_not_pickle_still_travels_as_its_message():
+    exc = ValueError(lambda: None)  # the args are left out of the payload, so that the payload itself pickles
+    fallback = _through_the_pipe(exc)
+    assert type(fallback) is RolloutProcessError
+    assert f"builtins.ValueError: {exc}" in str(fallback) and "_through_the_pipe" in str(fallback)
 
 
 class _NeedsTwo(Exception):
