@@ -26,7 +26,7 @@ HEADER = ("# Mutants not killed\n\nEvery mutant the last full `make mutate` run 
           "asyncgrpo.MODULE.x_FUNCTION__mutmut_N` prints its diff), with the reason it stays; "
           "[testing.md](testing.md#mutation-testing-make-mutate) has the figure and the reasons grouped.\n")
 ENTRY = re.compile(r"^- (\d+) \((\w+)\): `(.*)` -> `(.*)` — (.*)$")
-HEADING = re.compile(r"^## `([\w.]+)` `(\w+)`$")
+HEADING = re.compile(r"^## `([\w.]+)` `([\w.]+)`$")
 
 
 def split_name(name: str) -> tuple[str, str, int]:
@@ -51,8 +51,9 @@ def changed_line(mutants_src: Path, name: str) -> tuple[str, str]:
     original = defs[re.sub(r"__mutmut_\d+$", "__mutmut_orig", leaf)]
     mutant = defs[leaf]
     lines = source.splitlines()
-    before = lines[original.lineno:original.end_lineno]  # the body (the def line names the function)
-    after = lines[mutant.lineno:mutant.end_lineno]
+    short = split_name(name)[1].rpartition(".")[2]  # the def lines name the copies: show the function's own name
+    before = [lines[original.lineno - 1].replace(original.name, short), *lines[original.lineno:original.end_lineno]]
+    after = [lines[mutant.lineno - 1].replace(mutant.name, short), *lines[mutant.lineno:mutant.end_lineno]]
     for old, new in zip(before, after):
         if old != new:
             return old.strip(), new.strip()
