@@ -176,6 +176,15 @@ def held(stub, handler):
     return held.answer(body, [[7]] * body["n"])
 
 
+def publish_v0_and_wait_for_a_request_on_it(side, prefix: str) -> None:
+    """Publish version 0 and poll (with a deadline) until a generation request on it is in flight."""
+    side.publish(0, tensors(0), step=0, wait=True)
+    deadline = time.monotonic() + DEADLINE_S
+    while side.producer.adapters_in_use() != {f"{prefix}-v0"}:
+        assert time.monotonic() < deadline, "no request was sent"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("keep_final", [True, False])
 def test_close_unloads_every_version_this_run_loaded_but_the_kept_final_one(side_on_stub, rollout_on_stub,
                                                                            keep_final):
@@ -183,11 +192,7 @@ def test_close_unloads_every_version_this_run_loaded_but_the_kept_final_one(side
     side, server = side_on_stub(held)
     prefix = side.publisher.prefix
     try:
-        side.publish(0, tensors(0), step=0, wait=True)
-        deadline = time.monotonic() + DEADLINE_S
-        while side.producer.adapters_in_use() != {f"{prefix}-v0"}:  # a request on version 0 is in flight
-            assert time.monotonic() < deadline, "no request was sent"
-            time.sleep(0.005)
+        publish_v0_and_wait_for_a_request_on_it(side, prefix)
         side.publish(1, tensors(1), step=1, wait=True)  # version 0 stays loaded: a request still uses it
         assert set(side.publisher.loaded) == {f"{prefix}-v0", f"{prefix}-v1"}
         side.close(keep_final=keep_final)
@@ -340,11 +345,7 @@ def test_a_version_a_server_still_has_loaded_stays_on_disk_beyond_keep_adapter_v
     side, _ = side_on_stub(held, keep_adapter_versions=1)
     prefix = side.publisher.prefix
     try:
-        side.publish(0, tensors(0), step=0, wait=True)
-        deadline = time.monotonic() + DEADLINE_S
-        while side.producer.adapters_in_use() != {f"{prefix}-v0"}:  # a request on version 0 is in flight
-            assert time.monotonic() < deadline, "no request was sent"
-            time.sleep(0.005)
+        publish_v0_and_wait_for_a_request_on_it(side, prefix)
         side.publish(1, tensors(1), step=1, wait=True)  # prunes to 1 version, but version 0 is still loaded
         assert set(side.publisher.loaded) == {f"{prefix}-v0", f"{prefix}-v1"}
         assert side.store.versions() == [0, 1]
