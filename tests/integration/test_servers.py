@@ -43,6 +43,15 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
             trainer.sync(wait=True)
             served.append([InferenceClient(u).adapter_paths().get(trainer.rollout.adapter_name) for u in urls])
         final = str(trainer.rollout.adapter_path)
+        # Stop sending and let the requests in flight come back before cleanup unloads this run's adapters: a request
+        # that reached a server after the unload would be answered 404 and never counted as finished there.
+        producer = trainer.rollout.producer
+        producer.stop()
+        deadline = time.monotonic() + FINISH_DEADLINE_S
+        while any(producer.inflight_per_server().values()):
+            assert time.monotonic() < deadline, f"still in flight: {producer.inflight_per_server()}"
+            time.sleep(0.5)  # polling the producer's own count, with a deadline
+        sent = producer.sent_per_server()
     finally:
         trainer.cleanup()
     assert served[-1] == [final, final]
@@ -50,11 +59,10 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
     # Both servers start with nothing in flight, so the first two requests go one to each (least loaded, ties in
     # turn). Which server answers faster, and so gets more, is up to the machine: a slower one may still hold its
     # first requests when two steps are done, so how much each generated *within* the run is not asserted.
-    sent = trainer.rollout.producer.sent_per_server()
     assert set(sent) == set(urls) and min(sent.values()) >= 1, sent
     # Each server really received what it was sent: vLLM counts every completion it finishes (any finish reason; a
-    # request for n completions counts n); the ones still in flight at the end finish shortly after: poll, with a
-    # deadline, until each has finished every completion it was sent.
+    # request for n completions counts n). Every request was answered before cleanup, but the counter may lag the
+    # answer: poll, with a deadline, until each has counted every completion it was sent.
     want = [sent[u] * cfg.num_generations for u in urls]
     deadline = time.monotonic() + FINISH_DEADLINE_S
     while True:
