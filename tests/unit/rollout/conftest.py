@@ -10,6 +10,7 @@ import json
 import threading
 
 import pytest
+from liveness import returns_within
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import PromptRow
@@ -51,41 +52,15 @@ def stop_within(producer, bound_s: float = BOUND_S) -> None:
     check: with no answer being scored stop() only joins a thread that returns at once, while a count of answers being
     scored that never gets back to 0 makes it wait its whole STOP_PROCESSING_S (30 s), longer than this bound. Without
     the bound such a mistake only slows each test down by 30 s (mutation testing saw it as a timeout, not a failure)."""
-    errors: list[BaseException] = []
-
-    def stop():
-        try:
-            producer.stop()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
-            errors.append(exc)
-
-    stopper = threading.Thread(target=stop, name="test-stop", daemon=True)
-    stopper.start()
-    stopper.join(bound_s)
-    assert not stopper.is_alive(), f"stop() had not returned after {bound_s} s with no answer being scored"
-    if errors:
-        raise errors[0]
+    returns_within(producer.stop, bound_s, "stop() with no answer being scored")
 
 
 def take_within(q: RolloutQueue, n: int, timeout_s: float, bound_s: float = BOUND_S, trainer_version: int = 0):
-    """`q.take(...)` in a thread, failing the test if it has not returned (or raised) within `bound_s`: a liveness
-    bound for the tests of take's own timeout, whose mistakes (a deadline that never comes, a wait that is never
-    woken) would otherwise hang the test instead of failing it."""
-    result: dict = {}
-
-    def take():
-        try:
-            result["groups"] = q.take(n, trainer_version=trainer_version, timeout_s=timeout_s)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
-            result["error"] = exc
-
-    taker = threading.Thread(target=take, name="test-take", daemon=True)
-    taker.start()
-    taker.join(bound_s)
-    assert not taker.is_alive(), f"take(timeout_s={timeout_s}) had not returned after {bound_s} s"
-    if "error" in result:
-        raise result["error"]
-    return result["groups"]
+    """`q.take(...)`, failing the test if it has not returned (or raised) within `bound_s`: a liveness bound for the
+    tests of take's own timeout, whose mistakes (a deadline that never comes, a wait that is never woken) would
+    otherwise hang the test instead of failing it."""
+    return returns_within(lambda: q.take(n, trainer_version=trainer_version, timeout_s=timeout_s), bound_s,
+                          f"take(timeout_s={timeout_s})")
 
 
 @pytest.fixture(name="take_within")

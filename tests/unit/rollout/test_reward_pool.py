@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from liveness import returns_within
 
 from asyncgrpo.data import PromptRow, response_template_for
 from asyncgrpo.errors import RewardFunctionError
@@ -29,6 +30,10 @@ REFS = ["reward_fns:fingerprint", "reward_fns:misbehave", "reward_fns:torch_impo
         "asyncgrpo.rewards:math_accuracy"]
 WEIGHTS = [1.0, 1.0, 0.0, 1.0]  # torch_imported differs between the test process and a worker: weight 0
 TIMEOUT_S = 2.0  # reward_timeout of the pool: short, so that the hang test is quick
+# A liveness bound on every call to a pool, far above its reward_timeout: a broken deadline in RewardPool._call, or a
+# worker that is never seen as ready (each call would then wait WORKER_START_TIMEOUT_S, 120 s), fails the test here
+# instead of hanging it. It also covers a replacement worker's start (~1-2 s) on its first use.
+BOUND_S = 10 * TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +89,28 @@ def ids(tokenizer, *texts):
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
+def score(pool, row, completion_ids, reasons, bound_s: float = BOUND_S):
+    """`pool.score_group(...)` within the liveness bound: its value, or its error raised here."""
+    return returns_within(lambda: pool.score_group(row, completion_ids, reasons), bound_s,
+                          f"score_group on {row.prompt!r} with {len(completion_ids)} completions")
+
+
 def test_pool_gives_the_in_thread_rewards_for_a_text_row(pool, tokenizer, template):
     in_thread = InThreadScoring(RewardScorer(REFS, WEIGHTS), tokenizer, template)
     four, five = ids(tokenizer, "4", "5")
     completion_ids = ids(tokenizer, "45", "07") + [four + [300] + five]  # 300: a padded vocab row: "4\ufffd5"
     reasons = ["stop", "stop", "length"]
     expected = in_thread.score_group(text_row(), completion_ids, reasons)
-    assert same_scores(pool.score_group(text_row(), completion_ids, reasons), expected)
+    assert same_scores(score(pool, text_row(), completion_ids, reasons), expected)
     rewards, parts = expected
     assert parts["math_accuracy"] == [1.0, 0.0, 0.0]
     assert parts["torch_imported"] == [1.0] * 3  # this test process has torch...
     # ...a spawned worker has not (a forked one would): checked here too, where the pool is made
-    assert pool.score_group(text_row(), completion_ids, reasons)[1]["torch_imported"] == [0.0] * 3
+    assert score(pool, text_row(), completion_ids, reasons)[1]["torch_imported"] == [0.0] * 3
 
 
 def test_workers_do_not_import_torch(pool, tokenizer):
-    _, parts = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])
+    _, parts = score(pool, text_row(), ids(tokenizer, "45"), ["stop"])
     assert parts["torch_imported"] == [0.0]  # ...the worker does not: it starts in ~1 s, not ~4
 
 
@@ -113,7 +124,7 @@ def test_pool_gives_the_in_thread_rewards_for_a_chat_row_with_parsed_messages(po
     completion_ids = ids(tokenizer, "<think>x</think>45<|im_end|>", "07")  # the second turn is not closed
     row = chat_row(tokenizer)
     expected = in_thread.score_group(row, completion_ids, ["stop", "length"])
-    assert same_scores(pool.score_group(row, completion_ids, ["stop", "length"]), expected)
+    assert same_scores(score(pool, row, completion_ids, ["stop", "length"]), expected)
     # the fingerprints cover `parsed`: check that it was really parsed (content without the reasoning)
     assert expected[1]["math_accuracy"] == [1.0, 0.0]
 
@@ -123,7 +134,7 @@ def test_a_raising_function_gives_the_in_thread_error_text(pool, tokenizer, temp
     with pytest.raises(RewardFunctionError) as here:
         in_thread.score_group(text_row("raise"), ids(tokenizer, "45"), ["stop"])
     with pytest.raises(RewardFunctionError) as there:
-        pool.score_group(text_row("raise"), ids(tokenizer, "45"), ["stop"])
+        score(pool, text_row("raise"), ids(tokenizer, "45"), ["stop"])
     assert str(there.value) == str(here.value)
     assert "reward_fns:misbehave raised ValueError: misbehaving on purpose" in str(there.value)
     assert "'07,45>'" in str(there.value) and "reward_fallback" in str(there.value)
@@ -134,33 +145,33 @@ def test_a_raising_function_gives_the_in_thread_error_text(pool, tokenizer, temp
 def test_a_hanging_function_is_stopped_at_reward_timeout_and_its_worker_replaced(pool, tokenizer):
     replaced = pool.replaced
     with pytest.raises(RewardFunctionError) as error:
-        pool.score_group(text_row("hang"), ids(tokenizer, "45"), ["stop"])
+        score(pool, text_row("hang"), ids(tokenizer, "45"), ["stop"])
     message = str(error.value)
     assert "reward function reward_fns:misbehave did not finish within reward_timeout=2 s" in message
     assert "'07,45>'" in message and "`reward_timeout`" in message
     assert pool.replaced == replaced + 1
-    rewards, _ = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])  # served by the new worker
+    rewards, _ = score(pool, text_row(), ids(tokenizer, "45"), ["stop"])  # served by the new worker
     assert len(rewards) == 1
 
 
 def test_a_worker_that_dies_gives_its_exit_code_the_function_and_the_prompt(pool, tokenizer):
     replaced = pool.replaced
     with pytest.raises(RewardFunctionError) as error:
-        pool.score_group(text_row("crash"), ids(tokenizer, "45"), ["stop"])
+        score(pool, text_row("crash"), ids(tokenizer, "45"), ["stop"])
     message = str(error.value)
     assert "the reward worker process died with exit code 3 while running reward function reward_fns:misbehave" \
         in message
     assert "'07,45>'" in message
     assert pool.replaced == replaced + 1
-    _, parts = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])
+    _, parts = score(pool, text_row(), ids(tokenizer, "45"), ["stop"])
     assert parts["misbehave"] == [0.5]
 
 
 def test_a_worker_killed_by_a_signal_names_the_signal(pool, tokenizer):
     with pytest.raises(RewardFunctionError, match=r"died with exit code -11 \(killed by SIGSEGV\) while running "
                                                   r"reward function reward_fns:misbehave"):
-        pool.score_group(text_row("segfault"), ids(tokenizer, "45"), ["stop"])
-    _, parts = pool.score_group(text_row(), ids(tokenizer, "45"), ["stop"])
+        score(pool, text_row("segfault"), ids(tokenizer, "45"), ["stop"])
+    _, parts = score(pool, text_row(), ids(tokenizer, "45"), ["stop"])
     assert parts["misbehave"] == [0.5]
 
 
@@ -168,9 +179,9 @@ def test_reward_fallback_is_honoured_and_counted_through_the_pool(tokenizer, rew
     fallback_pool = RewardPool(1, RewardScorer(["reward_fns:misbehave"], fallback=-1.0), TokenizerRef.of(tokenizer),
                                timeout_s=TIMEOUT_S * 5)
     try:
-        rewards, parts = fallback_pool.score_group(text_row("raise"), ids(tokenizer, "45", "07"), ["stop", "stop"])
+        rewards, parts = score(fallback_pool, text_row("raise"), ids(tokenizer, "45", "07"), ["stop", "stop"])
         assert rewards == [-1.0, -1.0] and parts == {"misbehave": [-1.0, -1.0]}
-        fallback_pool.score_group(text_row("raise"), ids(tokenizer, "45"), ["stop"])
+        score(fallback_pool, text_row("raise"), ids(tokenizer, "45"), ["stop"])
         assert fallback_pool.fallbacks == 3  # what reward/fallbacks_total logs
     finally:
         fallback_pool.close()
@@ -214,24 +225,6 @@ def test_a_pool_of_no_workers_is_refused(tokenizer):
 
 # ---- failures of the worker itself, with a tokenizer that misbehaves on purpose (reward_fns.MisbehavingTokenizer:
 # a real tokenizer cannot be made to hang, exit or break its pipe on demand) --------------------------------------
-def _ends(fn, deadline_s: float = 30.0) -> dict:
-    """Runs fn() in a thread and returns {"value": ...} or {"error": ...}; fails if fn is still running at a
-    generous deadline (the guard against a hang, not a timing)."""
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(deadline_s)
-    assert not thread.is_alive(), f"still running after {deadline_s} s: a hang"
-    return outcome
-
-
 @pytest.fixture(scope="module")
 def decoding_pool(tmp_path_factory, reward_path):
     directory = tmp_path_factory.mktemp("misbehaving-tokenizer")
@@ -244,7 +237,7 @@ def decoding_pool(tmp_path_factory, reward_path):
 def test_a_hang_while_decoding_is_named_as_the_decoding_stage_not_as_a_reward_function(decoding_pool):
     pool, _ = decoding_pool
     with pytest.raises(RewardFunctionError) as error:
-        pool.score_group(text_row(), [[1]], ["stop"])  # MisbehavingTokenizer: id 1 hangs in decode
+        score(pool, text_row(), [[1]], ["stop"])  # MisbehavingTokenizer: id 1 hangs in decode
     assert str(error.value).startswith(f"{DECODING} did not finish within reward_timeout=2 s\n  on prompt '07,45>'")
     assert pool.replaced == 1  # this pool's first replacement
 
@@ -252,18 +245,18 @@ def test_a_hang_while_decoding_is_named_as_the_decoding_stage_not_as_a_reward_fu
 def test_a_worker_that_exits_while_decoding_names_the_decoding_stage(decoding_pool):
     pool, _ = decoding_pool
     with pytest.raises(RewardFunctionError, match=re.escape(f"died with exit code 3 while running {DECODING}\n")):
-        pool.score_group(text_row(), [[2]], ["stop"])  # id 2: os._exit(3) in decode
+        score(pool, text_row(), [[2]], ["stop"])  # id 2: os._exit(3) in decode
 
 
 def test_a_worker_whose_pipe_breaks_while_it_lives_on_is_killed_and_replaced(decoding_pool, monkeypatch):
     pool, _ = decoding_pool
     monkeypatch.setattr(reward_pool, "WORKER_STOP_TIMEOUT_S", 0.5)  # the wait for an exit that will not come
     broken, replaced = pool._workers[0], pool.replaced
-    outcome = _ends(lambda: pool.score_group(text_row(), [[3]], ["stop"]))  # id 3: closes its pipe, then hangs
-    assert isinstance(outcome.get("error"), RewardFunctionError), outcome
-    assert f"the reward worker process died with exit code None while running {DECODING}" in str(outcome["error"])
+    with pytest.raises(RewardFunctionError) as error:
+        score(pool, text_row(), [[3]], ["stop"])  # id 3: closes its pipe, then hangs
+    assert f"the reward worker process died with exit code None while running {DECODING}" in str(error.value)
     assert broken.process.exitcode == -signal.SIGKILL and pool.replaced == replaced + 1  # killed, not left behind
-    assert pool.score_group(text_row(), [[5]], ["stop"]) == ([0.5], {"misbehave": [0.5]})  # the new worker
+    assert score(pool, text_row(), [[5]], ["stop"]) == ([0.5], {"misbehave": [0.5]})  # the new worker
 
 
 def test_close_kills_a_worker_that_is_still_scoring(decoding_pool, monkeypatch):
@@ -273,27 +266,34 @@ def test_close_kills_a_worker_that_is_still_scoring(decoding_pool, monkeypatch):
     marker.unlink(missing_ok=True)
     pool.timeout_s = 600.0  # the call itself would wait far longer than close()
     busy = pool._workers[0]
-    outcomes = []
-    caller = threading.Thread(target=lambda: outcomes.append(_ends(lambda: pool.score_group(text_row(), [[1]],
-                                                                                            ["stop"]))), daemon=True)
+    outcomes: list = []
+
+    def call():  # in a thread of its own, bounded by the join below: the test closes the pool while it waits
+        try:
+            outcomes.append(pool.score_group(text_row(), [[1]], ["stop"]))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcomes.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
     caller.start()
     deadline = time.monotonic() + 30
     while not marker.exists():  # the worker is inside the hanging decode
         assert time.monotonic() < deadline, "the worker never started decoding"
         time.sleep(0.05)
-    assert _ends(pool.close) == {"value": None}
+    assert returns_within(pool.close, 30.0, "close() with a worker still scoring") is None
     assert busy.process.exitcode == -signal.SIGKILL
     caller.join(30)
-    assert not caller.is_alive() and isinstance(outcomes[0].get("error"), RewardFunctionError)  # the call ended too
+    assert not caller.is_alive() and isinstance(outcomes[0], RewardFunctionError)  # the call ended too
     replaced = pool.replaced
     with pytest.raises(RewardFunctionError, match=re.escape("the reward pool was closed (the run is stopping)")):
-        pool.score_group(text_row(), [[5]], ["stop"])
+        score(pool, text_row(), [[5]], ["stop"])
     assert pool.replaced == replaced  # a closed pool starts no worker in place of the killed one
     pool.close()  # a second close is a no-op
 
 
 def test_a_worker_that_never_gets_ready_fails_the_pool_at_its_start_timeout(reward_path):
     never = TokenizerRef("never-ready", "reward_fns", "MisbehavingTokenizer")  # its from_pretrained never returns
-    outcome = _ends(lambda: RewardPool(1, RewardScorer(["reward_fns:misbehave"]), never, start_timeout_s=1.0))
-    assert isinstance(outcome.get("error"), RewardFunctionError), outcome
-    assert str(outcome["error"]).startswith("a reward worker process did not start within 1 s (exit code -9). Fix:")
+    with pytest.raises(RewardFunctionError) as error:
+        returns_within(lambda: RewardPool(1, RewardScorer(["reward_fns:misbehave"]), never, start_timeout_s=1.0),
+                       30.0, "RewardPool(start_timeout_s=1) with a worker that never gets ready")
+    assert str(error.value).startswith("a reward worker process did not start within 1 s (exit code -9). Fix:")

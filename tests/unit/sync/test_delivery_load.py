@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from liveness import returns_within
 from peft import LoraConfig
 
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
@@ -211,26 +212,6 @@ def test_the_receiver_is_called_directly_whatever_proxy_the_environment_names(re
     assert client.committed() == [] and client.health()
 
 
-def call_within(call, bound_s: float = 15.0):
-    """`call()` in a thread: its result or its exception, failing the test if it has not returned within `bound_s`
-    (a liveness bound: a call that passes no read timeout would wait forever on a receiver that never answers)."""
-    result: dict = {}
-
-    def run():
-        try:
-            result["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread below
-            result["error"] = exc
-
-    caller = threading.Thread(target=run, name="test-call", daemon=True)
-    caller.start()
-    caller.join(bound_s)
-    assert not caller.is_alive(), f"the call had not returned after {bound_s} s: no read timeout?"
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
 @pytest.mark.parametrize("call", ["committed", "upload", "load"])
 def test_a_receiver_that_does_not_answer_in_time_fails_the_call_with_its_url(call, monkeypatch, tmp_path):
     import socket
@@ -251,7 +232,8 @@ def test_a_receiver_that_does_not_answer_in_time_fails_the_call_with_its_url(cal
              "/adapters/policy-v1/adapter_model.safetensors", "load": "load policy-v1: POST /adapters/policy-v1/load"}
     try:
         with pytest.raises(InferenceServerError) as info:
-            call_within(calls[call])
+            # a liveness bound: a call that passes no read timeout would wait forever on a receiver that never answers
+            returns_within(calls[call], 15.0, f"{call}() on a receiver that never answers")
         assert not isinstance(info.value, ServerUnreachableError)  # it answered the connection: not a dead node
         what, method_route = first[call].split(": ")
         method, route = method_route.split(" ")
