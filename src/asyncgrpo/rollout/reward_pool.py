@@ -140,15 +140,21 @@ class _Worker:
         self.process.start()
         child.close()  # the parent keeps only its own end, so the worker's death reads as EOF
         self.ready = False
+        # Held by the thread using the pipe. The pipe is closed only under it: closing a descriptor that another
+        # thread is waiting on (close() while a call scores) raised EBADF in that thread, or two threads closing it
+        # at once closed the number twice (the second time perhaps someone else's newly opened file). A kill ends
+        # any wait on the pipe (EOF), so the lock is released soon after one.
+        self.io = threading.Lock()
 
     def wait_ready(self, timeout_s: float) -> None:
         if self.ready:
             return
-        try:
-            message = self.conn.recv() if self.conn.poll(timeout_s) else ("init_timeout",)
-        except (EOFError, OSError):  # it died while starting (its stderr has the traceback)
-            self.process.join(timeout=WORKER_STOP_TIMEOUT_S)
-            message = ("init_died",)
+        with self.io:
+            try:
+                message = self.conn.recv() if self.conn.poll(timeout_s) else ("init_timeout",)
+            except (EOFError, OSError):  # it died while starting (its stderr has the traceback)
+                self.process.join(timeout=WORKER_STOP_TIMEOUT_S)
+                message = ("init_died",)
         if message[0] == "ready":
             self.ready = True
             return
@@ -168,16 +174,24 @@ class _Worker:
                                   f"new Python process, or set `reward_workers: 0`")
 
     def kill(self) -> None:
+        """Kill the process (which ends any wait on the pipe), then close the pipe once no thread uses it. Any
+        thread may call it, more than once."""
         if self.process.is_alive():
             self.process.kill()
         self.process.join(timeout=WORKER_STOP_TIMEOUT_S)
-        self.conn.close()
+        with self.io:
+            self.conn.close()
 
     def stop(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
+        """Ask an idle worker to exit; a worker still scoring (its pipe in use) is not asked. Either way it is
+        killed if it has not exited after a short wait."""
+        if self.io.acquire(blocking=False):
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            finally:
+                self.io.release()
         self.process.join(timeout=WORKER_STOP_TIMEOUT_S)
         self.kill()
 
@@ -235,22 +249,23 @@ class RewardPool:
         """One request to one worker, within `timeout_s`; a worker that overruns is killed (by the caller)."""
         deadline = time.monotonic() + self.timeout_s
         running = "(none yet: the request was being sent)"
-        try:
-            worker.conn.send((row, completion_ids, finish_reasons))
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not worker.conn.poll(left):
-                    raise _WorkerLost(self._timeout_error(running, row, len(completion_ids)))
-                message = worker.conn.recv()
-                if message[0] == "running":
-                    running = message[1]
-                elif message[0] == "done":
-                    return message[1], message[2], message[3]
-                else:
-                    assert message[0] == "error", message
-                    raise RewardFunctionError(message[1]) from _RemoteTraceback(message[2])
-        except (EOFError, OSError):  # the worker died (its end of the pipe closed)
-            raise _WorkerLost(self._crash_error(worker, running, row)) from None
+        with worker.io:
+            try:
+                worker.conn.send((row, completion_ids, finish_reasons))
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not worker.conn.poll(left):
+                        raise _WorkerLost(self._timeout_error(running, row, len(completion_ids)))
+                    message = worker.conn.recv()
+                    if message[0] == "running":
+                        running = message[1]
+                    elif message[0] == "done":
+                        return message[1], message[2], message[3]
+                    else:
+                        assert message[0] == "error", message
+                        raise RewardFunctionError(message[1]) from _RemoteTraceback(message[2])
+            except (EOFError, OSError):  # the worker died (its end of the pipe closed)
+                raise _WorkerLost(self._crash_error(worker, running, row)) from None
 
     def _timeout_error(self, running: str, row: PromptRow, n: int) -> RewardFunctionError:
         what = f"reward function {running}" if running in self.spec.refs else running

@@ -291,6 +291,29 @@ def test_close_kills_a_worker_that_is_still_scoring(decoding_pool, monkeypatch):
     pool.close()  # a second close is a no-op
 
 
+def test_close_kills_a_worker_whose_pipe_is_in_use_but_closes_the_pipe_only_once_its_user_lets_go(tokenizer,
+                                                                                                  monkeypatch):
+    """Closing a pipe another thread waits on raised EBADF in that thread (seen: close() during a call), or closed the
+    descriptor number twice. Holding the worker's `io` lock stands for a call waiting on its pipe."""
+    monkeypatch.setattr(reward_pool, "WORKER_STOP_TIMEOUT_S", 0.5)
+    made = RewardPool(1, RewardScorer(["reward_fns:misbehave"]), TokenizerRef.of(tokenizer), timeout_s=TIMEOUT_S)
+    worker = made._workers[0]
+    worker.io.acquire()
+    closing = threading.Thread(target=made.close, name="test-close", daemon=True)
+    try:
+        closing.start()
+        deadline = time.monotonic() + BOUND_S
+        while worker.process.exitcode is None:  # not asked to exit (its pipe is in use): killed after the short wait
+            assert time.monotonic() < deadline, "close() did not kill a worker whose pipe was in use"
+            time.sleep(0.05)
+        assert worker.process.exitcode == -signal.SIGKILL
+        assert not worker.conn.closed and closing.is_alive()  # the pipe waits for its user
+    finally:
+        worker.io.release()
+    closing.join(BOUND_S)
+    assert not closing.is_alive() and worker.conn.closed
+
+
 def test_a_worker_that_never_gets_ready_fails_the_pool_at_its_start_timeout(reward_path):
     never = TokenizerRef("never-ready", "reward_fns", "MisbehavingTokenizer")  # its from_pretrained never returns
     with pytest.raises(RewardFunctionError) as error:
