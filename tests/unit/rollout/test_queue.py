@@ -22,6 +22,22 @@ def test_stale_groups_are_never_trained_on():
     assert q.batches_taken == 1
 
 
+def test_listeners_hear_stale_drops_as_drops_and_a_take_as_one_batch():
+    """The schedule counts batches from these calls: a stale drop heard as a batch would shift every later request to
+    the wrong batch (and so the wrong version)."""
+    q = RolloutQueue(max_staleness=1)
+    heard: list[tuple[int, bool]] = []
+    q.removal_listeners.append(lambda groups, batch: heard.append((groups, batch)))
+    for v in [0, 1, 2, 3, 3]:
+        q.put(group(v))
+    q.take(3, trainer_version=3, timeout_s=1)
+    assert heard == [(2, False), (3, True)]
+    sampling = RolloutQueue(max_staleness=1, dynamic_sampling=True)
+    sampling.removal_listeners.append(lambda groups, batch: heard.append((groups, batch)))
+    sampling.put(dataclasses.replace(group(0), rewards=[0.5, 0.5]))  # no spread: dropped at put, one group
+    assert heard[2:] == [(1, False)] and len(sampling) == 0
+
+
 def test_synchronous_queue_keeps_only_the_current_version():
     q = RolloutQueue(max_staleness=0)
     q.put(group(4))
@@ -198,6 +214,19 @@ def test_centred_advantages_are_the_loss_group_advantages_in_plain_python(reward
     assert centred_advantages(rewards, scale) == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert centred_advantages([1.0, 0.0, 0.0, 0.0], "group") == pytest.approx([0.75 / 0.5001, -0.25 / 0.5001] +
                                                                               [-0.25 / 0.5001] * 2)
+
+
+def test_a_group_of_one_has_no_spread_so_its_scaled_advantage_is_nan_as_in_the_loss():
+    import math
+
+    import torch
+
+    from asyncgrpo.loss import group_advantages
+
+    with pytest.warns(UserWarning, match="degrees of freedom"):  # torch says so too (config refuses groups of one)
+        assert math.isnan(group_advantages(torch.tensor([[0.7]], dtype=torch.float64), scale="group")[0, 0].item())
+    assert math.isnan(centred_advantages([0.7], "group")[0])  # not a ZeroDivisionError
+    assert centred_advantages([0.7], "none") == [0.0]
 
 
 def test_centred_advantages_refuse_batch_scaling_which_needs_the_whole_batch():
