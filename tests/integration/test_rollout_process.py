@@ -1,7 +1,8 @@
 """`rollout_process: true` against the session's real vLLM server: a 2-process accelerate run (DDP, gloo) trains with
 its rollout side in a child process of rank 0, and no child outlives it; a rollout process killed mid-run stops the
 trainer with an error naming it, never a hang; SIGTERM during a sync held paused reaches the child, which resumes the
-server before the run exits 143."""
+server before the run exits 143. And the other-host form: `asyncgrpo rollout-serve` started on its own, which the
+run reaches by `rollout_address` over loopback TCP, serves the run and exits 0 after its close."""
 
 import os
 import re
@@ -159,3 +160,50 @@ def test_an_error_in_the_rollout_process_reaches_the_user_as_it_would_in_process
         lines[mode] = _error_lines(log)
     assert len(lines["true"]) == 1 and dead in lines["true"][0]
     assert lines["true"] == lines["false"]
+
+
+LISTENING = re.compile(r"\[rollout\] .* rollout server listening on (127\.0\.0\.1:\d+) ")
+
+
+def test_a_run_trains_with_its_rollout_side_served_by_rollout_serve_which_exits_0_after_the_close(
+        world, train_two_processes, client, tb_scalars, tmp_path, monkeypatch):
+    """`asyncgrpo rollout-serve` as its own process (as on another host, over loopback TCP with the key of both ends'
+    environment), with its own output_dir (a path override); the 2-process run connects to it by `rollout_address`."""
+    remote_out, out = tmp_path / "rollout-host", tmp_path / "trainer"
+    env = {**cpu_launch_env(), "ASYNCGRPO_ROLLOUT_KEY": "integration-test-key"}
+    log_path = tmp_path / "rollout-serve.log"
+    server = subprocess.Popen([sys.executable, "-m", "asyncgrpo", "rollout-serve", "--listen", "127.0.0.1:0",
+                               "--output_dir", str(remote_out)], cwd=REPO, env=env, stdout=open(log_path, "w"),
+                              stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := LISTENING.search(log_path.read_text())):
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        address = found.group(1)
+        monkeypatch.setenv("ASYNCGRPO_ROLLOUT_KEY", "integration-test-key")  # the launch takes this environment
+        summary, proc = train_two_processes(out, "--rollout_address", address, "--max_steps", "3",
+                                            "--per_device_train_batch_size", "32", "--learning_rate", "5e-3")
+        code = server.wait(timeout=60)  # it serves one run: the trainer's close ends it
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    log = log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert summary["steps"] == 3 and summary["version"] == 3
+    assert f"rollout side running at {address} (host " in proc.stderr  # connected, nothing spawned
+    assert not CHILD.search(proc.stderr)
+    assert re.search(r"\[rollout\] .* trainer connected from 127\.0\.0\.1:\d+", log)
+    assert re.search(rf"\[rollout\] .* rollout side started in process {server.pid} ", log)
+    # The stats went over TCP to the rollout host's writer, in the output_dir it was given, not the trainer's.
+    assert summary["tensorboard"] == str((remote_out / "tensorboard").resolve())
+    assert [v for _, v in tb_scalars(remote_out / "tensorboard", "policy/version")] == [1.0, 2.0, 3.0]
+    staleness = [v for _, v in tb_scalars(remote_out / "tensorboard", "staleness/max")]
+    assert len(staleness) == 3 and all(0 <= s <= 1 for s in staleness)  # batches carried their versions back
+    assert not (out / "tensorboard").exists()
+    # close(keep_final=True) went over the connection: the final version alone stays loaded.
+    served = client.adapter_paths()
+    assert served[summary["adapter_name"]] == summary["adapter_path"]
+    run_prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
+    assert [n for n in served if n.startswith(run_prefix)] == [summary["adapter_name"]]

@@ -77,7 +77,6 @@ class RolloutProcess:
         del tokenizer  # the other side loads its own: nothing heavy is pickled
         self.cfg = cfg
         self.run_id = uuid.uuid4().hex[:8]  # chosen here so that checkpoints name it without asking the other side
-        self.tensorboard_dir = Path(cfg.output_dir) / "tensorboard"
         self._side_kwargs = dict(model_path=model_path, peft_config=peft_config, groups_per_step=groups_per_step,
                                  step=step, data_position=data_position, previous_run_id=previous_run_id)
         self.peer = peer if peer is not None else ChildPeer()
@@ -110,6 +109,11 @@ class RolloutProcess:
     @property
     def adapter_path(self) -> Path | None:
         return self._call("adapter_path")
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        """Where the rollout process writes TensorBoard (absolute; on a rollout server: a path on its host)."""
+        return self._call("tensorboard_dir")
 
     def stats(self) -> dict[str, float]:
         return self._call("stats")
@@ -354,6 +358,8 @@ def _handle(side: RolloutSide, op: str, args: tuple):
         return None
     if op in ("adapter_name", "adapter_path"):
         return getattr(side, op)
+    if op == "tensorboard_dir":
+        return side.tensorboard_dir.resolve()  # resolved here: a relative output_dir is this process's
     assert op in ("start", "wait_published", "stats", "log", "close"), op
     return getattr(side, op)(*args)
 

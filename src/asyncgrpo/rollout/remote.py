@@ -190,10 +190,13 @@ class RemotePeer:
 
 
 # ---- the rollout host's end ----------------------------------------------------------------------------------
-def serve_one_run(listen: str, paths: dict) -> int:
+# Not mutated (make mutate): it runs in the `rollout-serve` process, where mutmut cannot see which tests reach it;
+# tests/integration/test_rollout_process.py runs it for real, and its parts (accept_trainer, serve_side) are tested.
+def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
     """`asyncgrpo rollout-serve`: listen at `listen` (port 0: a free one, logged), serve the first trainer that
     authenticates, then exit: 0 after its `close`, 1 if it went away without. `paths`: config keys (and
     `model_path`) this host resolves itself instead of taking the trainer's."""
+    from ..shutdown import exit_on_signal
     from .process import build_side, log_as_rollout, serve_side
 
     try:
@@ -209,7 +212,8 @@ def serve_one_run(listen: str, paths: dict) -> int:
                  bound_host, bound_port, bound_host, bound_port)
         if key == LOOPBACK_KEY:
             log.warning("%s is not set: the built-in loopback key is used, which every local user knows", ROLLOUT_KEY_ENV)
-        conn, (cfg, side_kwargs, run_id) = accept_trainer(listener, key)
+        with exit_on_signal(lambda: None):  # SIGTERM/Ctrl-C while waiting: nothing to clean up, exit 143/130
+            conn, (cfg, side_kwargs, run_id) = accept_trainer(listener, key)
     # Closed: one run per server; a second trainer is refused rather than queued.
     for name, value in paths.items():
         if name == "model_path":
