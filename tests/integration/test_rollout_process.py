@@ -166,7 +166,7 @@ LISTENING = re.compile(r"\[rollout\] .* rollout server listening on (127\.0\.0\.
 
 
 def test_a_run_trains_with_its_rollout_side_served_by_rollout_serve_which_exits_0_after_the_close(
-        world, train_two_processes, client, tb_scalars, tmp_path, monkeypatch):
+        train_two_processes, client, tb_scalars, tmp_path, monkeypatch):
     """`asyncgrpo rollout-serve` as its own process (as on another host, over loopback TCP with the key of both ends'
     environment), with its own output_dir (a path override); the 2-process run connects to it by `rollout_address`."""
     remote_out, out = tmp_path / "rollout-host", tmp_path / "trainer"

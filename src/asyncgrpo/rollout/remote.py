@@ -159,8 +159,9 @@ class RemotePeer:
                         f"that host first (it serves one run, then exits: start it again for each run)") from None
                 time.sleep(0.2)
             except OSError as exc:  # no route, a name that does not resolve, a connect that timed out
-                raise RolloutProcessError(f"cannot connect to {self.address} (rollout_address): {exc}. Fix: check "
-                                          f"the host name and that the network lets this host reach that port") from None
+                raise RolloutProcessError(f"cannot connect to {self.address} (rollout_address): {exc}. Fix: "
+                                          f"check the host name and that the network lets this host reach that "
+                                          f"port") from None
 
     def started(self) -> bool:
         return self.conn is not None
@@ -206,12 +207,14 @@ def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
                           "`--listen 127.0.0.1:0` for a free port on loopback") from None
     key = rollout_key(host, "--listen")
     log_as_rollout()
-    with Listener((host, port), family="AF_INET") as listener:  # no authkey here: _accept bounds the handshake
+    with Listener((host, port), family="AF_INET") as listener:  # no authkey: accept_trainer bounds the handshake
         bound_host, bound_port = listener.address
+        reach = socket.gethostname() if bound_host == "0.0.0.0" else bound_host  # all interfaces: name one
         log.info("rollout server listening on %s:%d (set `rollout_address: %s:%d` in the trainer's config)",
-                 bound_host, bound_port, bound_host, bound_port)
+                 bound_host, bound_port, reach, bound_port)
         if key == LOOPBACK_KEY:
-            log.warning("%s is not set: the built-in loopback key is used, which every local user knows", ROLLOUT_KEY_ENV)
+            log.warning("%s is not set: the built-in loopback key is used, which every local user knows",
+                        ROLLOUT_KEY_ENV)
         with exit_on_signal(lambda: None):  # SIGTERM/Ctrl-C while waiting: nothing to clean up, exit 143/130
             conn, (cfg, side_kwargs, run_id) = accept_trainer(listener, key)
     # Closed: one run per server; a second trainer is refused rather than queued.
@@ -250,14 +253,18 @@ def accept_trainer(listener: Listener, key: bytes) -> tuple[Connection, tuple]:
                       HANDSHAKE_S, exc)
         else:
             assert tag == "hello", tag
-            if version == __version__:
+            try:
+                if version != __version__:
+                    raise RolloutProcessError(f"the rollout server runs asyncgrpo {__version__}, the trainer "
+                                              f"{version}. Fix: install the same asyncgrpo version on both hosts")
+                args = pickle.loads(hello)  # the config and the LoRA config: asyncgrpo's and peft's classes
+            except Exception as exc:  # noqa: BLE001 - told to the trainer, which raises it
+                log.error("refused a connection from %s: %s", who, exc)
+                conn.send(("error", pack_exception(exc, traceback.format_exc())))
+            else:
                 keep_alive_conn(conn)
                 log.info("trainer connected from %s", who)
-                return conn, pickle.loads(hello)
-            problem = RolloutProcessError(f"the rollout server runs asyncgrpo {__version__}, the trainer {version}. "
-                                          f"Fix: install the same asyncgrpo version on both hosts")
-            log.error("refused a connection from %s: %s", who, problem)
-            conn.send(("error", pack_exception(problem, "")))
+                return conn, args
         conn.close()
 
 
