@@ -109,6 +109,13 @@ def test_listening_beyond_loopback_without_the_key_is_refused_naming_the_variabl
     assert f"Fix: export {ROLLOUT_KEY_ENV}=" in err
 
 
+def test_rollout_serve_takes_only_its_path_overrides_and_names_them(capsys):
+    assert main(["rollout-serve", "--listen", "127.0.0.1:0", "--max_steps", "3"]) == 2  # refused before listening
+    err = capsys.readouterr().err
+    assert "config `rollout-serve`: unknown arguments --max_steps 3" in err
+    assert "--model_path / --dataset_name / --data_files / --lora_adapter_path / --output_dir" in err
+
+
 def test_a_trainer_without_the_key_does_not_dial_a_non_loopback_address(tmp_path, monkeypatch):
     monkeypatch.delenv(ROLLOUT_KEY_ENV)
     proxy = _proxy(tmp_path, "192.0.2.1:7480")  # TEST-NET-1: never reachable; refused before any connect
