@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.bench.sync import cpu_launch_env
+from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import find_free_port
 from asyncgrpo.sync.publish import HOLD_PAUSED_ENV
@@ -163,6 +164,21 @@ def test_an_error_in_the_rollout_process_reaches_the_user_as_it_would_in_process
 
 
 LISTENING = re.compile(r"\[rollout\] .* rollout server listening on (127\.0\.0\.1:\d+) ")
+KEY = {ROLLOUT_KEY_ENV: "integration-test-key"}  # in both ends' environment
+
+
+def _rollout_serve(log_path: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`asyncgrpo rollout-serve --listen 127.0.0.1:0 *args` (output to `log_path`) and the address it logged."""
+    server = subprocess.Popen([sys.executable, "-m", "asyncgrpo", "rollout-serve", "--listen", "127.0.0.1:0", *args],
+                              cwd=REPO, env={**cpu_launch_env(), **KEY, **(env or {})}, stdout=open(log_path, "w"),
+                              stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not (found := LISTENING.search(log_path.read_text())):
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise AssertionError(log_path.read_text()[-3000:])
+        time.sleep(0.1)
+    return server, found.group(1)
 
 
 def test_a_run_trains_with_its_rollout_side_served_by_rollout_serve_which_exits_0_after_the_close(
@@ -170,18 +186,10 @@ def test_a_run_trains_with_its_rollout_side_served_by_rollout_serve_which_exits_
     """`asyncgrpo rollout-serve` as its own process (as on another host, over loopback TCP with the key of both ends'
     environment), with its own output_dir (a path override); the 2-process run connects to it by `rollout_address`."""
     remote_out, out = tmp_path / "rollout-host", tmp_path / "trainer"
-    env = {**cpu_launch_env(), "ASYNCGRPO_ROLLOUT_KEY": "integration-test-key"}
     log_path = tmp_path / "rollout-serve.log"
-    server = subprocess.Popen([sys.executable, "-m", "asyncgrpo", "rollout-serve", "--listen", "127.0.0.1:0",
-                               "--output_dir", str(remote_out)], cwd=REPO, env=env, stdout=open(log_path, "w"),
-                              stderr=subprocess.STDOUT)
+    server, address = _rollout_serve(log_path, "--output_dir", str(remote_out))
     try:
-        deadline = time.monotonic() + 120
-        while not (found := LISTENING.search(log_path.read_text())):
-            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        address = found.group(1)
-        monkeypatch.setenv("ASYNCGRPO_ROLLOUT_KEY", "integration-test-key")  # the launch takes this environment
+        monkeypatch.setenv(ROLLOUT_KEY_ENV, KEY[ROLLOUT_KEY_ENV])  # the launch takes this process's environment
         summary, proc = train_two_processes(out, "--rollout_address", address, "--max_steps", "3",
                                             "--per_device_train_batch_size", "32", "--learning_rate", "5e-3")
         code = server.wait(timeout=60)  # it serves one run: the trainer's close ends it
@@ -207,3 +215,32 @@ def test_a_run_trains_with_its_rollout_side_served_by_rollout_serve_which_exits_
     assert served[summary["adapter_name"]] == summary["adapter_path"]
     run_prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
     assert [n for n in served if n.startswith(run_prefix)] == [summary["adapter_name"]]
+
+
+def test_sigterm_on_the_trainer_reaches_rollout_serve_which_resumes_a_paused_server_and_exits_1(vllm_server,
+                                                                                               tmp_path):
+    """No pid to signal: the trainer's halt shuts the connection down, and the rollout server, holding version 1's
+    sync paused (the test hook), resumes the server at once and exits 1 (the run did not close)."""
+    url, marker = vllm_server.base_url, tmp_path / "paused-by-sync"
+    server, address = _rollout_serve(tmp_path / "rollout-serve.log", env={HOLD_PAUSED_ENV: str(marker)})
+    proc = _train(url, tmp_path / "trainer", "--rollout_process", "false", "--rollout_address", address,
+                  "--sync_mode", "pause", env=KEY)
+    try:
+        _wait_until(marker.exists, proc, tmp_path / "trainer")
+        with InferenceClient(url) as client:
+            assert client.is_paused() is True  # held paused by the rollout server: the fault is real
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=120)
+            server_code = server.wait(timeout=120)
+            paused_after = client.is_paused()
+    finally:
+        for p in (proc, server):
+            if p.poll() is None:
+                p.kill()
+        with InferenceClient(url) as client:
+            client.resume()  # whatever happened, leave the session server usable
+    log, remote_log = (tmp_path / "trainer" / "train.log").read_text(), (tmp_path / "rollout-serve.log").read_text()
+    assert code == 143, log[-3000:]
+    assert server_code == 1 and paused_after is False, remote_log[-3000:]
+    assert re.search(rf"\[rollout\] .* resumed {re.escape(url)}, which a weight sync in progress had paused",
+                     remote_log), remote_log[-3000:]

@@ -34,10 +34,14 @@ its main thread (`serve_side`); the child is spawned (not forked: rank 0 has thr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import select
 import signal
+import socket
+import threading
 import time
 import traceback
 import uuid
@@ -331,7 +335,8 @@ def _answer_requests(conn, side: RolloutSide) -> bool | None:
             logging.getLogger(__name__).warning("the trainer closed the connection: closing the rollout side")
             return None
         try:
-            value = _handle(side, op, args)
+            with _halt_if_the_trainer_leaves(conn, side):
+                value = _handle(side, op, args)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the trainer, typed
             reply = ("error", pack_exception(exc, traceback.format_exc()))
         else:
@@ -342,6 +347,42 @@ def _answer_requests(conn, side: RolloutSide) -> bool | None:
             return None
         if op == "close":  # done, or failed part-way (the trainer raises it): either way not closed again
             return bool(args[0])
+
+
+@contextlib.contextmanager
+def _halt_if_the_trainer_leaves(conn, side: RolloutSide):
+    """While a request is handled the trainer sends nothing (it waits for the answer), so its end turning readable
+    means it went away (its halt, or it died): resume any server a sync paused now, not after the request, which may
+    be waiting for that very sync. The request then ends as it can, and the next read sees the EOF."""
+    fd = conn.fileno()
+    stop_read, stop_write = os.pipe()  # written when the request is done: the watcher ends
+
+    def watch():
+        ready, _, _ = select.select([fd, stop_read], [], [])
+        if fd in ready and stop_read not in ready and _closed(fd):
+            logging.getLogger(__name__).warning("the trainer went away during a request: resuming any paused server")
+            side.halt()
+
+    watcher = threading.Thread(target=watch, name="trainer-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        os.write(stop_write, b"x")
+        watcher.join()
+        os.close(stop_read)
+        os.close(stop_write)
+
+
+def _closed(fd: int) -> bool:
+    """Whether the socket `fd` reads EOF or an error now (peeked: nothing is consumed)."""
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
 
 def _handle(side: RolloutSide, op: str, args: tuple):

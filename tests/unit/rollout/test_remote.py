@@ -237,3 +237,29 @@ def test_both_ends_turn_on_tcp_keepalive_so_that_a_vanished_host_is_seen_within_
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)  # handshake bound lifted
     server.conn.close()
     proxy.peer.stop(0)
+
+
+def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_the_request():
+    """The serve loop both forms share: a request may wait for a sync that holds a server paused (as publish waits
+    for the previous version); the trainer's end closing must resume that server now, not when the request ends."""
+    from multiprocessing import Pipe
+
+    from asyncgrpo.rollout.process import _answer_requests
+
+    class Side:
+        halted = threading.Event()
+
+        def halt(self):
+            self.halted.set()
+
+        def wait_published(self):
+            assert self.halted.wait(120), "never halted"  # held until halt, like a sync held paused
+
+    trainer_end, side_end = Pipe()
+    side, ended = Side(), []
+    serving = threading.Thread(target=lambda: ended.append(_answer_requests(side_end, side)), daemon=True)
+    serving.start()
+    trainer_end.send(("wait_published", ()))
+    trainer_end.close()  # the trainer is gone while the request waits
+    returns_within(lambda: serving.join(60), 30, "the serve loop after the trainer went away mid-request")
+    assert side.halted.is_set() and ended == [None]  # halted, then EOF read: not a `close`
