@@ -27,7 +27,7 @@ its main thread (`serve_side`); the child is spawned (not forked: rank 0 has thr
   liveness (a child's `is_alive`; for a TCP peer EOF, or TCP keepalive's error within 20 s), so none hangs;
 - SIGTERM/SIGINT: the trainer's `halt` signals the child (or shuts the socket down), whose handlers (shutdown.py)
   resume any server a sync in progress paused, then close the side and exit; a trainer that vanishes is seen as EOF
-  and handled the same way;
+  and handled the same way, at once even while a request is being handled (a watcher thread per request);
 - `close(keep_final)` asks the rollout process to close, then the peer stops it: a child is joined within a bound,
   then terminated and killed; a rollout server exits by itself.
 """

@@ -16,8 +16,8 @@ EOF at once. A host that vanishes without closing (power loss, network cut) is f
 ends: probes after KEEPALIVE_IDLE_S idle, every KEEPALIVE_INTERVAL_S, given up after KEEPALIVE_PROBES unanswered, and
 TCP_USER_TIMEOUT for data left unacknowledged: either way the connection errors within DEAD_PEER_S (20 s), and the
 waiting call raises RolloutProcessError naming the address. `halt` (SIGTERM/SIGINT on the trainer) shuts the socket
-down; the rollout server reads EOF once its current request is done, resumes any server it paused, unloads the run's
-versions and exits 1. After the trainer's `close` it exits 0: it serves one run, like the trainer.
+down; the rollout server sees it at once, even mid-request (process._halt_if_the_trainer_leaves), resumes any server
+it paused, unloads the run's versions and exits 1. After the trainer's `close` it exits 0: it serves one run, like the trainer.
 """
 
 from __future__ import annotations
