@@ -1,4 +1,4 @@
-"""`asyncgrpo train | doctor | demo | bench`: parse, build, run, clean up."""
+"""`asyncgrpo train | doctor | demo | bench | rollout-serve`: parse, build, run, clean up."""
 
 from __future__ import annotations
 
@@ -48,6 +48,29 @@ def cmd_bench(args, overrides: list[str]) -> int:
     return run_bench(args, overrides)
 
 
+# The paths a rollout host resolves itself (`rollout-serve --KEY VALUE`); every other setting is the trainer's config.
+ROLLOUT_SERVE_PATHS = {
+    "model_path": "the base model's local directory here (its tokenizer is loaded from it; default: rank 0's)",
+    "dataset_name": "the prompt source here: a data file or saved dataset directory (default: the trainer's)",
+    "data_files": "local data files here, for dataset_name json | parquet | csv | arrow (default: the trainer's)",
+    "lora_adapter_path": "where this host writes adapter versions (the inference servers read them here with "
+                         "adapter_delivery: shared_fs; default: the trainer's)",
+    "output_dir": "where this host writes its TensorBoard logs, <output_dir>/tensorboard (default: the trainer's)",
+}
+
+
+def cmd_rollout_serve(args, overrides: list[str]) -> int:
+    """Serve one trainer's rollout side (`rollout_address`), then exit: 0 after its close, 1 if it went away."""
+    if overrides:
+        raise ConfigError("rollout-serve", f"unknown arguments {' '.join(overrides)}", "give --listen and, where "
+                          f"this host's paths differ, --{' / --'.join(ROLLOUT_SERVE_PATHS)}; every other setting "
+                          "comes from the trainer's config")
+    from .rollout.remote import serve_one_run
+
+    paths = {name: getattr(args, name) for name in ROLLOUT_SERVE_PATHS if getattr(args, name) is not None}
+    return serve_one_run(args.listen, paths)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__)
     # The `deepspeed` launcher puts --local_rank=N before the subcommand; each rank reads LOCAL_RANK instead.
@@ -80,8 +103,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="producer: seconds of each timed run (after a 1 s warm-up)")
     bench.add_argument("--vocab_size", type=int, default=151936, help="memory: vocabulary of the random model")
     bench.add_argument("--completion_tokens", type=int, default=1024, help="memory: completion tokens in the step")
+    serve = sub.add_parser("rollout-serve", help="run the rollout side for one trainer run, which connects to it "
+                                                 "(`rollout_address`), e.g. on another host (docs/running.md)")
+    serve.add_argument("--listen", required=True, metavar="HOST:PORT",
+                       help="address to listen on (port 0: a free one; the address is logged). Other than loopback "
+                            "needs the key in ASYNCGRPO_ROLLOUT_KEY, the same on the trainer's host")
+    for name, text in ROLLOUT_SERVE_PATHS.items():
+        serve.add_argument(f"--{name}", nargs="+" if name == "data_files" else None, default=None, help=text)
     args, overrides = parser.parse_known_args(argv)
-    handlers = {"train": cmd_train, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor}
+    handlers = {"train": cmd_train, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor,
+                "rollout-serve": cmd_rollout_serve}
     try:
         return handlers[args.command](args, overrides)
     except PeerFailed:

@@ -22,6 +22,7 @@ import yaml
 from .errors import ConfigError
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
+ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)
 # Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -265,6 +266,12 @@ it at the same path; with `http` it stays on the trainer's side."""
     spawns, talking to the trainer over a pipe: it no longer shares the training process's GIL and cores, and a
     reward function that crashes its interpreter stops the run with an error naming the rollout process instead of
     killing the trainer. False: the rollout side runs on threads of rank 0 (docs/running.md)."""
+    rollout_address: str | None = None
+    """`host:port` of a rollout side already running on its own (`asyncgrpo rollout-serve --listen HOST:PORT`, e.g.
+    on another host): rank 0 connects to it over TCP instead of running or spawning one, with `rollout_process`'s
+    interface and failure reports. Both ends take the connection key from the environment variable
+    `ASYNCGRPO_ROLLOUT_KEY` (required unless the address is loopback). That side uses this config, which rank 0 sends
+    it, except the paths it resolves itself (docs/running.md). None: the rollout side is rank 0's."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
     keep_final_adapter: bool = True
@@ -439,6 +446,22 @@ it at the same path; with `http` it stays on the trainer's side."""
                 raise ConfigError("vllm_server_base_url", f"{url!r} is not an http(s) URL",
                                   "write e.g. http://10.0.0.5:8000")
         self._validate_delivery()
+        self._validate_rollout_address()
+
+    def _validate_rollout_address(self) -> None:
+        if self.rollout_address is None:
+            return
+        try:
+            split_address(self.rollout_address)
+        except ValueError as exc:
+            raise ConfigError("rollout_address", f"{self.rollout_address!r} {exc}",
+                              "write HOST:PORT as `asyncgrpo rollout-serve` logged it, e.g. "
+                              "`rollout_address: 10.0.0.7:7480`") from None
+        if self.rollout_process:
+            raise ConfigError("rollout_address", f"{self.rollout_address!r} is set together with `rollout_process: "
+                              f"true` (one connects to a rollout side running elsewhere, the other spawns one on rank "
+                              f"0's host)", "drop `rollout_process: true` to connect to the rollout server, or drop "
+                              "rollout_address to spawn the rollout side")
 
     def _validate_delivery(self) -> None:
         """Checks of `adapter_delivery` and its receivers."""
@@ -579,6 +602,22 @@ it at the same path; with `http` it stays on the trainer's side."""
     def save(self, path: str | Path) -> None:
         """Write the resolved config as YAML (the API key is never part of it)."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def split_address(address, *, any_port: bool = False) -> tuple[str, int]:
+    """`"host:port"` -> (host, port), for `rollout_address` and `rollout-serve --listen` (`any_port`: port 0, a free
+    one, is allowed). Raises ValueError saying what is wrong, worded to follow the quoted value."""
+    if not isinstance(address, str):
+        raise ValueError(f"is a {type(address).__name__}, not a HOST:PORT string")
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host:
+        raise ValueError("is not of the form HOST:PORT")
+    if ":" in host or host.startswith("["):
+        raise ValueError("is an IPv6 address; the rollout connection (multiprocessing's TCP listener) takes IPv4 "
+                         "addresses and host names only")
+    if not port.isdigit() or not (0 if any_port else 1) <= int(port) <= 65535:
+        raise ValueError(f"has port {port!r}, not a number from {0 if any_port else 1} to 65535")
+    return host, int(port)
 
 
 def parse_overrides(args: list[str]) -> dict:

@@ -61,5 +61,6 @@ class CheckpointError(AsyncGRPOError):
 
 
 class RolloutProcessError(AsyncGRPOError):
-    """The rollout process (`rollout_process: true`) died, stopped answering, or raised an error that could not be
-    rebuilt in the trainer with its own type (the message then carries that type, its message and its traceback)."""
+    """The rollout process (`rollout_process: true`, or `asyncgrpo rollout-serve` at `rollout_address`) could not be
+    reached, died, stopped answering, or raised an error that could not be rebuilt in the trainer with its own type
+    (the message then carries that type, its message and its traceback)."""

@@ -1,7 +1,8 @@
 """`rollout_process: true` against the session's real vLLM server: a 2-process accelerate run (DDP, gloo) trains with
 its rollout side in a child process of rank 0, and no child outlives it; a rollout process killed mid-run stops the
 trainer with an error naming it, never a hang; SIGTERM during a sync held paused reaches the child, which resumes the
-server before the run exits 143."""
+server before the run exits 143. And the other-host form: `asyncgrpo rollout-serve` started on its own, which the
+run reaches by `rollout_address` over loopback TCP, serves the run and exits 0 after its close."""
 
 import os
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.bench.sync import cpu_launch_env
+from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import find_free_port
 from asyncgrpo.sync.publish import HOLD_PAUSED_ENV
@@ -159,3 +161,86 @@ def test_an_error_in_the_rollout_process_reaches_the_user_as_it_would_in_process
         lines[mode] = _error_lines(log)
     assert len(lines["true"]) == 1 and dead in lines["true"][0]
     assert lines["true"] == lines["false"]
+
+
+LISTENING = re.compile(r"\[rollout\] .* rollout server listening on (127\.0\.0\.1:\d+) ")
+KEY = {ROLLOUT_KEY_ENV: "integration-test-key"}  # in both ends' environment
+
+
+def _rollout_serve(log_path: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`asyncgrpo rollout-serve --listen 127.0.0.1:0 *args` (output to `log_path`) and the address it logged."""
+    server = subprocess.Popen([sys.executable, "-m", "asyncgrpo", "rollout-serve", "--listen", "127.0.0.1:0", *args],
+                              cwd=REPO, env={**cpu_launch_env(), **KEY, **(env or {})}, stdout=open(log_path, "w"),
+                              stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not (found := LISTENING.search(log_path.read_text())):
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise AssertionError(log_path.read_text()[-3000:])
+        time.sleep(0.1)
+    return server, found.group(1)
+
+
+def test_a_run_trains_with_its_rollout_side_served_by_rollout_serve_which_exits_0_after_the_close(
+        train_two_processes, client, tb_scalars, tmp_path, monkeypatch):
+    """`asyncgrpo rollout-serve` as its own process (as on another host, over loopback TCP with the key of both ends'
+    environment), with its own output_dir (a path override); the 2-process run connects to it by `rollout_address`."""
+    remote_out, out = tmp_path / "rollout-host", tmp_path / "trainer"
+    log_path = tmp_path / "rollout-serve.log"
+    server, address = _rollout_serve(log_path, "--output_dir", str(remote_out))
+    try:
+        monkeypatch.setenv(ROLLOUT_KEY_ENV, KEY[ROLLOUT_KEY_ENV])  # the launch takes this process's environment
+        summary, proc = train_two_processes(out, "--rollout_address", address, "--max_steps", "3",
+                                            "--per_device_train_batch_size", "32", "--learning_rate", "5e-3")
+        code = server.wait(timeout=60)  # it serves one run: the trainer's close ends it
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    log = log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert summary["steps"] == 3 and summary["version"] == 3
+    assert f"rollout side running at {address} (host " in proc.stderr  # connected, nothing spawned
+    assert not CHILD.search(proc.stderr)
+    assert re.search(r"\[rollout\] .* trainer connected from 127\.0\.0\.1:\d+", log)
+    assert re.search(rf"\[rollout\] .* rollout side started in process {server.pid} ", log)
+    # The stats went over TCP to the rollout host's writer, in the output_dir it was given, not the trainer's.
+    assert summary["tensorboard"] == str((remote_out / "tensorboard").resolve())
+    assert [v for _, v in tb_scalars(remote_out / "tensorboard", "policy/version")] == [1.0, 2.0, 3.0]
+    staleness = [v for _, v in tb_scalars(remote_out / "tensorboard", "staleness/max")]
+    assert len(staleness) == 3 and all(0 <= s <= 1 for s in staleness)  # batches carried their versions back
+    assert not (out / "tensorboard").exists()
+    # close(keep_final=True) went over the connection: the final version alone stays loaded.
+    served = client.adapter_paths()
+    assert served[summary["adapter_name"]] == summary["adapter_path"]
+    run_prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
+    assert [n for n in served if n.startswith(run_prefix)] == [summary["adapter_name"]]
+
+
+def test_sigterm_on_the_trainer_reaches_rollout_serve_which_resumes_a_paused_server_and_exits_1(vllm_server,
+                                                                                               tmp_path):
+    """No pid to signal: the trainer's halt shuts the connection down, and the rollout server, holding version 1's
+    sync paused (the test hook), resumes the server at once and exits 1 (the run did not close)."""
+    url, marker = vllm_server.base_url, tmp_path / "paused-by-sync"
+    server, address = _rollout_serve(tmp_path / "rollout-serve.log", env={HOLD_PAUSED_ENV: str(marker)})
+    proc = _train(url, tmp_path / "trainer", "--rollout_process", "false", "--rollout_address", address,
+                  "--sync_mode", "pause", env=KEY)
+    try:
+        _wait_until(marker.exists, proc, tmp_path / "trainer")
+        with InferenceClient(url) as client:
+            assert client.is_paused() is True  # held paused by the rollout server: the fault is real
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=120)
+            server_code = server.wait(timeout=120)
+            paused_after = client.is_paused()
+    finally:
+        for p in (proc, server):
+            if p.poll() is None:
+                p.kill()
+        with InferenceClient(url) as client:
+            client.resume()  # whatever happened, leave the session server usable
+    log, remote_log = (tmp_path / "trainer" / "train.log").read_text(), (tmp_path / "rollout-serve.log").read_text()
+    assert code == 143, log[-3000:]
+    assert server_code == 1 and paused_after is False, remote_log[-3000:]
+    assert re.search(rf"\[rollout\] .* resumed {re.escape(url)}, which a weight sync in progress had paused",
+                     remote_log), remote_log[-3000:]

@@ -205,11 +205,11 @@ def test_a_dead_rollout_process_is_reported_with_its_signal_not_waited_for():
     ctx = multiprocessing.get_context("spawn")
     cfg = type("Cfg", (), {"output_dir": "/tmp", "vllm_request_timeout": 1.0, "sync_mode": "versioned"})()
     proxy = RolloutProcess(cfg, model_path="m", peft_config=None, groups_per_step=1)
-    proxy._conn, child_end = ctx.Pipe()
-    proxy.process = ctx.Process(target=time.sleep, args=(600,))
-    proxy.process.start()
+    proxy.peer.conn, child_end = ctx.Pipe()
+    proxy.peer.process = ctx.Process(target=time.sleep, args=(600,))
+    proxy.peer.process.start()
     child_end.close()
-    proxy.process.kill()
+    proxy.peer.process.kill()
     with pytest.raises(RolloutProcessError) as failure:
         proxy.take(8, version=0, timeout_s=600)
     assert "the rollout process" in str(failure.value) and "killed by SIGKILL" in str(failure.value)
@@ -217,4 +217,4 @@ def test_a_dead_rollout_process_is_reported_with_its_signal_not_waited_for():
     with pytest.raises(RolloutProcessError, match="killed by SIGKILL"):
         proxy.stats()  # and every later call, without touching the pipe again
     proxy.close(keep_final=False)  # safe on a dead child
-    assert proxy.process.exitcode == -signal.SIGKILL
+    assert proxy.peer.process.exitcode == -signal.SIGKILL

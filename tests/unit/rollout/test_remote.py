@@ -1,0 +1,265 @@
+"""The rollout side on another host (rollout/remote.py): the address in the config, the key on both ends, and what
+rank 0 reports when the rollout server is not there, answers with another key, says nothing, or dies. The rollout
+server here is a tiny in-test listener running the module's own accept (`accept_trainer`) in a thread, which then
+plays the rollout side's part by hand: a real rollout side needs a vLLM server (tests/integration/
+test_rollout_process.py runs the real one)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from multiprocessing.connection import Listener
+
+import pytest
+from liveness import returns_within
+
+from asyncgrpo.cli import main
+from asyncgrpo.config import ROLLOUT_KEY_ENV, AsyncGRPOConfig
+from asyncgrpo.errors import ConfigError, RolloutProcessError
+from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.rollout import remote
+from asyncgrpo.rollout.process import ChildPeer, RolloutProcess, open_rollout_side
+from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
+
+KEY = b"the-test-key"
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch):
+    monkeypatch.setenv(ROLLOUT_KEY_ENV, KEY.decode())
+
+
+def _cfg(tmp_path, **values):
+    return AsyncGRPOConfig(lora_adapter_path=str(tmp_path), sync_mode="versioned", vllm_request_timeout=1.0, **values)
+
+
+def _proxy(tmp_path, address: str) -> RolloutProcess:
+    return RolloutProcess(_cfg(tmp_path), model_path="m", peft_config=None, groups_per_step=1,
+                          peer=RemotePeer(address))
+
+
+class InTestServer:
+    """A listener on a free loopback port whose thread runs `accept_trainer`, then `then(conn, hello)`."""
+
+    def __init__(self, then, key: bytes = KEY, port: int = 0):
+        self.listener = Listener(("127.0.0.1", port), family="AF_INET")
+        self.address = "%s:%d" % self.listener.address
+        self.hello = self.error = None
+        self.conn = None
+
+        def run():
+            try:
+                self.conn, self.hello = accept_trainer(self.listener, key)
+                then(self.conn, self.hello)
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self):
+        returns_within(self.thread.join, 20, "the in-test rollout server")
+        self.listener.close()
+
+
+def _ack_then(after):
+    def then(conn, hello):
+        conn.send(("ok", "in-test server"))
+        after(conn)
+
+    return then
+
+
+# ---- the config ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("address, problem", [
+    ("rollout-host", "is not of the form HOST:PORT"),
+    (":7480", "is not of the form HOST:PORT"),
+    ("rollout-host:0", "has port '0', not a number from 1 to 65535"),
+    ("rollout-host:http", "has port 'http'"),
+    ("[::1]:7480", "is an IPv6 address"),
+])
+def test_a_malformed_rollout_address_is_refused_naming_the_value_and_the_form(tmp_path, address, problem):
+    with pytest.raises(ConfigError) as failure:
+        _cfg(tmp_path, rollout_address=address)
+    assert f"config `rollout_address`: {address!r} {problem}" in str(failure.value)
+    assert "Fix: write HOST:PORT" in str(failure.value)
+
+
+def test_rollout_address_with_rollout_process_is_refused_naming_both(tmp_path):
+    with pytest.raises(ConfigError, match=r"'h:7480' is set together with `rollout_process: true`.*Fix: drop"):
+        _cfg(tmp_path, rollout_address="h:7480", rollout_process=True)
+
+
+def test_rank_0_connects_to_the_rollout_address_instead_of_spawning(tmp_path):
+    kwargs = dict(model_path="m", peft_config=None, groups_per_step=1)
+    remote_side = open_rollout_side(_cfg(tmp_path, rollout_address="rollout-host:7480"), **kwargs)
+    assert isinstance(remote_side.peer, RemotePeer) and remote_side.peer.address == "rollout-host:7480"
+    assert isinstance(open_rollout_side(_cfg(tmp_path, rollout_process=True), **kwargs).peer, ChildPeer)
+    assert not remote_side.peer.started()  # nothing dialled before start()
+
+
+# ---- the key -------------------------------------------------------------------------------------------------
+def test_listening_beyond_loopback_without_the_key_is_refused_naming_the_variable(monkeypatch, capsys):
+    monkeypatch.delenv(ROLLOUT_KEY_ENV)
+    assert main(["rollout-serve", "--listen", "0.0.0.0:0"]) == 2
+    err = capsys.readouterr().err
+    assert f"config `--listen`: '0.0.0.0' is not a loopback address and {ROLLOUT_KEY_ENV} is not set" in err
+    assert f"Fix: export {ROLLOUT_KEY_ENV}=" in err
+
+
+def test_rollout_serve_takes_only_its_path_overrides_and_names_them(capsys):
+    assert main(["rollout-serve", "--listen", "127.0.0.1:0", "--max_steps", "3"]) == 2  # refused before listening
+    err = capsys.readouterr().err
+    assert "config `rollout-serve`: unknown arguments --max_steps 3" in err
+    assert "--model_path / --dataset_name / --data_files / --lora_adapter_path / --output_dir" in err
+
+
+def test_a_trainer_without_the_key_does_not_dial_a_non_loopback_address(tmp_path, monkeypatch):
+    monkeypatch.delenv(ROLLOUT_KEY_ENV)
+    proxy = _proxy(tmp_path, "192.0.2.1:7480")  # TEST-NET-1: never reachable; refused before any connect
+    with pytest.raises(ConfigError, match=f"'192.0.2.1' is not a loopback address and {ROLLOUT_KEY_ENV} is not set"):
+        proxy.start()
+
+
+def test_a_trainer_with_another_key_is_refused_clearly_and_the_server_keeps_listening(tmp_path, monkeypatch, caplog):
+    server = InTestServer(_ack_then(lambda conn: conn.close()))
+    monkeypatch.setenv(ROLLOUT_KEY_ENV, "another-key")
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+        with pytest.raises(RolloutProcessError) as failure:
+            returns_within(_proxy(tmp_path, server.address).start, 20, "a start with the wrong key")
+        assert f"the rollout server at {server.address} and this trainer have different connection keys" in str(
+            failure.value)
+        assert f"Fix: set {ROLLOUT_KEY_ENV} to the same secret on both hosts" in str(failure.value)
+        # Refused and logged on the server's side; it is still listening, and a trainer with the key gets through.
+        monkeypatch.setenv(ROLLOUT_KEY_ENV, KEY.decode())
+        right = _proxy(tmp_path, server.address)
+        right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
+        server.join()
+    assert server.error is None and server.hello[2] == right.run_id  # the hello carries the spawn's arguments
+    assert server.hello[1]["model_path"] == "m" and server.hello[0].sync_mode == "versioned"
+    refusals = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refusals) == 1 and f"{ROLLOUT_KEY_ENV} must be the same on both hosts" in refusals[0]
+    right.peer.stop(0)
+
+
+# ---- the peer is not there, says nothing, or dies --------------------------------------------------------------
+def test_nothing_listening_is_reported_with_the_command_to_start_after_a_bounded_retry(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "CONNECT_RETRY_S", 0.5)
+    address = f"127.0.0.1:{find_free_port()}"
+    with pytest.raises(RolloutProcessError) as failure:
+        returns_within(_proxy(tmp_path, address).start, 20, "a start with nothing listening")
+    assert f"nothing listens at {address}" in str(failure.value)
+    assert f"Fix: start `asyncgrpo rollout-serve --listen {address}` on that host first" in str(failure.value)
+
+
+def test_a_trainer_started_a_moment_before_its_server_still_connects(tmp_path):
+    port = find_free_port()
+    proxy = _proxy(tmp_path, f"127.0.0.1:{port}")
+    connecting = threading.Thread(target=proxy.peer.connect, args=(proxy.cfg, proxy._side_kwargs, proxy.run_id),
+                                  daemon=True)
+    connecting.start()  # refused at first: it retries for CONNECT_RETRY_S
+    server = InTestServer(_ack_then(lambda conn: None), port=port)
+    returns_within(connecting.join, 20, "a connect retried until the server listens")
+    server.join()
+    assert server.error is None and proxy.peer.started() and server.hello[2] == proxy.run_id
+    proxy.peer.stop(0)
+
+
+def test_a_port_that_never_answers_the_handshake_is_given_up_within_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "HANDSHAKE_S", 0.5)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) and never says a word, like vLLM's port
+    address = "127.0.0.1:%d" % silent.getsockname()[1]
+    try:
+        with pytest.raises(RolloutProcessError) as failure:
+            returns_within(_proxy(tmp_path, address).start, 20, "a start against a silent port")
+    finally:
+        silent.close()
+    assert f"the rollout server at {address} accepted the connection but did not complete the handshake" in str(
+        failure.value)
+    assert "not, say, vLLM's port" in str(failure.value)
+
+
+def test_a_rollout_server_that_dies_makes_the_waiting_call_raise_naming_its_address(tmp_path):
+    def die_on_first_request(conn):
+        conn.recv()  # `start`
+        conn.close()  # as the kernel does for a killed process
+
+    server = InTestServer(_ack_then(die_on_first_request))
+    proxy = _proxy(tmp_path, server.address)
+    with pytest.raises(RolloutProcessError) as failure:
+        returns_within(proxy.start, 20, "a call to a rollout server that died")
+    server.join()
+    message = str(failure.value)
+    assert f"the rollout server at {server.address} closed the connection" in message
+    assert "while the trainer waited for `start`" in message
+    assert f"Fix: its log on that host (prefix [rollout])" in message and "rollout_process" not in message
+    assert "pid" not in message and "out-of-memory" not in message  # no child of ours to speak of
+    with pytest.raises(RolloutProcessError, match="closed the connection"):
+        proxy.stats()  # and every later call, without touching the connection again
+    returns_within(lambda: proxy.close(keep_final=False), 20, "close after the server died")
+
+
+def test_halt_shuts_the_connection_so_that_the_rollout_server_reads_eof(tmp_path):
+    seen = {}
+
+    def serve_until_eof(conn):
+        conn.recv()
+        conn.send(("ok", None))  # `start` done
+        try:
+            seen["after"] = conn.recv()
+        except EOFError:
+            seen["after"] = "EOF"
+
+    server = InTestServer(_ack_then(serve_until_eof))
+    proxy = _proxy(tmp_path, server.address)
+    proxy.start()
+    proxy.halt()  # what the trainer's SIGTERM handler calls: there is no pid to signal
+    server.join()
+    assert server.error is None and seen["after"] == "EOF"
+    returns_within(lambda: proxy.close(keep_final=True), 20, "close after halt")  # sends nothing: it was halted
+
+
+def test_both_ends_turn_on_tcp_keepalive_so_that_a_vanished_host_is_seen_within_20_s(tmp_path):
+    server = InTestServer(_ack_then(lambda conn: None))
+    proxy = _proxy(tmp_path, server.address)
+    proxy.peer.connect(proxy.cfg, proxy._side_kwargs, proxy.run_id)
+    server.join()
+    assert remote.DEAD_PEER_S == 20
+    for conn in (proxy.peer.conn, server.conn):
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 5
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 20_000
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)  # handshake bound lifted
+    server.conn.close()
+    proxy.peer.stop(0)
+
+
+def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_the_request():
+    """The serve loop both forms share: a request may wait for a sync that holds a server paused (as publish waits
+    for the previous version); the trainer's end closing must resume that server now, not when the request ends."""
+    from multiprocessing import Pipe
+
+    from asyncgrpo.rollout.process import _answer_requests
+
+    class Side:
+        halted = threading.Event()
+
+        def halt(self):
+            self.halted.set()
+
+        def wait_published(self):
+            assert self.halted.wait(120), "never halted"  # held until halt, like a sync held paused
+
+    trainer_end, side_end = Pipe()
+    side, ended = Side(), []
+    serving = threading.Thread(target=lambda: ended.append(_answer_requests(side_end, side)), daemon=True)
+    serving.start()
+    trainer_end.send(("wait_published", ()))
+    trainer_end.close()  # the trainer is gone while the request waits
+    returns_within(lambda: serving.join(60), 30, "the serve loop after the trainer went away mid-request")
+    assert side.halted.is_set() and ended == [None]  # halted, then EOF read: not a `close`
