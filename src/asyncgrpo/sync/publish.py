@@ -338,7 +338,10 @@ class AdapterPublisher:
             if self._held:
                 return
             self._held = True
-        Path(marker).write_text(client.base_url)
+        # Whole or absent: a test reads the marker as soon as it appears, and write_text creates it empty first.
+        partial = Path(f"{marker}.part")
+        partial.write_text(client.base_url)
+        os.replace(partial, marker)
         self._halted.wait(HOLD_PAUSED_MAX_S)
         raise SyncError("the sync was held paused by the test hook and then halted")
 
