@@ -119,8 +119,10 @@ def test_rollout_serve_takes_only_its_path_overrides_and_names_them(capsys):
 def test_a_trainer_without_the_key_does_not_dial_a_non_loopback_address(tmp_path, monkeypatch):
     monkeypatch.delenv(ROLLOUT_KEY_ENV)
     proxy = _proxy(tmp_path, "192.0.2.1:7480")  # TEST-NET-1: never reachable; refused before any connect
-    with pytest.raises(ConfigError, match=f"'192.0.2.1' is not a loopback address and {ROLLOUT_KEY_ENV} is not set"):
+    with pytest.raises(ConfigError, match=f"'192.0.2.1' is not a loopback address and {ROLLOUT_KEY_ENV} is not set") \
+            as refused:
         proxy.start()
+    assert refused.value.field == "rollout_address"  # the trainer's setting, not rollout-serve's --listen
 
 
 def test_a_trainer_with_another_key_is_refused_clearly_and_the_server_keeps_listening(tmp_path, monkeypatch, caplog):
