@@ -5,7 +5,7 @@ killed, how many survived or timed out, per module, and the survivors by name (`
 A measurement, like the benchmarks: not part of CI. docs/testing.md lists the survivors and why each one stays.
 
     python scripts/mutate.py                         # every mutant (docs/testing.md has the last run's time)
-    python scripts/mutate.py "asyncgrpo.loss.*"      # only these mutants (mutmut's name patterns)
+    python scripts/mutate.py "asyncgrpo.trainer.loss.*"      # only these mutants (mutmut's name patterns)
     python scripts/mutate.py --report                # only summarise the results of the last run
 """
 

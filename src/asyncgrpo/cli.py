@@ -6,14 +6,14 @@ import argparse
 import os
 import sys
 
-from .errors import AsyncGRPOError, ConfigError, PeerFailed
-from .shutdown import exit_on_signal
+from asyncgrpo.errors import AsyncGRPOError, ConfigError, PeerFailed
+from asyncgrpo.shutdown import exit_on_signal
 
 
 def cmd_train(args, overrides: list[str]) -> int:
     """Run under a launcher (`accelerate launch -m asyncgrpo train ...`) or as a single process."""
-    from .config import AsyncGRPOConfig
-    from .trainer import AsyncGRPOTrainer
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     cfg = AsyncGRPOConfig.load(args.config, overrides)
     trainer = AsyncGRPOTrainer(cfg)
@@ -24,26 +24,26 @@ def cmd_train(args, overrides: list[str]) -> int:
             trainer.train()
         finally:
             trainer.cleanup()
-    from .distributed import leave_launched_process
+    from asyncgrpo.distributed import leave_launched_process
 
     leave_launched_process(0)  # a finished rank of a launch skips interpreter finalization (distributed.py says why)
     return 0
 
 
 def cmd_demo(args, overrides: list[str]) -> int:
-    from .demo import run_demo
+    from asyncgrpo.demo import run_demo
 
     return run_demo(args, overrides)
 
 
 def cmd_doctor(args, overrides: list[str]) -> int:
-    from .doctor import run_doctor
+    from asyncgrpo.rollout.preflight import run_doctor
 
     return run_doctor(args, overrides)
 
 
 def cmd_bench(args, overrides: list[str]) -> int:
-    from .bench import run_bench
+    from asyncgrpo.bench import run_bench
 
     return run_bench(args, overrides)
 
@@ -65,7 +65,7 @@ def cmd_rollout_serve(args, overrides: list[str]) -> int:
         raise ConfigError("rollout-serve", f"unknown arguments {' '.join(overrides)}", "give --listen and, where "
                           f"this host's paths differ, --{' / --'.join(ROLLOUT_SERVE_PATHS)}; every other setting "
                           "comes from the trainer's config")
-    from .rollout.remote import serve_one_run
+    from asyncgrpo.rollout.remote import serve_one_run
 
     paths = {name: getattr(args, name) for name in ROLLOUT_SERVE_PATHS if getattr(args, name) is not None}
     return serve_one_run(args.listen, paths)

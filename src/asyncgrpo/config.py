@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from asyncgrpo.errors import ConfigError
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from .errors import ConfigError
+from asyncgrpo.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def local_model_dir(path: str) -> str:
 
 
 def toy_world(cfg):
-    from .toy import ToyWorldSpec, build_toy_world
+    from asyncgrpo.toy import ToyWorldSpec, build_toy_world
 
     return build_toy_world(ToyWorldSpec(seed=cfg.toy_seed))
 

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from .config import AsyncGRPOConfig
-from .errors import AsyncGRPOError
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.errors import AsyncGRPOError
 
 log = logging.getLogger("asyncgrpo.demo")
 
@@ -53,9 +53,9 @@ def heldout_rewards(cfg: AsyncGRPOConfig, client, model: str, world) -> dict[str
     (the quantity GRPO maximises), and greedy accuracy."""
     from transformers import AutoTokenizer
 
-    from .data import load_prompts
-    from .evaluate import evaluate_served
-    from .rewards import RewardScorer
+    from asyncgrpo.data import load_prompts
+    from asyncgrpo.evaluate import evaluate_served
+    from asyncgrpo.rewards import RewardScorer
 
     tokenizer = AutoTokenizer.from_pretrained(world.model_dir)
     rows = load_prompts(world.heldout_file, tokenizer, cfg.prompt_column)
@@ -67,9 +67,9 @@ def heldout_rewards(cfg: AsyncGRPOConfig, client, model: str, world) -> dict[str
 
 
 def run_demo(args, overrides: list[str]) -> int:
-    from .inference.client import InferenceClient
-    from .inference.server import VLLMServer, find_free_port
-    from .toy import ToyWorldSpec, build_toy_world
+    from asyncgrpo.inference.client import InferenceClient
+    from asyncgrpo.inference.server import VLLMServer, find_free_port
+    from asyncgrpo.toy import ToyWorldSpec, build_toy_world
 
     logging.basicConfig(level=logging.INFO, format="[demo] %(asctime)s %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .errors import AsyncGRPOError, PeerFailed
+from asyncgrpo.errors import AsyncGRPOError, PeerFailed
 
 
 def cpu_requested() -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from .data import PromptRow
-from .rewards import RewardScorer
-from .rollout.scoring import decode_completion
+from asyncgrpo.data import PromptRow
+from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.scoring import decode_completion
 
 
 def evaluate_served(client, model: str, rows: list[PromptRow], tokenizer, scorer: RewardScorer, *,

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Sub-modules of multimodal checkpoints outside the language model (Gemma 3/4, LLaVA-style, Qwen2-VL).
 MULTIMODAL_TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector", "visual")
@@ -32,3 +36,14 @@ def lora_config(cfg, model):
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none",
                       exclude_modules=tower_exclusion(name for name, _ in model.named_modules()))
+
+
+def with_lora(cfg, base) -> tuple[torch.nn.Module, object]:
+    """`base` wrapped with the LoRA adapter `cfg` asks for (lora_target_modules, in the language model only:
+    lora.py); returns (PEFT model, its LoraConfig)."""
+    from peft import get_peft_model
+
+    from asyncgrpo.lora import lora_config
+
+    peft_config = lora_config(cfg, base)
+    return get_peft_model(base, peft_config), peft_config

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable
 
-from .errors import ConfigError, RewardFunctionError
+from asyncgrpo.errors import ConfigError, RewardFunctionError
 
 log = logging.getLogger(__name__)
 

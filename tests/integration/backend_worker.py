@@ -93,7 +93,7 @@ class DeviceAudit:
 def synthetic_share(rank: int, world: int, groups_per_rank: int, generations: int, seed: int):
     """This rank's groups of a fixed global batch: prompts and completions of different lengths (padding inside a
     micro-batch), advantages of both signs. Behaviour logprobs are filled in later from the model itself."""
-    from asyncgrpo.rollout.queue import Group
+    from asyncgrpo.contracts import Group
 
     gen = torch.Generator().manual_seed(seed)
     groups = []
@@ -118,7 +118,7 @@ def with_behaviour(trainer, share, seed: int):
 
 
 def micro_batches(trainer, share, n: int):
-    from asyncgrpo.trainer import collate, to_device
+    from asyncgrpo.trainer.batching import collate, to_device
 
     size = -(-len(share) // n)
     return [to_device(collate(share[i:i + size], trainer.pad_id), trainer.acc.device)
@@ -132,11 +132,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     args, overrides = parser.parse_known_args()
 
-    from asyncgrpo.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+    from asyncgrpo.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.demo import default_config_path
-    from asyncgrpo.sync.gather import backend_of, gather_lora_state
-    from asyncgrpo.trainer import AsyncGRPOTrainer, StepStats
+    from asyncgrpo.trainer.gather import backend_of, gather_lora_state
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer, StepStats
 
     out = Path(args.out)
     cfg = AsyncGRPOConfig.load(default_config_path(), [

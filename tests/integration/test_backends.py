@@ -126,4 +126,4 @@ def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, cli
     paused = [v for _, v in tb_scalars(tmp_path / "tensorboard", "sync/paused_s")]
     assert paused == [0.0, 0.0, 0.0]  # versions 0, 1, 2: in versioned mode the server is never paused
     assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
-    assert proc.stderr.count("asyncgrpo.trainer: done") == 1  # two ranks, one rank 0
+    assert proc.stderr.count("asyncgrpo.trainer.recipe: done") == 1  # two ranks, one rank 0

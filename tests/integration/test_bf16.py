@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.trainer import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 PROMPT = [3 + b for b in b"80,08>"]
 BF16_PROB_TOLERANCE = 5e-2  # on token probabilities (worst seen in 5 runs: 1.0e-2); logprob errors grow for unlikely tokens (4.4e-2

@@ -11,7 +11,7 @@ PROMPT = [3 + b for b in b"12,34>"]
 
 @pytest.fixture()
 def adapter_dir(world, tmp_path, random_adapter):
-    from asyncgrpo.sync.publish import AdapterStore
+    from asyncgrpo.store import AdapterStore
 
     tensors, config = random_adapter(seed=5)
     return AdapterStore(tmp_path).write(1, tensors, config, base_model=str(world.model_dir))

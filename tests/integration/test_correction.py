@@ -7,7 +7,7 @@ import time
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.trainer import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 STEPS = 4
 

@@ -25,8 +25,9 @@ from asyncgrpo.demo import default_config_path
 from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.sync.delivery import HttpDelivery, ReceiverClient
-from asyncgrpo.sync.publish import MANIFEST_NAME, AdapterPublisher, AdapterStore
+from asyncgrpo.rollout.delivery import HttpDelivery, ReceiverClient
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.store import MANIFEST_NAME, AdapterStore
 
 KEY = "delivery-test-key"
 PROMPT = [3 + b for b in b"42,24>"]
@@ -60,7 +61,7 @@ def _served_under(client, prefix: str) -> dict[str, str]:
 
 def test_training_with_http_delivery_serves_only_the_receivers_copies_and_reproduces_peft(
         vllm_server, receiver, tmp_path, monkeypatch, peft_logprobs):
-    from asyncgrpo.trainer import AsyncGRPOTrainer
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     receiver_url, receiver_dir = receiver
     monkeypatch.setenv(API_KEY_ENV, KEY)
@@ -179,7 +180,7 @@ def test_a_corrupted_upload_is_rejected_and_nothing_is_loaded(world, vllm_server
 
 def test_doctor_checks_the_receiver_and_loads_its_probe_through_it(vllm_server, receiver, tmp_path, monkeypatch):
     from asyncgrpo.data import resolve_model_path
-    from asyncgrpo.doctor import run_checks
+    from asyncgrpo.rollout.preflight import run_checks
 
     receiver_url, receiver_dir = receiver
     cfg = AsyncGRPOConfig.load(default_config_path(), [

@@ -21,7 +21,7 @@ import pytest
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import VLLMServer, find_free_port
-from asyncgrpo.sync.publish import AdapterStore, verify_adapter_files
+from asyncgrpo.store import AdapterStore, verify_adapter_files
 
 REPO = Path(__file__).resolve().parents[2]
 NO_DEV_MODE = {"VLLM_SERVER_DEV_MODE": "0"}

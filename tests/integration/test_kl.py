@@ -2,7 +2,7 @@
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.trainer import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 
 def test_kl_to_the_adapter_free_model_is_zero_at_the_start_and_positive_once_the_adapter_moved(vllm_server, tmp_path):

@@ -56,4 +56,4 @@ def test_two_torchrun_nodes_train_together_and_only_global_rank_0_writes(vllm_se
     assert Path(summary["adapter_path"]).parent.parent == adapters.resolve()  # <lora_adapter_path>/<run id>/v2
     assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
     assert "[rank1]" not in output[0] and "[rank0]" not in output[1]  # each node ran the rank it was given
-    assert output[0].count("asyncgrpo.trainer: done") == 1 and "asyncgrpo.trainer: done" not in output[1]
+    assert output[0].count("asyncgrpo.trainer.recipe: done") == 1 and "asyncgrpo.trainer.recipe: done" not in output[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.sync.publish import HOLD_PAUSED_ENV
+from asyncgrpo.rollout.publish import HOLD_PAUSED_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.sync.publish import HOLD_PAUSED_ENV
+from asyncgrpo.rollout.publish import HOLD_PAUSED_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = re.compile(r"rollout side running in its own process \(pid (\d+)\)")

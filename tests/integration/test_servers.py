@@ -12,8 +12,9 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.errors import SyncError
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.sync.publish import AdapterPublisher, AdapterStore
-from asyncgrpo.trainer import AsyncGRPOTrainer
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.store import AdapterStore
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 
 def finished_requests(base_url: str) -> float:

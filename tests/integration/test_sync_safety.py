@@ -5,7 +5,8 @@ import uuid
 import pytest
 
 from asyncgrpo.errors import SyncError
-from asyncgrpo.sync.publish import WEIGHTS_NAME, AdapterStore, AdapterPublisher
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.store import WEIGHTS_NAME, AdapterStore
 
 PROBE = [3 + b for b in b"07+45=52"]
 

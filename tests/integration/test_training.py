@@ -29,7 +29,7 @@ def test_two_processes_train_and_publish_every_step(two_process_run, client, tb_
     b_max = [t.abs().max().item() for k, t in trained.items() if "lora_B" in k]
     assert len(b_max) == 2 * 7 and min(b_max) > 0  # every module's B moved away from its zero init
     assert "asyncgrpo: 100%" in proc.stderr  # rank 0's progress bar ran to the end
-    assert proc.stderr.count("asyncgrpo.trainer: done") == 1  # one summary, from rank 0 only
+    assert proc.stderr.count("asyncgrpo.trainer.recipe: done") == 1  # one summary, from rank 0 only
 
 
 def test_staleness_is_bounded_in_a_real_run(two_process_run, tb_scalars):

@@ -6,7 +6,8 @@ import uuid
 
 import requests
 
-from asyncgrpo.sync.publish import AdapterPublisher, AdapterStore
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.store import AdapterStore
 
 PROMPT = [3 + b for b in b"42,24>"]
 

@@ -10,7 +10,7 @@ import pytest
 
 from asyncgrpo.errors import SyncError
 from asyncgrpo.shutdown import exit_on_signal
-from asyncgrpo.sync.publish import AdapterPublisher
+from asyncgrpo.rollout.publish import AdapterPublisher
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

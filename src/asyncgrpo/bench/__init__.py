@@ -8,31 +8,31 @@ import sys
 
 
 def run_bench(args, overrides: list[str]) -> int:
-    from . import policy_equivalence, throughput
+    from asyncgrpo.bench import policy_equivalence, throughput
 
     # Libraries print banners to stdout on import (DeepSpeed's accelerator warning): keep stdout for the JSON.
     with contextlib.redirect_stdout(sys.stderr):
         if args.name == "sync":
-            from . import sync
+            from asyncgrpo.bench import sync
 
             result = sync.run(args.backend, server_url=args.server, overrides=overrides, model=args.model,
                               servers=args.servers)
         elif args.name == "memory":
-            from . import memory
+            from asyncgrpo.bench import memory
 
             result = memory.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens)
         elif args.name == "rank0":
-            from . import rank0
+            from asyncgrpo.bench import rank0
 
             result = rank0.run(server_url=args.server, overrides=overrides)
         elif args.name == "throughput":
             result = throughput.run(server_url=args.server, overrides=overrides, plot=args.plot)
         elif args.name == "producer":
-            from . import producer
+            from asyncgrpo.bench import producer
 
             result = producer.run(overrides=overrides, duration_s=args.duration)
         elif args.name == "staleness":
-            from . import staleness
+            from asyncgrpo.bench import staleness
 
             result = staleness.run(server_url=args.server, overrides=overrides, plot=args.plot)
         else:

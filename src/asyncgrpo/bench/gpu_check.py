@@ -204,7 +204,7 @@ def synthetic_micro_batches(args, vocab: int) -> list[dict]:
     t+1; completions of random length in [completion_len/2, completion_len], right-padded."""
     import torch
 
-    from ..loss import group_advantages
+    from asyncgrpo.trainer.loss import group_advantages
 
     g = torch.Generator().manual_seed(args.seed)
     n_seq, length = args.groups * args.generations, args.prompt_len + args.completion_len
@@ -225,7 +225,7 @@ def synthetic_micro_batches(args, vocab: int) -> list[dict]:
 def policy_logprobs(model, batch: dict, *, naive: bool = False):
     """The trainer's own scoring path (logprobs.sequence_logprobs: the LM head on completion positions only, in
     chunks, no (B, T, V) fp32 tensor); `naive=True` takes full logits instead, for the comparison."""
-    from ..logprobs import find_scoring_head, sequence_logprobs
+    from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
 
     head = None if naive else find_scoring_head(model)
     return sequence_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["mask"], 1.0)
@@ -237,9 +237,9 @@ def train_steps(args, model, optimizer, micro_batches, device, use_dist_sum: boo
     """`args.steps` optimizer steps the way the trainer takes one; returns timings and the on-policy ratio."""
     import torch
 
-    from ..distributed import dist_sum
-    from ..loss import grpo_loss
-    from ..trainer import to_device
+    from asyncgrpo.distributed import dist_sum
+    from asyncgrpo.trainer.loss import grpo_loss
+    from asyncgrpo.trainer.batching import to_device
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():  # the behaviour policy: the model itself before the first step
@@ -276,7 +276,7 @@ def check_gather(model, device) -> str | None:
     """The LoRA gather returns every adapter tensor, on CPU, equal to the (full) parameter."""
     import torch
 
-    from ..sync.gather import gather_lora_state, lora_parameters
+    from asyncgrpo.trainer.gather import gather_lora_state, lora_parameters
 
     stats: dict = {}
     state = gather_lora_state(OneProcess(device), model, stats)
@@ -294,7 +294,7 @@ def check_gather(model, device) -> str | None:
 
 def collective_path_forced():
     """dist_sum/dist_max skip the collective with one rank; the check forces the path every multi-rank job takes."""
-    from .. import distributed
+    from asyncgrpo import distributed
 
     return _patched(distributed, "is_distributed", lambda: True)
 
@@ -313,7 +313,7 @@ def run(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..distributed import dist_max, dist_sum
+    from asyncgrpo.distributed import dist_max, dist_sum
 
     device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", 0)
     init_one_rank_group(device)
@@ -378,7 +378,7 @@ def compare_chunked_naive(model, batch: dict, device) -> float:
     bf16 hidden states; the head's matmul differs only in how the chunks are cut)."""
     import torch
 
-    from ..trainer import to_device
+    from asyncgrpo.trainer.batching import to_device
 
     moved = to_device(batch, device)
     with torch.no_grad():

@@ -65,8 +65,8 @@ def measure_variant(variant: str, vocab_size: int, completion_tokens: int, hidde
     """In this process: build, then one forward + loss + backward; the step's peak memory and the logprobs."""
     import torch
 
-    from ..logprobs import find_scoring_head, sequence_logprobs
-    from ..loss import grpo_loss
+    from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
+    from asyncgrpo.trainer.loss import grpo_loss
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
@@ -106,7 +106,7 @@ def _run_variant(variant: str, vocab_size: int, completion_tokens: int, hidden: 
 
 def run(vocab_size: int = 151936, completion_tokens: int = 1024, hidden: int = 64, temperature: float = 0.7) -> dict:
     """Both variants, each in its own fresh process; the step peaks side by side."""
-    from ..loss import chunk_positions
+    from asyncgrpo.trainer.logprobs import chunk_positions
 
     naive = _run_variant("naive", vocab_size, completion_tokens, hidden, temperature)
     chunked = _run_variant("chunked", vocab_size, completion_tokens, hidden, temperature)

@@ -45,11 +45,11 @@ def measure(trainer, prompts: list[list[int]], n: int = 4) -> dict:
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None) -> dict:
     """Build the toy world, start a vLLM server unless `server_url` is given, train 2 steps, measure."""
-    from ..config import AsyncGRPOConfig
-    from ..data import load_prompts, toy_world
-    from ..demo import default_config_path
-    from ..inference.server import VLLMServer, find_free_port
-    from ..trainer import AsyncGRPOTrainer
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.data import load_prompts, toy_world
+    from asyncgrpo.demo import default_config_path
+    from asyncgrpo.inference.server import VLLMServer, find_free_port
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     base = AsyncGRPOConfig.load(default_config_path(), overrides)
     world = toy_world(base)

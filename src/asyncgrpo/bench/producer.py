@@ -37,9 +37,9 @@ import threading
 import time
 from pathlib import Path
 
-from ..inference.client import InferenceClient
-from ..rewards import RewardScorer
-from ..rollout.queue import RolloutQueue
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.queue import RolloutQueue
 
 WORKERS = (0, 1, 2, 4)
 DEFAULT_DURATION_S = 5.0
@@ -78,7 +78,7 @@ def bench_completions(tokenizer, length: int, count: int = 8) -> list[dict]:
 
 def bench_rows(tokenizer, count: int = 512):
     """Prompts in the toy tokenizer (about 40 tokens each) with a GSM8K-style `answer` column ending in `#### 72`."""
-    from ..data import PromptRow
+    from asyncgrpo.data import PromptRow
 
     rows = []
     for i in range(count):
@@ -240,7 +240,7 @@ def scoring_arguments(cfg, tokenizer, stages: Stages) -> dict:
     timed_tokenizer = TimedTokenizer(tokenizer, stages)
     if importlib.util.find_spec("asyncgrpo.rollout.scoring") is None:
         return {"tokenizer": timed_tokenizer, "scorer": scorer}
-    from ..rollout import scoring
+    from asyncgrpo.rollout import scoring
 
     if getattr(cfg, "reward_workers", 0) == 0:
         return {"scorer": scoring.InThreadScoring(scorer, timed_tokenizer, None)}
@@ -249,7 +249,7 @@ def scoring_arguments(cfg, tokenizer, stages: Stages) -> dict:
 
 
 def reward_workers_supported() -> bool:
-    from ..config import AsyncGRPOConfig
+    from asyncgrpo.config import AsyncGRPOConfig
 
     return "reward_workers" in {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
 
@@ -289,7 +289,7 @@ def consume(queue: RolloutQueue, producer, groups: int, stop: threading.Event, e
 def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, warmup_s: float,
             loadgen_pid: int) -> dict:
     """One producer against the load generator: warm up, count what is queued during `duration_s`, stop."""
-    from ..rollout.producer import RolloutProducer
+    from asyncgrpo.rollout.producer import RolloutProducer
 
     stages = Stages()
     groups = cfg.groups_per_step(world_size=1)
@@ -340,10 +340,10 @@ def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, 
 def run(overrides: list[str] | None = None, duration_s: float = DEFAULT_DURATION_S, warmup_s: float = WARMUP_S,
         workers: tuple[int, ...] = WORKERS) -> dict:
     """Start the load generator, then one timed producer run per entry of `workers`."""
-    from ..config import AsyncGRPOConfig
+    from asyncgrpo.config import AsyncGRPOConfig
     from transformers import PreTrainedTokenizerFast
 
-    from ..toy.tokenizer import build_tokenizer
+    from asyncgrpo.toy.tokenizer import build_tokenizer
 
     supported = reward_workers_supported()
     with tempfile.TemporaryDirectory(prefix="bench-producer-") as tmp:

@@ -81,7 +81,7 @@ class StepClock:
 
 def run_one(cfg) -> dict:
     """Train `cfg.max_steps` steps in this process (a single rank) and time rank 0's steps."""
-    from ..trainer import AsyncGRPOTrainer
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(cfg)
     clock = StepClock(trainer)
@@ -99,11 +99,11 @@ def run_one(cfg) -> dict:
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None) -> dict:
     """Build the toy world, start a vLLM server unless `server_url` is given, and run the three cases."""
-    from ..config import AsyncGRPOConfig
-    from ..data import toy_world
-    from ..demo import default_config_path
-    from ..inference.server import VLLMServer, find_free_port
-    from .throughput import max_sequences
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.data import toy_world
+    from asyncgrpo.demo import default_config_path
+    from asyncgrpo.inference.server import VLLMServer, find_free_port
+    from asyncgrpo.bench.throughput import max_sequences
 
     base = AsyncGRPOConfig.load(default_config_path(), [*WORKLOAD, *overrides])
     world = toy_world(base)

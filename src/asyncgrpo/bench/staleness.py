@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from .throughput import save_figure
+from asyncgrpo.bench.throughput import save_figure
 
 STALENESS = (0, 2, 4, 8)
 CORRECTIONS = ("none", "token_truncate", "token_mask")
@@ -97,9 +97,9 @@ def plot_cells(rows: list[dict], path: str | Path) -> Path:
 
 def run_cell(cfg, world, client) -> dict:
     """Train one cell with TRAINER_DELAY_S after every step, then measure its held-out reward."""
-    from ..demo import heldout_rewards
-    from ..trainer import AsyncGRPOTrainer
-    from .throughput import step_history
+    from asyncgrpo.demo import heldout_rewards
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+    from asyncgrpo.bench.throughput import step_history
 
     trainer = AsyncGRPOTrainer(cfg)
     train_step = trainer.train_step
@@ -128,11 +128,11 @@ def run_cell(cfg, world, client) -> dict:
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
         stalenesses=STALENESS, corrections=CORRECTIONS, seeds=SEEDS) -> dict:
     """Build the toy world, start a vLLM server unless `server_url` is given, run every cell."""
-    from ..config import AsyncGRPOConfig
-    from ..data import toy_world
-    from ..demo import default_config_path
-    from ..inference.client import InferenceClient
-    from ..inference.server import VLLMServer, find_free_port
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.data import toy_world
+    from asyncgrpo.demo import default_config_path
+    from asyncgrpo.inference.client import InferenceClient
+    from asyncgrpo.inference.server import VLLMServer, find_free_port
 
     base = AsyncGRPOConfig.load(default_config_path(), [*WORKLOAD, *overrides])
     world = toy_world(base)

@@ -85,7 +85,7 @@ def bench_model_dir(cache: Path, tokenizer_dir: str) -> Path:
 def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, overrides: list[str],
                   timeout_s: float = 900) -> dict:
     """Two CPU ranks of the worker under `accelerate launch` with the backend's config; returns its JSON."""
-    from ..inference.server import find_free_port
+    from asyncgrpo.inference.server import find_free_port
 
     repo = Path(__file__).resolve().parents[3]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, ove
            "--lora_adapter_path", str(out.parent / "adapters"), "--lora_target_modules", LORA_TARGETS, *overrides]
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0 or not out.exists():
-        from ..errors import AsyncGRPOError
+        from asyncgrpo.errors import AsyncGRPOError
 
         raise AsyncGRPOError(f"bench sync worker for {backend} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -110,12 +110,12 @@ def run(backend: str, server_url: str | None, overrides: list[str], model: str |
     servers, with `all`). `sync_mode`: whose figures go at the top level of the JSON (both modes are measured)."""
     import contextlib
 
-    from ..config import AsyncGRPOConfig
-    from ..data import toy_world
-    from ..demo import default_config_path
-    from ..toy.world import default_cache_dir
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.data import toy_world
+    from asyncgrpo.demo import default_config_path
+    from asyncgrpo.toy.world import default_cache_dir
 
-    from ..errors import ConfigError
+    from asyncgrpo.errors import ConfigError
 
     backends = BACKENDS if backend == "all" else (backend,)
     if not set(backends) <= set(BACKENDS):
@@ -142,7 +142,7 @@ def run(backend: str, server_url: str | None, overrides: list[str], model: str |
 def _start_servers(stack, n: int, model_dir: Path, work: Path) -> list[str]:
     """Start `n` small vLLM CPU servers on free ports (1 GiB of KV cache each, ~2.5 GiB of memory), all at once,
     stopped when `stack` closes; returns their URLs once every one answers /health."""
-    from ..inference.server import VLLMServer, find_free_port
+    from asyncgrpo.inference.server import VLLMServer, find_free_port
 
     started = []
     for i in range(n):
@@ -238,8 +238,8 @@ def _measure_mode(rig: Rig, backend: str, mode: str, version0, generator) -> dic
     """Collective: ROUNDS x (step, gather, write, publish, naive gather) with a fresh publisher in `mode`."""
     import torch.distributed as dist
 
-    from ..sync.gather import clean_fsdp_name, _to_peft_keys, gather_lora_state
-    from ..sync.publish import AdapterPublisher
+    from asyncgrpo.trainer.gather import clean_fsdp_name, _to_peft_keys, gather_lora_state
+    from asyncgrpo.rollout.publish import AdapterPublisher
 
     publisher = None
     if rig.main:
@@ -293,8 +293,8 @@ def _measure_mode(rig: Rig, backend: str, mode: str, version0, generator) -> dic
 
 def _score(rig: Rig, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
     """The policy's own fp32 logprob of every completion token, as the trainer computes it."""
-    from ..logprobs import sequence_logprobs
-    from ..trainer import score_completions
+    from asyncgrpo.trainer.logprobs import sequence_logprobs
+    from asyncgrpo.trainer.batching import score_completions
 
     tokenizer, model, head = rig.policy.tokenizer, rig.policy.model, rig.policy.scoring_head
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -305,7 +305,7 @@ def _score(rig: Rig, prompt_ids: list[list[int]], completion_ids: list[list[int]
 
 def _policy_equivalence(rig: Rig, adapter: str | None) -> float:
     """Collective: max |served logprob - trainer logprob| over a few completions sampled from `adapter`."""
-    from ..distributed import broadcast_object
+    from asyncgrpo.distributed import broadcast_object
 
     sequences = None
     if rig.main:
@@ -321,13 +321,13 @@ def worker(argv: list[str]) -> None:
     """Every rank (under `accelerate launch`): build the trainer's model, measure both sync modes."""
     import torch
 
-    from ..config import AsyncGRPOConfig
-    from ..demo import default_config_path
-    from ..distributed import make_accelerator
-    from ..inference.client import InferenceClient
-    from ..policy import build_policy
-    from ..sync.gather import backend_of, gather_lora_state
-    from ..sync.publish import AdapterStore
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.demo import default_config_path
+    from asyncgrpo.distributed import make_accelerator
+    from asyncgrpo.inference.client import InferenceClient
+    from asyncgrpo.trainer.policy import build_policy
+    from asyncgrpo.trainer.gather import backend_of, gather_lora_state
+    from asyncgrpo.store import AdapterStore
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

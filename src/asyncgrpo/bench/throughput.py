@@ -35,7 +35,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..timeline import complement, fraction
+from asyncgrpo.timeline import complement, fraction
 
 STALENESS = (0, 1, 2)
 DEFAULT_WORKDIR = "runs/bench-throughput"
@@ -167,8 +167,8 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
     """Train `cfg.max_steps` steps (timed), then measure the final adapter's held-out reward (not timed).
     CPU seconds are recorded too: unlike wall time they hardly change when other work shares the cores, so
     they show the generation/training balance even on a busy machine."""
-    from ..demo import heldout_rewards
-    from ..trainer import AsyncGRPOTrainer
+    from asyncgrpo.demo import heldout_rewards
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(cfg)
     try:
@@ -199,12 +199,12 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
         stalenesses=STALENESS) -> dict:
     """Build the toy world, start a pinned vLLM server unless `server_url` is given, run each staleness."""
-    from ..config import AsyncGRPOConfig
-    from ..data import toy_world
-    from ..demo import default_config_path
-    from ..inference.client import InferenceClient
-    from ..inference.server import VLLMServer, find_free_port
-    from ..trainer import AsyncGRPOTrainer
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.data import toy_world
+    from asyncgrpo.demo import default_config_path
+    from asyncgrpo.inference.client import InferenceClient
+    from asyncgrpo.inference.server import VLLMServer, find_free_port
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     base = AsyncGRPOConfig.load(default_config_path(), [*BALANCE, *overrides])
     world = toy_world(base)

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InferenceServerError
-from .client import NEUTRAL_SAMPLING
+from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.inference.client import NEUTRAL_SAMPLING
 
 log = logging.getLogger(__name__)
 

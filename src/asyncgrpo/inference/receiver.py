@@ -39,10 +39,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from ..config import API_KEY_ENV
-from ..errors import InferenceServerError
-from ..files import fsync_path, sha256_file
-from .client import InferenceClient
+from asyncgrpo.config import API_KEY_ENV
+from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.files import fsync_path, sha256_file
+from asyncgrpo.inference.client import InferenceClient
 
 log = logging.getLogger(__name__)
 

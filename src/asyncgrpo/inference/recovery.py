@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import ConfigError, InferenceServerError
+from asyncgrpo.errors import ConfigError, InferenceServerError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def backoff_delays(timeout_s: float, first_s: float = FIRST_BACKOFF_S, max_s: fl
 def connect_retry_s(connect_retries: int = 5, backoff_s: float = 0.5) -> float:
     """The longest one call spends on an unreachable server before it is reported: every attempt's connect timeout
     (a node that drops packets) plus the backoffs between attempts (InferenceClient's defaults, which train uses)."""
-    from .client import CONNECT_TIMEOUT_S
+    from asyncgrpo.inference.client import CONNECT_TIMEOUT_S
 
     return (connect_retries + 1) * CONNECT_TIMEOUT_S + backoff_s * (2 ** connect_retries - 1)
 

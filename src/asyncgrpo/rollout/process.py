@@ -47,10 +47,10 @@ import traceback
 import uuid
 from pathlib import Path
 
-from ..errors import RolloutProcessError
-from .queue import Group
-from .side import RolloutSide
-from .wire import decode_groups, encode_groups, pack_exception, rebuild_exception
+from asyncgrpo.errors import RolloutProcessError
+from asyncgrpo.contracts import Group
+from asyncgrpo.rollout.side import RolloutSide
+from asyncgrpo.rollout.wire import decode_groups, encode_groups, pack_exception, rebuild_exception
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,6 @@ POLL_S = 1.0  # how often a wait checks that the child is alive: a dead child is
 TAKE_GRACE_S = 60.0  # beyond take's own timeout (the child raises TimeoutError itself): the answer's transfer
 JOIN_S = 10.0  # for the child to exit once it has answered `close`, or after a signal
 RESUME_TIMEOUT_S = 10.0  # each /is_paused and /resume call after the child died: answered at once by a live server
-
-
-def open_rollout_side(cfg, **kwargs) -> RolloutSide | RolloutProcess:
-    """Rank 0's rollout side: in this process, in a child process it spawns (`rollout_process: true`), or in an
-    `asyncgrpo rollout-serve` it connects to (`rollout_address`). Same interface, same arguments (RolloutSide's)."""
-    if cfg.rollout_address:
-        from .remote import RemotePeer
-
-        return RolloutProcess(cfg, peer=RemotePeer(cfg.rollout_address), **kwargs)
-    return RolloutProcess(cfg, **kwargs) if cfg.rollout_process else RolloutSide(cfg, **kwargs)
 
 
 class RolloutProcess:
@@ -264,7 +254,7 @@ def _resume_left_paused(cfg) -> list[str]:
     trainer, still alive, does it for it. Returns the URLs it resumed. Best effort: the run is failing anyway."""
     if cfg.sync_mode != "pause":
         return []
-    from ..inference.client import InferenceClient
+    from asyncgrpo.inference.client import InferenceClient
 
     resumed = []
     for url in cfg.server_urls:
@@ -301,7 +291,7 @@ def build_side(cfg, side_kwargs: dict, run_id: str) -> RolloutSide:
     """The side the trainer's arguments describe, with the tokenizer loaded here from the local model directory."""
     from transformers import AutoTokenizer
 
-    from ..data import local_model_dir
+    from asyncgrpo.data import local_model_dir
 
     side = RolloutSide(cfg, tokenizer=AutoTokenizer.from_pretrained(local_model_dir(side_kwargs["model_path"])),
                        **side_kwargs)
@@ -312,7 +302,7 @@ def build_side(cfg, side_kwargs: dict, run_id: str) -> RolloutSide:
 def serve_side(conn, side: RolloutSide) -> bool:
     """Answer the trainer's requests on `conn` until `close` (returns True) or the trainer's end closes (False: every
     version unloaded); on SIGTERM/SIGINT resume any paused server (shutdown.py), close the side and exit 143/130."""
-    from ..shutdown import exit_on_signal
+    from asyncgrpo.shutdown import exit_on_signal
 
     keep_final = None  # set by `close`; None: the trainer went away or a signal came, unload every version
     with exit_on_signal(side.halt):

@@ -29,15 +29,16 @@ import threading
 import time
 from collections import deque
 
-from ..data import PromptRow, PromptStream
-from ..errors import AdapterNotLoadedError, BehaviourLogprobError, InferenceServerError, ServerUnreachableError
-from ..inference.client import InferenceClient
-from ..inference.recovery import ServerRecovery
-from ..timeline import Timeline
-from .queue import Group, RolloutQueue, centred_advantages
-from .scheduler import RolloutSchedule
-from .scoring import GroupScorer
-from .servers import ServerPicker
+from asyncgrpo.data import PromptRow, PromptStream
+from asyncgrpo.errors import AdapterNotLoadedError, BehaviourLogprobError, InferenceServerError, ServerUnreachableError
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference.recovery import ServerRecovery
+from asyncgrpo.timeline import Timeline
+from asyncgrpo.contracts import Group, centred_advantages
+from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.rollout.scheduler import RolloutSchedule
+from asyncgrpo.rollout.scoring import GroupScorer
+from asyncgrpo.rollout.servers import ServerPicker
 
 log = logging.getLogger(__name__)
 

@@ -2,103 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-
-@dataclass
-class Group:
-    """One prompt and its `num_generations` completions, scored, with the policy version that made them."""
-
-    prompt: str
-    prompt_ids: list[int]
-    completion_ids: list[list[int]]
-    behaviour_logprobs: list[list[float]]  # the server's logprob of each sampled token
-    rewards: list[float]
-    reward_parts: dict[str, list[float | None]]  # None: the function did not apply to that completion
-    advantages: list[float]
-    version: int  # policy version that was being served when the request was sent
-    adapter: str  # adapter name that served the request
-    finish_reasons: list[str] = field(default_factory=list)
-    index: int = -1  # the prompt's position in the producer's data stream (orders a batch; checkpoints resume after it)
-    masked: list[bool] = field(default_factory=list)  # completions left out of the loss (mask_truncated_completions)
-
-    @property
-    def n_completion_tokens(self) -> int:
-        return sum(len(c) for c in self.completion_ids)
-
-    def completion(self, j: int) -> Group:
-        """This group with its j-th completion only (micro-batches packed by length split groups)."""
-        return dataclasses.replace(self, completion_ids=[self.completion_ids[j]],
-                                   behaviour_logprobs=[self.behaviour_logprobs[j]], rewards=[self.rewards[j]],
-                                   advantages=[self.advantages[j]], finish_reasons=self.finish_reasons[j:j + 1],
-                                   reward_parts={k: [v[j]] for k, v in self.reward_parts.items()},
-                                   masked=self.masked[j:j + 1])
-
-
-def centred_advantages(rewards: list[float], scale: str, eps: float = 1e-4) -> list[float]:
-    """One group's advantages as `loss.group_advantages` computes them (reward - group mean, divided by the group's
-    unbiased std + eps when `scale` is "group"), in plain Python: the producer runs this once per group, where a
-    torch call cost more than the rest of the group's bookkeeping. Float64 here, float32 there (agree to ~1e-7)."""
-    n = len(rewards)
-    mean = sum(rewards) / n
-    centred = [r - mean for r in rewards]
-    if scale == "none":
-        return centred
-    assert scale == "group", f"a group is scaled by its own std or not at all, not {scale!r}"
-    std = math.sqrt(sum(c * c for c in centred) / (n - 1)) if n > 1 else math.nan  # torch: nan for one sample
-    return [c / (std + eps) for c in centred]
-
-
-def scale_by_batch_std(groups: list[Group], eps: float = 1e-4) -> None:
-    """`scale_rewards: batch`: divide the groups' centred advantages by the std of every reward in the batch (torch's
-    unbiased std, as TRL). In place; the producer centred each group when it was scored."""
-    rewards = [r for g in groups for r in g.rewards]
-    std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
-    for g in groups:
-        g.advantages = [a / (std + eps) for a in g.advantages]
-
-
-def split_by_tokens(groups: list[Group], parts: int) -> list[list[Group]]:
-    """Deal `groups` to `parts` ranks: the same number each (every rank runs the same micro-steps and collectives)
-    and about the same number of tokens (prompt + completion, what a forward costs). Largest groups first, each to
-    the least-loaded rank with room; each share keeps the batch's order."""
-    if len(groups) % parts:
-        raise ValueError(f"{len(groups)} groups do not split evenly over {parts} ranks")
-    room = len(groups) // parts
-    cost = [sum(len(g.prompt_ids) + len(c) for c in g.completion_ids) for g in groups]
-    load, members = [0] * parts, [[] for _ in range(parts)]
-    for i in sorted(range(len(groups)), key=lambda i: -cost[i]):
-        rank = min((r for r in range(parts) if len(members[r]) < room), key=lambda r: load[r])
-        load[rank] += cost[i]
-        members[rank].append(i)
-    return [[groups[i] for i in sorted(m)] for m in members]
-
-
-def pack_by_tokens(lengths: list[int], budget: int, count: int | None = None) -> list[list[int]]:
-    """Indices of sequences (of `lengths` tokens each) packed into micro-batches: longest first, each micro-batch a
-    run of consecutive lengths whose padded size (sequences x its longest) is at most `budget`; a sequence longer than
-    the budget goes alone. `count`: then the micro-batch of largest padded size is halved until there are exactly
-    `count` (every rank must run the same number of forwards; halving keeps each within the budget)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    packed: list[list[int]] = []
-    for i in order:
-        if packed and (len(packed[-1]) + 1) * lengths[packed[-1][0]] <= budget:
-            packed[-1].append(i)
-        else:
-            packed.append([i])
-    assert count is None or len(packed) <= count <= len(lengths), (len(packed), count, len(lengths))
-    while count is not None and len(packed) < count:
-        j = max((k for k in range(len(packed)) if len(packed[k]) > 1), key=lambda k: len(packed[k]) * lengths[packed[k][0]])
-        half = len(packed[j]) // 2
-        packed[j:j + 1] = [packed[j][:half], packed[j][half:]]
-    return packed
+from asyncgrpo.contracts import Group, scale_by_batch_std
 
 
 class RolloutQueue:

@@ -34,10 +34,10 @@ import traceback
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
-from .. import __version__
-from ..config import ROLLOUT_KEY_ENV, split_address
-from ..errors import ConfigError, RolloutProcessError
-from .wire import pack_exception, rebuild_exception
+from asyncgrpo import __version__
+from asyncgrpo.config import ROLLOUT_KEY_ENV, split_address
+from asyncgrpo.errors import ConfigError, RolloutProcessError
+from asyncgrpo.rollout.wire import pack_exception, rebuild_exception
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +197,8 @@ def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
     """`asyncgrpo rollout-serve`: listen at `listen` (port 0: a free one, logged), serve the first trainer that
     authenticates, then exit: 0 after its `close`, 1 if it went away without. `paths`: config keys (and
     `model_path`) this host resolves itself instead of taking the trainer's."""
-    from ..shutdown import exit_on_signal
-    from .process import build_side, log_as_rollout, serve_side
+    from asyncgrpo.shutdown import exit_on_signal
+    from asyncgrpo.rollout.process import build_side, log_as_rollout, serve_side
 
     try:
         host, port = split_address(listen, any_port=True)

@@ -36,9 +36,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..data import PromptRow
-from ..errors import RewardFunctionError
-from ..rewards import RewardScorer
+from asyncgrpo.data import PromptRow
+from asyncgrpo.errors import RewardFunctionError
+from asyncgrpo.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
     """A worker's whole life: load, say ready, then score requests until told to stop or the parent is gone."""
     import traceback
 
-    from .scoring import score_group
+    from asyncgrpo.rollout.scoring import score_group
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent closes us
     # Scoring is throughput work; rank 0's step is what every other rank waits for at the next collective. Where

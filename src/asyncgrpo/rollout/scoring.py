@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..data import PromptRow, parse_completions
-from ..rewards import RewardScorer
+from asyncgrpo.data import PromptRow, parse_completions
+from asyncgrpo.rewards import RewardScorer
 
 
 def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -94,7 +94,7 @@ def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupSc
     scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
     if cfg.reward_workers == 0:
         return InThreadScoring(scorer, tokenizer, response_template)
-    from .reward_pool import RewardPool, TokenizerRef
+    from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
 
     return RewardPool(cfg.reward_workers, scorer, TokenizerRef.of(tokenizer), response_template,
                       timeout_s=cfg.reward_timeout)

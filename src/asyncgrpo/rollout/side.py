@@ -21,7 +21,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from .queue import Group
+from asyncgrpo.contracts import Group
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +59,16 @@ class RolloutSide:
         It sends nothing before the first `publish`."""
         from torch.utils.tensorboard import SummaryWriter
 
-        from ..data import load_prompt_set, server_max_model_len
-        from ..doctor import require_healthy_setup
-        from ..inference.client import InferenceClient
-        from ..inference.recovery import ServerRecovery
-        from ..sync.delivery import make_delivery
-        from ..sync.publish import AdapterPublisher, AdapterStore, clean_stale_temporaries
-        from .producer import RolloutProducer
-        from .queue import RolloutQueue
-        from .scoring import make_group_scorer
+        from asyncgrpo.data import load_prompt_set, server_max_model_len
+        from asyncgrpo.rollout.preflight import require_healthy_setup
+        from asyncgrpo.inference.client import InferenceClient
+        from asyncgrpo.inference.recovery import ServerRecovery
+        from asyncgrpo.rollout.delivery import make_delivery
+        from asyncgrpo.rollout.publish import AdapterPublisher
+        from asyncgrpo.store import AdapterStore, clean_stale_temporaries
+        from asyncgrpo.rollout.producer import RolloutProducer
+        from asyncgrpo.rollout.queue import RolloutQueue
+        from asyncgrpo.rollout.scoring import make_group_scorer
 
         cfg = self.cfg
         self.clients = [InferenceClient(url, api_key=cfg.api_key, timeout_s=cfg.vllm_request_timeout)

@@ -25,8 +25,8 @@ import struct
 
 import numpy as np
 
-from ..errors import RolloutProcessError
-from .queue import Group
+from asyncgrpo.errors import RolloutProcessError
+from asyncgrpo.contracts import Group
 
 _LENGTH = struct.Struct("<I")
 _FORMAT = 1  # bumped if the layout changes: parent and child always run the same code, so this only asserts it

@@ -32,8 +32,8 @@ def test_cpu_smoke_prints_one_json_line_with_every_device_check_passed():
     assert set(checks) == {"dist_sum", "dist_max", "gather_fsdp2", "train_steps", "gather_fsdp2_after_training"}
     assert result["device_checks_passed"] is True
     assert all(c["ok"] and c["collectives"] >= 1 and c["expected_device"] == "cpu" for c in checks.values())
-    assert checks["gather_fsdp2"]["seen"] == ["asyncgrpo.sync.gather.all_gather:cpu",
-                                              "asyncgrpo.sync.gather.gather:cpu"]
+    assert checks["gather_fsdp2"]["seen"] == ["asyncgrpo.trainer.gather.all_gather:cpu",
+                                              "asyncgrpo.trainer.gather.gather:cpu"]
     assert checks["train_steps"]["collectives"] == 3  # the token count, once per step
     assert result["backend"] == "gloo" and result["peak_memory_gib"] is None
     # LoRA r16 on all seven projections of 2 layers (hidden 64, KV 2 x 16, intermediate 128): 16,384 per layer.

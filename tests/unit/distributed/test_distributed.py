@@ -13,8 +13,8 @@ import torch
 from asyncgrpo.distributed import require_usable_device
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.rollout.queue import Group
-from asyncgrpo.trainer import collate, to_device
+from asyncgrpo.contracts import Group
+from asyncgrpo.trainer.batching import collate, to_device
 
 WORKER = Path(__file__).with_name("two_ranks.py")
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncgrpo.doctor import check_adapter_dir_writable, report
+from asyncgrpo.rollout.preflight import check_adapter_dir_writable, report
 from asyncgrpo.inference.checks import (CheckResult, ServerContext, check_base_model, check_dev_mode,
                                         check_lora_enabled, check_max_lora_rank, check_max_loras,
                                         check_runtime_lora_updating, check_version)

@@ -7,7 +7,7 @@ import time
 
 from asyncgrpo.errors import ServerUnreachableError, SyncError
 from asyncgrpo.inference.recovery import ServerRecovery
-from asyncgrpo.sync.publish import AdapterPublisher
+from asyncgrpo.rollout.publish import AdapterPublisher
 
 
 class SlowToReturn:

@@ -14,7 +14,7 @@ from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncE
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerGoneError, ServerRecovery, backoff_delays
 from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.sync.publish import AdapterPublisher
+from asyncgrpo.rollout.publish import AdapterPublisher
 
 
 class Clock:

@@ -13,8 +13,9 @@ import torch
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import BehaviourLogprobError
 from asyncgrpo.rollout.producer import BEHAVIOUR_LOGPROB_FLOOR, check_behaviour_logprobs
-from asyncgrpo.rollout.queue import Group, RolloutQueue
-from asyncgrpo.trainer import collate
+from asyncgrpo.contracts import Group
+from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.trainer.batching import collate
 
 
 def completion(logprobs, finish_reason="stop"):

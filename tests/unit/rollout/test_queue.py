@@ -3,8 +3,9 @@ import threading
 
 import pytest
 
-from asyncgrpo.rollout.queue import (Group, RolloutQueue, centred_advantages, pack_by_tokens, scale_by_batch_std,
-                                     split_by_tokens)
+from asyncgrpo.contracts import Group, centred_advantages, scale_by_batch_std
+from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.trainer.batching import pack_by_tokens, split_by_tokens
 
 
 def group(version: int, tag: str = "") -> Group:
@@ -208,7 +209,7 @@ def test_reaching_the_count_halves_the_micro_batch_of_largest_padded_size_never_
 def test_centred_advantages_are_the_loss_group_advantages_in_plain_python(rewards, scale):
     import torch
 
-    from asyncgrpo.loss import group_advantages
+    from asyncgrpo.trainer.loss import group_advantages
 
     expected = group_advantages(torch.tensor([rewards], dtype=torch.float64), scale=scale)[0].tolist()
     assert centred_advantages(rewards, scale) == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -221,7 +222,7 @@ def test_a_group_of_one_has_no_spread_so_its_scaled_advantage_is_nan_as_in_the_l
 
     import torch
 
-    from asyncgrpo.loss import group_advantages
+    from asyncgrpo.trainer.loss import group_advantages
 
     with pytest.warns(UserWarning, match="degrees of freedom"):  # torch says so too (config refuses groups of one)
         assert math.isnan(group_advantages(torch.tensor([[0.7]], dtype=torch.float64), scale="group")[0, 0].item())

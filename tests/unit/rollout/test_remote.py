@@ -20,7 +20,8 @@ from asyncgrpo.config import ROLLOUT_KEY_ENV, AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError, RolloutProcessError
 from asyncgrpo.inference.server import find_free_port
 from asyncgrpo.rollout import remote
-from asyncgrpo.rollout.process import ChildPeer, RolloutProcess, open_rollout_side
+from asyncgrpo.rollout.build import open_rollout_side
+from asyncgrpo.rollout.process import ChildPeer, RolloutProcess
 from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
 
 KEY = b"the-test-key"

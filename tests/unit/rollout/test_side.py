@@ -25,7 +25,8 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import SyncError
 from asyncgrpo.rollout import side as side_module
 from asyncgrpo.rollout.side import RolloutSide
-from asyncgrpo.sync.publish import CONFIG_NAME, AdapterPublisher, AdapterStore
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.store import CONFIG_NAME, AdapterStore
 
 DEADLINE_S = 15.0  # every wait here is milliseconds when the code is right
 

@@ -18,7 +18,7 @@ import pytest
 from asyncgrpo.errors import ConfigError, InferenceServerError, RewardFunctionError, RolloutProcessError
 from asyncgrpo.rollout.process import RolloutProcess
 from asyncgrpo.rollout import wire
-from asyncgrpo.rollout.queue import Group
+from asyncgrpo.contracts import Group
 from asyncgrpo.rollout.wire import decode_groups, encode_groups, pack_exception, rebuild_exception
 
 

@@ -1,0 +1,65 @@
+"""The data that crosses from the rollout side to the trainer: a scored `Group` and its advantages.
+
+A group is built by the producer (in rank 0, a child, or another host), sent over the rollout link (rollout/wire.py)
+and trained on by every rank, so it depends on nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Group:
+    """One prompt and its `num_generations` completions, scored, with the policy version that made them."""
+
+    prompt: str
+    prompt_ids: list[int]
+    completion_ids: list[list[int]]
+    behaviour_logprobs: list[list[float]]  # the server's logprob of each sampled token
+    rewards: list[float]
+    reward_parts: dict[str, list[float | None]]  # None: the function did not apply to that completion
+    advantages: list[float]
+    version: int  # policy version that was being served when the request was sent
+    adapter: str  # adapter name that served the request
+    finish_reasons: list[str] = field(default_factory=list)
+    index: int = -1  # the prompt's position in the producer's data stream (orders a batch; checkpoints resume after it)
+    masked: list[bool] = field(default_factory=list)  # completions left out of the loss (mask_truncated_completions)
+
+    @property
+    def n_completion_tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+    def completion(self, j: int) -> Group:
+        """This group with its j-th completion only (micro-batches packed by length split groups)."""
+        return dataclasses.replace(self, completion_ids=[self.completion_ids[j]],
+                                   behaviour_logprobs=[self.behaviour_logprobs[j]], rewards=[self.rewards[j]],
+                                   advantages=[self.advantages[j]], finish_reasons=self.finish_reasons[j:j + 1],
+                                   reward_parts={k: [v[j]] for k, v in self.reward_parts.items()},
+                                   masked=self.masked[j:j + 1])
+
+
+def centred_advantages(rewards: list[float], scale: str, eps: float = 1e-4) -> list[float]:
+    """One group's advantages as `loss.group_advantages` computes them (reward - group mean, divided by the group's
+    unbiased std + eps when `scale` is "group"), in plain Python: the producer runs this once per group, where a
+    torch call cost more than the rest of the group's bookkeeping. Float64 here, float32 there (agree to ~1e-7)."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    centred = [r - mean for r in rewards]
+    if scale == "none":
+        return centred
+    assert scale == "group", f"a group is scaled by its own std or not at all, not {scale!r}"
+    std = math.sqrt(sum(c * c for c in centred) / (n - 1)) if n > 1 else math.nan  # torch: nan for one sample
+    return [c / (std + eps) for c in centred]
+
+
+def scale_by_batch_std(groups: list[Group], eps: float = 1e-4) -> None:
+    """`scale_rewards: batch`: divide the groups' centred advantages by the std of every reward in the batch (torch's
+    unbiased std, as TRL). In place; the producer centred each group when it was scored."""
+    rewards = [r for g in groups for r in g.rewards]
+    std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+    for g in groups:
+        g.advantages = [a / (std + eps) for a in g.advantages]

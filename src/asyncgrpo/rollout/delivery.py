@@ -1,0 +1,186 @@
+"""How an adapter version's files reach an inference server (`adapter_delivery`), one class per way, behind the
+publisher's load step (sync/publish.py):
+
+- `shared_fs`: the server reads the trainer's `lora_adapter_path` at the same path; loading is vLLM's
+  `/v1/load_lora_adapter` with the trainer's path.
+- `http`: the server cannot read it (containers, separate allocations). Each server has an adapter receiver beside it
+  (inference/receiver.py, `launch/vllm/receiver.sh`); `stage` uploads the version's files and commits them (checked
+  there against their sizes and sha256), before any pause, and `load` asks the receiver to load its own copy into
+  its vLLM. The path the server then reports is the receiver's, so the publisher reads back that one. With several
+  servers, `stage_all` uploads to every receiver at once (one thread each), so staging costs about one upload.
+
+Both answer the same calls: `stage_all(clients, name, path)` (before any pause; the failures, per server),
+`stage(client, name, path)` (one server), `load(client, name, path)` (inside the pause), and
+`served_path(client, name, path)` (what `GET /v1/models` must report afterwards).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import requests
+
+from asyncgrpo.config import API_KEY_ENV
+from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
+from asyncgrpo.store import MANIFEST_NAME
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0  # a reachable receiver accepts a connection in milliseconds
+UPLOAD_TIMEOUT_S = 600.0  # one file's upload: a ~1 GB adapter over a slow (~20 MB/s) link, with margin
+ADMIN_TIMEOUT_S = 120.0  # commit (sha256 of the files, fsync) and load (vLLM's own load: seconds on NFS-less disk)
+
+
+class SharedFsDelivery:
+    """The server reads the trainer's adapter directory (the default)."""
+
+    name = "shared_fs"
+
+    def stage(self, client, name: str, path: Path) -> None:
+        """Nothing to send: the server reads `path` itself."""
+
+    def stage_all(self, clients, name: str, path: Path) -> list[tuple[object, BaseException]]:
+        """Nothing to send to any server."""
+        return []
+
+    def load(self, client, name: str, path: Path) -> None:
+        client.load_adapter(name, str(path))
+
+    def served_path(self, client, name: str, path: Path) -> str:
+        return str(path.resolve())
+
+
+class ReceiverClient:
+    """HTTP client of one adapter receiver (inference/receiver.py)."""
+
+    def __init__(self, base_url: str, api_key: str | None):
+        self.base_url = base_url.rstrip("/")
+        self._session = requests.Session()
+        self._lock = threading.Lock()  # the publisher and a recovery thread may both call: one Session, one at a time
+        self._session.trust_env = False  # no proxies or ~/.netrc: a private network, and the bearer token wins
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def _call(self, what: str, method: str, route: str, *, timeout_s: float, **kwargs) -> dict:
+        url = f"{self.base_url}{route}"
+        try:
+            with self._lock:
+                resp = self._session.request(method, url, timeout=(CONNECT_TIMEOUT_S, timeout_s), **kwargs)
+        except requests.ConnectionError as exc:
+            raise ServerUnreachableError(
+                f"{what}: cannot reach the adapter receiver at {url} ({exc.__class__.__name__}). Start it beside vLLM "
+                f"(`launch/vllm/receiver.sh`) or fix adapter_receiver_url") from exc
+        except requests.RequestException as exc:
+            raise InferenceServerError(f"{what}: {method} {url} failed: {exc}") from exc
+        if not resp.ok:
+            try:
+                detail = resp.json().get("error", resp.text)
+            except ValueError:
+                detail = resp.text[:2000]
+            hint = (f". Set {API_KEY_ENV} to the key the receiver was started with" if resp.status_code == 401 else "")
+            raise InferenceServerError(f"{what}: {method} {url} answered HTTP {resp.status_code}: {detail}{hint}",
+                                       status=resp.status_code, body=resp.text)
+        return resp.json()
+
+    def health(self) -> bool:
+        try:
+            return self._session.get(f"{self.base_url}/health", timeout=(CONNECT_TIMEOUT_S, 5.0)).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def committed(self) -> list[str]:
+        """The versions committed there (needs the key: how the doctor checks it)."""
+        return self._call("list adapters", "GET", "/adapters", timeout_s=ADMIN_TIMEOUT_S)["committed"]
+
+    def upload(self, name: str, directory: Path) -> str:
+        """Send every file named in `directory`'s manifest, then commit; returns the receiver's path for it."""
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+        for filename in manifest:
+            with open(directory / filename, "rb") as f:
+                self._call(f"upload {filename}", "PUT", f"/adapters/{name}/{filename}", data=f,
+                           timeout_s=UPLOAD_TIMEOUT_S)
+        return self._call(f"commit {name}", "POST", f"/adapters/{name}/commit", json=manifest,
+                          timeout_s=ADMIN_TIMEOUT_S)["path"]
+
+    def load(self, name: str) -> str:
+        """Load the committed version into the receiver's vLLM; returns the path vLLM reports."""
+        return self._call(f"load {name}", "POST", f"/adapters/{name}/load", timeout_s=ADMIN_TIMEOUT_S)["path"]
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class HttpDelivery:
+    """Each server's receiver gets the files (`stage`) and loads its own copy (`load`)."""
+
+    name = "http"
+
+    def __init__(self, receivers: dict[str, ReceiverClient]):
+        self.receivers = receivers  # vLLM base URL -> the receiver beside it
+        self._paths: dict[tuple[str, str], str] = {}  # (vLLM base URL, adapter name) -> the receiver's path
+
+    def _receiver(self, client) -> ReceiverClient:
+        return self.receivers[client.base_url]
+
+    def stage(self, client, name: str, path: Path) -> None:
+        """Upload and commit (idempotent: a version committed before answers at once)."""
+        self._paths[(client.base_url, name)] = self._receiver(client).upload(name, path)
+
+    def stage_all(self, clients, name: str, path: Path) -> list[tuple[object, BaseException]]:
+        """`stage` on every server's receiver at once, one thread each (receivers are separate nodes: the uploads
+        overlap); waits for all of them, so that a failure reports every receiver that failed. Returns (client,
+        error) for each that failed, in `clients` order; empty when every receiver committed the version. A
+        receiver that committed it serves nothing new: loading comes later, and only if none failed. Daemon
+        threads: an upload stuck on a dead receiver never holds up the process's exit."""
+        errors: list[BaseException | None] = [None] * len(clients)
+
+        def upload(i: int, client) -> None:
+            try:
+                self.stage(client, name, path)  # each thread writes its own key of `_paths`
+            except BaseException as exc:  # noqa: BLE001 - handed to the publisher, which raises it
+                errors[i] = exc
+
+        if len(clients) == 1:
+            upload(0, clients[0])  # nothing to overlap: no thread
+        else:
+            threads = [threading.Thread(target=upload, args=(i, c), name=f"stage-{c.base_url}", daemon=True)
+                       for i, c in enumerate(clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        return [(c, e) for c, e in zip(clients, errors) if e is not None]
+
+    def load(self, client, name: str, path: Path) -> None:
+        receiver = self._receiver(client)
+        try:
+            served = receiver.load(name)
+        except InferenceServerError as exc:
+            if exc.status != 404:
+                raise
+            # Not committed there: a replaced node (or receiver directory) lost it, e.g. a restarted server.
+            log.warning("%s does not hold %s; uploading it again", receiver.base_url, name)
+            self.stage(client, name, path)
+            served = receiver.load(name)
+        want = self._paths.get((client.base_url, name))
+        if served != want:
+            raise SyncError(f"the receiver {receiver.base_url} reports {name} served from {served!r}, but committed "
+                            f"it at {want!r}")
+
+    def served_path(self, client, name: str, path: Path) -> str | None:
+        return self._paths.get((client.base_url, name))
+
+    def close(self) -> None:
+        for receiver in self.receivers.values():
+            receiver.close()
+
+
+def make_delivery(cfg):
+    """The delivery `cfg.adapter_delivery` asks for, with one receiver per server for `http`."""
+    if cfg.adapter_delivery == "shared_fs":
+        return SharedFsDelivery()
+    return HttpDelivery({url: ReceiverClient(receiver, cfg.api_key)
+                         for url, receiver in zip(cfg.server_urls, cfg.receiver_urls, strict=True)})

@@ -1,0 +1,389 @@
+"""Publishing an adapter version: an atomic write to disk, then activation on the inference server(s).
+
+The two sync modes differ only inside AdapterPublisher.
+
+Never a half-written adapter: files go into a hidden temporary directory beside the target (weights first,
+`adapter_config.json` last, so a partial directory is not even a loadable adapter), are fsynced, and the
+directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory, and only after
+each file's size and sha256 (recorded in `asyncgrpo_manifest.json` at write) are checked again. Files are 0644 and
+directories 0755, so a vLLM running as another user on shared storage can read them.
+
+Never a paused server left behind: `/resume` runs in `finally`, and every answer is checked. The publisher also
+remembers which servers it has paused right now, so that `halt()` (called by the SIGTERM/SIGINT handler on the main
+thread, shutdown.py) can resume them before the process exits, even while this thread is stuck in a call.
+
+A server found unreachable during a sync is waited for (inference/recovery.py, up to `vllm_server_timeout`); once
+back it gets the current version re-registered and then the new one. All or nothing still holds: if it never
+returns, the servers that got the new version drop it and the sync fails.
+
+Several servers are synced concurrently (one thread each, `_activate_all`), so a sync costs about what one server
+costs rather than the sum. Each server's pause, load, reset, resume and read-back run in its own thread exactly as
+for one server; the sync waits for all of them, and if any failed the new version is unloaded from every server
+that got it. Before that, with `adapter_delivery: http`, the version's files are uploaded to every server's receiver
+at once (`stage_all`, sync/delivery.py); a failed upload fails the sync before any server is paused or loads
+anything. `retire` and `unload_all` go server by server (both run after the new version is served).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
+from asyncgrpo.inference.recovery import ServerGoneError
+from asyncgrpo.store import verify_adapter_files
+
+log = logging.getLogger(__name__)
+
+# Test-only: a file path. The first sync that pauses a server creates this file and then holds the server paused
+# until `halt()` (a SIGTERM), so a test can signal the trainer at a known point of a sync without sleeping.
+HOLD_PAUSED_ENV = "ASYNCGRPO_TEST_HOLD_PAUSED"
+HOLD_PAUSED_MAX_S = 600.0  # the hold gives up after this, so a forgotten test process cannot hang for ever
+# halt() waits this long for pause calls on their way before it resumes (a pause takes ~30 ms; `wait` mode lasts as
+# long as the requests it waits for). Bounded: a signal handler must not hang on a server that does not answer.
+HALT_WAIT_S = 10.0
+
+
+def resume_hint(url: str) -> str:
+    """The manual fix for a server left paused."""
+    return f"resume it by hand with `curl -X POST {url}/resume` (POST /resume)"
+
+
+@dataclass
+class PublishTiming:
+    """One sync's timings. The servers are synced concurrently: `server_s` is the wall-clock time of the whole
+    activation (every server, read-back included), the others are the slowest server's figure (max over servers)."""
+
+    server_s: float = 0.0  # pause -> load -> reset -> resume -> read back on every server, wall clock
+    paused_s: float = 0.0  # the longest time any one server spent paused (0 in versioned mode)
+    load_s: float = 0.0  # the slowest server's load calls (POST /v1/load_lora_adapter)
+    # Each server's own activation time, summed: what one server after another would have cost at the same
+    # per-server speed (server_sum_s / server_s is how much the concurrency overlapped).
+    server_sum_s: float = 0.0
+
+
+SYNC_MODES = ("pause", "versioned")
+
+
+def contained_adapter_path(path: str | Path, root: Path | None) -> Path:
+    """`path` resolved (symlinks and `..` followed); a SyncError if it lies outside `root` (`lora_adapter_path`).
+
+    The server loads whatever directory it is told to, and its adapter routes may be reachable by others on its
+    network: asyncgrpo itself never asks it to read anything outside the adapter directory."""
+    resolved = Path(path).resolve()
+    if root is not None and not resolved.is_relative_to(root):
+        raise SyncError(f"adapter path {str(path)!r} resolves to {str(resolved)!r}, outside lora_adapter_path "
+                        f"{str(root)!r}; refusing to send it to the inference server. Fix: publish only adapters "
+                        f"written under lora_adapter_path (and do not symlink out of it)")
+    return resolved
+
+
+class AdapterPublisher:
+    """Activates each new adapter version on every server, in one of two modes:
+
+    - `pause`: pause -> load the new version -> reset prefix cache -> resume (resume in `finally`);
+    - `versioned`: load the new version beside the old ones, with no pause at all; requests already running
+      finish on the version they started with, new requests go to the new name.
+
+    In both, each version is loaded under its own name, `{prefix}-v{N}`, never in place: a completion's version
+    tag is exact, and vLLM does not re-read an in-place adapter from disk at every engine step (measured: in place
+    costs throughput, and a deleted directory kills the engine). `retire` unloads old versions no request uses.
+    """
+
+    def __init__(self, clients, prefix: str, sync_mode: str = "pause", pause_mode: str = "keep", recovery=None,
+                 adapter_root: str | Path | None = None, delivery=None):
+        assert sync_mode in SYNC_MODES, sync_mode
+        from asyncgrpo.rollout.delivery import SharedFsDelivery
+
+        # How the files reach each server (`adapter_delivery`, sync/delivery.py): read in place, or uploaded.
+        self.delivery = delivery if delivery is not None else SharedFsDelivery()
+        # Every path sent to a server must resolve inside this directory (`lora_adapter_path`); None: no check.
+        self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
+        self.recovery = recovery  # a ServerRecovery: wait for a server that went away (None: fail at once)
+        self.clients = list(clients)
+        self.prefix = prefix
+        self.sync_mode = sync_mode
+        self.pause_mode = pause_mode
+        self.current_name: str | None = None  # the version every server serves to new requests
+        self.loaded: dict[str, Path] = {}  # adapter name -> directory, for every version still loaded
+        # Servers paused by a sync in progress; `halt()` resumes them. Servers are paused concurrently, so the lock
+        # is not held across a pause call: `halt()` waits for the calls on their way (`_pausing`) before it resumes,
+        # so a halt either comes first and no pause is sent, or resumes the server after its pause has landed.
+        self._pause_lock = threading.Condition()
+        self._paused: dict[str, object] = {}  # base_url -> client
+        self._pausing: set[str] = set()  # base_urls whose pause call has not returned yet
+        self._halted = threading.Event()
+        self._held = False  # the test-only hold (HOLD_PAUSED_ENV) happens once per process
+
+    def halt(self) -> list[str]:
+        """Stop syncing for good and resume every server a sync in progress has paused; returns their URLs.
+        Safe from a signal handler on another thread than the publisher's: it never waits for the sync itself, only
+        for pause calls on their way (at most HALT_WAIT_S), so that its resume lands after them."""
+        with self._pause_lock:
+            self._halted.set()  # from here on no pause is sent
+            if not self._pause_lock.wait_for(lambda: not self._pausing, timeout=HALT_WAIT_S):
+                log.error("pause calls to %s did not return within %g s; resuming anyway (a pause landing later is "
+                          "undone by its sync's own resume, if the process lives on)", sorted(self._pausing),
+                          HALT_WAIT_S)
+            paused = list(self._paused.items())
+            self._paused.clear()  # a second halt (the signal watcher's, then the handler's) finds nothing to do
+        resumed = []
+        for url, client in paused:
+            try:
+                client.resume()
+                resumed.append(url)
+                log.warning("resumed %s, which a weight sync in progress had paused", url)
+            except Exception as exc:  # noqa: BLE001 - try every server, report each that could not be resumed
+                log.error("could not resume %s (%s); %s", url, exc, resume_hint(url))
+        return resumed
+
+    def _pause(self, client) -> None:
+        url = client.base_url
+        with self._pause_lock:
+            if self._halted.is_set():
+                raise SyncError("the process is stopping (SIGTERM/SIGINT): this sync was not started")
+            self._paused[url] = client  # first: a pause that times out may still have paused it
+            self._pausing.add(url)
+        try:
+            client.pause(mode=self.pause_mode)
+        except BaseException:
+            with self._pause_lock:
+                self._paused.pop(url, None)
+            with contextlib.suppress(Exception):  # best effort: the pause's own error is the one to report
+                client.resume()
+            raise
+        finally:
+            with self._pause_lock:  # after the resume above: a halt waiting for this call resumes after both
+                self._pausing.discard(url)
+                self._pause_lock.notify_all()
+
+    def _resume(self, client) -> None:
+        try:
+            client.resume()
+        except InferenceServerError as exc:
+            if isinstance(exc, ServerUnreachableError):
+                raise  # down or restarting (a restarted server is not paused): recovery handles it
+            raise SyncError(f"{exc}\n  The server {client.base_url} may still be paused: "
+                            f"{resume_hint(client.base_url)}") from exc
+        finally:
+            with self._pause_lock:
+                self._paused.pop(client.base_url, None)
+
+    def _hold_for_test(self, client) -> None:
+        """Test-only (HOLD_PAUSED_ENV): hold the first pause until `halt()`, then abandon the sync."""
+        marker = os.environ.get(HOLD_PAUSED_ENV)
+        if not marker:
+            return
+        with self._pause_lock:  # servers are synced concurrently: only one of them is held
+            if self._held:
+                return
+            self._held = True
+        # Whole or absent: a test reads the marker as soon as it appears, and write_text creates it empty first.
+        partial = Path(f"{marker}.part")
+        partial.write_text(client.base_url)
+        os.replace(partial, marker)
+        self._halted.wait(HOLD_PAUSED_MAX_S)
+        raise SyncError("the sync was held paused by the test hook and then halted")
+
+    def name(self, version: int) -> str:
+        return f"{self.prefix}-v{version}"
+
+    def publish(self, version: int, path: Path) -> PublishTiming:
+        """Serve the adapter in `path` as version `version` on every server. On failure every server is
+        resumed and still serves the previous version, and a SyncError says which server failed and why."""
+        path = contained_adapter_path(path, self.adapter_root)
+        try:
+            verify_adapter_files(path)  # once, before any server is asked to read it
+        except SyncError as exc:
+            raise SyncError(f"{exc}\n  No server was asked to load it; the servers still serve "
+                            f"{self.current_name or 'no adapter'}.") from exc
+        name = self.name(version)
+        t0 = time.perf_counter()
+        # Every server gets the files before any is paused (http: an upload to each receiver, all at once).
+        failed = self.delivery.stage_all(self.clients, name, path)
+        if failed:
+            client, exc = failed[0]
+            if not isinstance(exc, Exception):
+                raise exc  # KeyboardInterrupt, SystemExit: as they are
+            others = "".join(f"\n  {c.base_url} failed too: {e}" for c, e in failed[1:])
+            raise SyncError(f"delivering {path} to {client.base_url} failed: {exc}{others}\n  No server was asked to "
+                            f"load it; the servers still serve {self.current_name or 'no adapter'}.") from exc
+        outcomes = self._activate_all(name, path)
+        failed = [(client, exc) for client, _, exc in outcomes if exc is not None]
+        if failed:
+            for client, _, exc in outcomes:  # all servers or none: take the new version off those that got it
+                if exc is None:
+                    self._unload_quietly(client, name)
+            client, exc = failed[0]
+            if not isinstance(exc, Exception):
+                raise exc  # KeyboardInterrupt, SystemExit: propagate as they are, after the clean-up
+            others = "".join(f"\n  {c.base_url} failed too: {e}" for c, e in failed[1:])
+            raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  "
+                            f"{self._state_after_failure(client, exc)}{others}") from exc
+        self.loaded[name] = path
+        self.current_name = name
+        timings = [t for _, t, _ in outcomes]
+        return PublishTiming(server_s=time.perf_counter() - t0, paused_s=max(t.paused_s for t in timings),
+                             load_s=max(t.load_s for t in timings), server_sum_s=sum(t.server_s for t in timings))
+
+    def _activate_all(self, name: str, path: Path) -> list[tuple[object, PublishTiming, BaseException | None]]:
+        """`_activate_recovering` on every server at once, one thread each; waits for all of them (a server that
+        fails does not cut the others short: all-or-nothing needs to know which got the new version). Returns
+        (client, its timing, its error or None) per server, in `self.clients` order. Daemon threads: a call stuck
+        on a dead server never holds up the process's exit (`halt()` resumes what they paused)."""
+        outcomes: list = [None] * len(self.clients)
+
+        def activate(i: int, client) -> None:
+            timing = PublishTiming()
+            t0 = time.perf_counter()
+            try:
+                timing.paused_s = self._activate_recovering(client, name, path, timing)
+                outcomes[i] = (client, timing, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to publish(), which cleans up and re-raises
+                outcomes[i] = (client, timing, exc)
+            timing.server_s = time.perf_counter() - t0  # this server's own activation
+
+        if len(self.clients) == 1:
+            activate(0, self.clients[0])  # nothing to overlap: no thread
+            return outcomes
+        threads = [threading.Thread(target=activate, args=(i, c), name=f"sync-{c.base_url}", daemon=True)
+                   for i, c in enumerate(self.clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return outcomes
+
+    def restore(self, client) -> None:
+        """Re-register the current version on a server that lost it (a restarted vLLM knows no adapters)."""
+        name = self.current_name
+        path = self.loaded.get(name) if name is not None else None
+        if path is None:
+            return  # nothing published yet
+        if self._serves(client, name, path):
+            return  # still loaded: the server did not restart (a network fault)
+        verify_adapter_files(path)
+        self.delivery.load(client, name, path)  # http: the receiver's copy, uploaded again only if it lost it
+        self._check_served(client, name, path)
+        log.warning("re-registered %s (%s) on %s", name, path, client.base_url)
+
+    def _activate_recovering(self, client, name: str, path: Path, timing: PublishTiming | None = None) -> float:
+        """`_activate`; if the server is unreachable, wait for it to come back (and get the current version
+        back), then once more."""
+        seen = self.recovery.epoch(client) if self.recovery is not None else 0
+        try:
+            return self._activate(client, name, path, timing)
+        except ServerUnreachableError as exc:
+            if self.recovery is None:
+                raise
+            self.recovery.recover(client, seen, cause=exc)
+        if client.adapter_paths().get(name) is not None:  # the load went through before the connection broke
+            self._check_served(client, name, path)
+            return 0.0
+        return self._activate(client, name, path, timing)
+
+    def _load(self, client, name: str, path: Path, timing: PublishTiming | None) -> None:
+        t0 = time.perf_counter()
+        self.delivery.load(client, name, path)
+        if timing is not None:
+            timing.load_s += time.perf_counter() - t0
+
+    def _activate(self, client, name: str, path: Path, timing: PublishTiming | None = None) -> float:
+        """Load `name` on one server (pausing it in pause mode), then read it back; returns the seconds paused."""
+        paused_s = 0.0
+        if self.current_name is None or self.sync_mode == "versioned":
+            # The first version (nothing is generating yet), or versioned mode: load beside the old versions.
+            self._load(client, name, path, timing)
+        else:
+            self._pause(client)  # recorded, so that a SIGTERM during the sync resumes the server (halt)
+            paused_at = time.perf_counter()
+            try:
+                self._hold_for_test(client)
+                self._load(client, name, path, timing)  # a failed load leaves nothing loaded under `name`
+                try:
+                    client.reset_prefix_cache()
+                except BaseException:
+                    self._unload_quietly(client, name)
+                    raise
+            finally:
+                self._resume(client)  # always: a paused server stalls every rollout
+                paused_s = time.perf_counter() - paused_at
+        # Read back (after resuming: no request uses `name` before publish() returns, so the check need not hold up
+        # generation); a failed check takes the new version off before anyone sees it.
+        try:
+            self._check_served(client, name, path)
+        except BaseException:
+            self._unload_quietly(client, name)
+            raise
+        return paused_s
+
+    def _state_after_failure(self, client, exc: BaseException) -> str:
+        """What a failed sync left on `client`, as far as is known (a dead server serves nothing)."""
+        dead = (ServerUnreachableError, ServerGoneError)
+        if isinstance(exc, dead) or isinstance(exc.__cause__, dead):
+            return "The server did not answer (it is down or restarting); nothing is being served by it now."
+        if client.base_url in self._paused:
+            return f"The server may still be paused: {resume_hint(client.base_url)}."
+        return f"The server is not paused and still serves {self.current_name or 'no adapter'}."
+
+    def unload_all(self, keep: str | None = None) -> list[str]:
+        """At the end of a run: unload every version this run loaded except `keep`, so that they stop holding the
+        servers' `--max-loras` slots. Best effort, and never slow: a server that does not answer /health now is
+        skipped (a dead server holds nothing; waiting for it would hold up the exit)."""
+        unloaded = []
+        names = [n for n in self.loaded if n != keep]
+        for client in self.clients:
+            if not names:
+                break
+            if not client.health():
+                log.warning("%s does not answer; the run's adapters were not unloaded from it", client.base_url)
+                continue
+            for name in names:
+                try:
+                    client.unload_adapter(name)
+                    unloaded.append(name)
+                except InferenceServerError as exc:
+                    if exc.status != 404:  # 404: not loaded there (a restarted server)
+                        log.warning("%s was not unloaded from %s: %s", name, client.base_url, exc)
+        self.loaded = {n: p for n, p in self.loaded.items() if n == keep}
+        return unloaded
+
+    def retire(self, in_use: set[str]) -> None:
+        """Unload every version but the current one that no request uses any more."""
+        for name in [n for n in self.loaded if n != self.current_name and n not in in_use]:
+            for client in self.clients:
+                try:
+                    client.unload_adapter(name)
+                except InferenceServerError as exc:
+                    if exc.status != 404 and not isinstance(exc, ServerUnreachableError):
+                        raise
+                    # 404: a restarted server never had it; unreachable: it is being recovered without it
+                    log.warning("%s was not unloaded from %s: %s", name, client.base_url, exc)
+            del self.loaded[name]
+
+    @staticmethod
+    def _unload_quietly(client, name: str) -> None:
+        try:
+            client.unload_adapter(name)
+        except Exception as exc:  # report it, but let the original failure be the one raised
+            log.error("could not unload %s from %s after a failed sync: %s", name, client.base_url, exc)
+
+    def _serves(self, client, name: str, path: Path) -> bool:
+        """Whether `client` serves `name` from where this delivery put `path` (http: the receiver's copy)."""
+        return _same_path(client.adapter_paths().get(name), self.delivery.served_path(client, name, path))
+
+    def _check_served(self, client, name: str, path: Path) -> None:
+        served, want = client.adapter_paths().get(name), self.delivery.served_path(client, name, path)
+        if not _same_path(served, want):
+            raise SyncError(f"server {client.base_url} reports adapter {name!r} at {served!r} after loading "
+                            f"{want!r}; the new version was not applied")
+
+
+def _same_path(served: str | None, want: str | None) -> bool:
+    return served is not None and want is not None and Path(served).resolve() == Path(want).resolve()

@@ -1,0 +1,174 @@
+"""The adapter store: each policy version as a complete PEFT adapter directory, written atomically.
+
+The rollout side writes a version here before any server loads it; checkpoints write their adapter the same way.
+Files go to a hidden temporary directory, are fsynced and renamed into place, with a manifest of sizes and sha256
+sums that `verify_adapter_files` checks before a server is given the directory (docs/delivery.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from asyncgrpo.errors import AsyncGRPOError, SyncError
+from asyncgrpo.files import fsync_path, sha256_file
+
+log = logging.getLogger(__name__)
+
+FILE_MODE, DIR_MODE = 0o644, 0o755  # readable to a vLLM running as another user (shared storage)
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
+MANIFEST_NAME = "asyncgrpo_manifest.json"  # size and sha256 of each file, recorded at write, checked before a load
+_VERSION_DIR = re.compile(r"^v(\d{6})$")
+
+
+class AdapterStore:
+    """Version directories `root/v000001`, ... each a complete PEFT adapter (save_pretrained format)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        try:
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                self.root.mkdir()
+                os.chmod(self.root, DIR_MODE)  # ours (a run's directory): readable to a server run by another user
+        except OSError as exc:
+            raise AsyncGRPOError(f"cannot create lora_adapter_path {str(self.root)!r} ({exc}); set lora_adapter_path "
+                                 f"to a writable directory the inference server can read") from exc
+        self.clean_partial()  # what a writer killed midway left behind
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version:06d}"
+
+    def versions(self) -> list[int]:
+        """Complete versions on disk, oldest first (temporary directories are not versions)."""
+        found = [int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()]
+        return sorted(found)
+
+    def clean_partial(self) -> list[Path]:
+        """Remove temporary directories left by a writer that died; returns what was removed."""
+        removed = [p for p in self.root.glob(".tmp-*") if p.is_dir()]
+        for p in removed:
+            shutil.rmtree(p, ignore_errors=True)
+        return removed
+
+    def write(self, version: int, tensors: dict[str, torch.Tensor], peft_config, base_model: str) -> Path:
+        """Atomically write version `version`; returns its directory. Refuses to overwrite an existing version."""
+        from safetensors.torch import save_file
+
+        final = self.path(version)
+        if final.exists():
+            raise SyncError(f"adapter version directory {final} already exists; versions are immutable. "
+                            f"Use a fresh lora_adapter_path or remove it")
+        if not tensors:
+            raise SyncError("the gathered adapter has no tensors; refusing to publish an empty adapter")
+        tmp = self.root / f".tmp-v{version:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            weights = {k: v.detach().contiguous() for k, v in tensors.items()}
+            save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            fsync_path(tmp / WEIGHTS_NAME)
+            self._write_config(tmp, peft_config, base_model)  # last loadable file: a partial directory has no config
+            write_manifest(tmp, [WEIGHTS_NAME, CONFIG_NAME])
+            for p in tmp.iterdir():
+                os.chmod(p, FILE_MODE)
+            os.chmod(tmp, DIR_MODE)
+            fsync_path(tmp)
+            os.rename(tmp, final)
+            fsync_path(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    @staticmethod
+    def _write_config(directory: Path, peft_config, base_model: str) -> None:
+        config = peft_config.to_dict()
+        config["base_model_name_or_path"] = base_model
+        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+        path = directory / CONFIG_NAME
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def prune(self, keep: int, in_use: set[Path]) -> None:
+        """Delete all but the newest `keep` versions, never one the server may still be serving."""
+        for v in self.versions()[:-keep]:
+            p = self.path(v)
+            if p not in in_use:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def write_manifest(directory: Path, names: list[str]) -> None:
+    """Record each file's size and sha256 as written (read back from disk, so it is what the server will read)."""
+    manifest = {name: {"size": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+                for name in names}
+    with open(directory / MANIFEST_NAME, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_adapter_files(directory: Path) -> None:
+    """Before a server is asked to load `directory`: each file still has the size and sha256 recorded when it was
+    written; a SyncError names the bad file and the fix. A directory without a manifest (not written by
+    AdapterStore) is not checked."""
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.exists():
+        return
+    fix = ("the adapter directory was changed after asyncgrpo wrote it (disk full, a storage fault, or another "
+           "process writing there). Fix: check the storage of lora_adapter_path and that nothing else writes under "
+           "it, then restart the run from its last checkpoint (resume_from_checkpoint: latest)")
+    for name, want in json.loads(manifest_path.read_text()).items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise SyncError(f"adapter file {path} cannot be read before loading it ({exc}); {fix}") from exc
+        if size != want["size"]:
+            raise SyncError(f"adapter file {path} has {size} bytes, but {want['size']} were written; {fix}")
+        digest = sha256_file(path)
+        if digest != want["sha256"]:
+            raise SyncError(f"adapter file {path} has sha256 {digest[:16]}..., but {want['sha256'][:16]}... was "
+                            f"written (same size: its content changed); {fix}")
+
+
+_TMP_DIR = re.compile(r"^\.tmp-v\d{6}-(\d+)$")
+
+
+def clean_stale_temporaries(adapter_root: str | Path) -> list[Path]:
+    """At start: remove the temporary version directories that writers killed midway left in any run's directory
+    under `adapter_root` (`lora_adapter_path`); returns them. One whose writer process is still alive on this host
+    (another run sharing the directory, writing right now) is left alone."""
+    removed = []
+    for tmp in Path(adapter_root).glob("*/.tmp-v*"):
+        m = _TMP_DIR.match(tmp.name)
+        if not m or not tmp.is_dir() or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    if removed:
+        log.warning("removed %d temporary adapter director%s left by killed runs under %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", adapter_root)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True

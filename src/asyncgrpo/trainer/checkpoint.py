@@ -1,0 +1,346 @@
+"""Checkpoints: an atomic save every `save_steps` optimizer steps, and resuming with `resume_from_checkpoint`.
+
+A checkpoint is the directory `<output_dir>/checkpoint-<step>/`:
+
+    adapter/adapter_model.safetensors   the LoRA weights at that step (PEFT format, for `PeftModel.from_pretrained`)
+    adapter/adapter_config.json
+    scheduler.pt                        the learning-rate schedule's state (its step)
+    optimizer.pt                        the optimizer state (rank 0's: DDP replicates it, so one copy serves every rank;
+                                        FSDP: gathered whole)
+    deepspeed/                          ZeRO-2/3 only, instead of optimizer.pt: DeepSpeed's own checkpoint of the engine
+                                        (`save_checkpoint(exclude_frozen_parameters=True)`: the LoRA weights and each
+                                        rank's partition of their fp32 master weights and Adam state, no base weights)
+    rng-rank<r>.pt                      torch, python and numpy RNG states of rank r
+    manifest.json                       format version, step, policy version, data position, and every file's size
+                                        and sha256; written last
+
+Atomic: every file goes into a hidden `.tmp-checkpoint-<step>-<pid>` directory beside the target, is fsynced, and
+the directory is renamed into place, so a process killed mid-write never leaves a `checkpoint-<step>` behind (the
+temporary directory is removed by the next run). A checkpoint whose manifest is missing, or whose files differ from
+what the manifest lists (truncated, edited), is refused with a CheckpointError naming the path and the fix.
+
+Supported backends: DDP (also torchrun and a single process), FSDP1, FSDP2, ZeRO-2 and ZeRO-3. On FSDP the
+optimizer state of the LoRA parameters is gathered whole to rank 0 (torch.distributed.checkpoint's state-dict API:
+only trainable parameters have optimizer state, so this is adapter-sized) and every rank re-shards it on resume.
+ZeRO keeps it in DeepSpeed's partitions, which DeepSpeed writes and reads itself; such a checkpoint resumes only on
+the same ZeRO stage and number of ranks (checked, with the fix named).
+The learning-rate schedule: `scheduler.pt` (rank 0's; every rank's is the same), loaded on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from asyncgrpo.distributed import broadcast_object
+from asyncgrpo.errors import CheckpointError
+from asyncgrpo.trainer.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
+from asyncgrpo.files import fsync_path, sha256_file
+from asyncgrpo.store import AdapterStore
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ADAPTER_DIR = "adapter"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+SHARDED = ("fsdp1", "fsdp2")  # optimizer state and LoRA weights go through torch's distributed state-dict API
+DEEPSPEED = ("zero2", "zero3")  # the engine writes and reads its own partitioned checkpoint
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
+SUPPORTED_BACKENDS = ("ddp", *SHARDED, *DEEPSPEED)
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    """What the trainer needs besides tensors to continue exactly where a checkpoint was taken."""
+
+    step: int  # optimizer steps done
+    version: int  # policy version the trainer's weights were published as
+    data_position: int  # rank 0's PromptStream position: the next prompt a resumed producer sends
+    run_id: str  # the run that wrote it (its adapters may still be loaded on the servers)
+    backend: str = "ddp"
+    world_size: int = 1
+
+
+# ---- finding checkpoints -----------------------------------------------------------------------------------------
+def checkpoint_path(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """`checkpoint-<step>` directories in `output_dir`, oldest step first (temporary directories are not listed)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
+    """`latest` -> the newest checkpoint in `output_dir`; anything else is a checkpoint directory's path.
+    Like TRL, `latest` with no checkpoint is an error, not a silent fresh start."""
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise CheckpointError(f"resume_from_checkpoint is `latest` but {str(output_dir)!r} holds no "
+                                  f"checkpoint-<step> directory. Fix: drop --resume_from_checkpoint to start a fresh "
+                                  f"run, or set output_dir to the run you want to continue")
+        return found[-1][1]
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint {resume!r} is not a directory. Fix: pass a "
+                              f"<output_dir>/checkpoint-<step> directory, or `latest`")
+    return path
+
+
+def read_manifest(path: Path, verify_files: bool = True) -> dict:
+    """The checkpoint's manifest, after checking that it is complete and, with `verify_files`, that every file it
+    lists has the size and sha256 it had when saved. Any mismatch raises CheckpointError naming the file."""
+    fix = (f"Fix: delete {str(path)!r} and resume from an earlier checkpoint-<step> directory "
+           f"(`--resume_from_checkpoint PATH`), or start a fresh run")
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST} (a save that did not "
+                              f"finish, or not an asyncgrpo checkpoint). {fix}")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files, fmt = manifest["files"], manifest["format_version"]
+        TrainerState(**manifest["state"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable {MANIFEST} ({exc}). {fix}") from exc
+    if fmt != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format version {fmt}; this asyncgrpo reads version "
+                              f"{FORMAT_VERSION}. Fix: resume with the asyncgrpo version that wrote it")
+    for name, expected in files.items() if verify_files else ():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is missing {name}. {fix}")
+        size = file.stat().st_size
+        if size != expected["bytes"] or sha256_file(file) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {name} is corrupt ({size} bytes, the manifest says "
+                                  f"{expected['bytes']}, or its sha256 differs). {fix}")
+    return manifest
+
+
+def check_backend(backend: str) -> None:
+    """A backend this module cannot checkpoint exactly is refused up front, not after hours of training."""
+    if backend not in SUPPORTED_BACKENDS:
+        raise CheckpointError(f"checkpoints (save_steps, resume_from_checkpoint) support DDP, FSDP1, FSDP2, ZeRO-2 "
+                              f"and ZeRO-3, and this run uses {backend}. Fix: launch with one of the configs in "
+                              f"launch/accelerate/, or set save_steps: 0 and unset resume_from_checkpoint")
+
+
+# ---- saving --------------------------------------------------------------------------------------------------------
+def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: str | Path, peft_config,
+                    base_model: str, total_limit: int | None = None, lr_scheduler=None) -> Path | None:
+    """Collective: every rank joins the LoRA gather and writes its own RNG state; rank 0 writes the adapter, the
+    optimizer and, last, the manifest, then renames the directory into place. Returns the path on rank 0."""
+    tensors = gather_lora_state(acc, model)
+    optim_state = _optimizer_state(acc, model, optimizer, state.backend)  # collective on FSDP
+    final = checkpoint_path(output_dir, state.step)
+    tmp = None
+    if acc.is_main_process:
+        tmp = Path(output_dir) / f".tmp-checkpoint-{state.step}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    tmp = Path(broadcast_object(str(tmp) if tmp else None))  # output_dir must be shared by every node
+    _write_file(tmp / f"rng-rank{acc.process_index}.pt", lambda f: torch.save(rng_state(), f))
+    if state.backend in DEEPSPEED:  # collective: each rank writes its partitions
+        model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, exclude_frozen_parameters=True)
+    if acc.is_main_process:
+        _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
+        if optim_state is not None:
+            _write_file(tmp / OPTIMIZER, lambda f: torch.save(optim_state, f))
+        if lr_scheduler is not None:
+            _write_file(tmp / SCHEDULER, lambda f: torch.save(lr_scheduler.state_dict(), f))
+    acc.wait_for_everyone()  # every rank's file is written and fsynced
+    if acc.is_main_process:
+        _commit(tmp, final, state)
+        prune_checkpoints(output_dir, total_limit)
+        log.info("saved checkpoint %s (step %d, policy version %d)", final, state.step, state.version)
+    acc.wait_for_everyone()
+    return final if acc.is_main_process else None
+
+
+def _state_dict_options(backend: str, **kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # No CPU offload on FSDP1: a full gather with offload_to_cpu segfaults rank 0 on CPU hosts (shared/NOTES.md).
+    return StateDictOptions(full_state_dict=True, cpu_offload=backend != "fsdp1", **kw)
+
+
+def _optimizer_state(acc, model, optimizer, backend: str) -> dict | None:
+    """Collective on FSDP: the whole optimizer state (rank 0), keyed by parameter names; DDP: rank 0's replica;
+    ZeRO: None (DeepSpeed writes it)."""
+    if backend in DEEPSPEED:
+        return None
+    if backend not in SHARDED:
+        return optimizer.state_dict() if acc.is_main_process else None
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> the torch optimizer
+    full = get_optimizer_state_dict(model, inner, options=_state_dict_options(backend))
+    return full if acc.is_main_process else None
+
+
+def _write_file(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_adapter(directory: Path, tensors: dict[str, torch.Tensor], peft_config, base_model: str) -> None:
+    """The adapter as a PEFT directory, through the same atomic writer the published versions use."""
+    store = AdapterStore(directory.parent)
+    written = store.write(0, tensors, peft_config, base_model=base_model)
+    os.rename(written, directory)
+
+
+def _commit(tmp: Path, final: Path, state: TrainerState) -> None:
+    """Rank 0: the manifest (last), fsync, rename into place. An existing directory of the same step (a run that
+    resumed from an earlier checkpoint and got here again) is replaced."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for p in files:  # ours are fsynced as written; DeepSpeed's are not
+        fsync_path(p)
+    manifest = {"format_version": FORMAT_VERSION, "state": asdict(state),
+                "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}}
+    _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+    fsync_path(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_path(final.parent)
+
+
+def prune_checkpoints(output_dir: str | Path, total_limit: int | None) -> list[Path]:
+    """Keep the newest `total_limit` checkpoints (None: keep all); returns the removed ones."""
+    if not total_limit:
+        return []
+    removed = [p for _, p in list_checkpoints(output_dir)[:-total_limit]]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def clean_partial(output_dir: str | Path) -> list[Path]:
+    """Remove temporary directories left by a save that was killed; returns what was removed."""
+    root = Path(output_dir)
+    removed = [p for p in root.glob(".tmp-checkpoint-*") if p.is_dir()] if root.is_dir() else []
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+def load_checkpoint(path: Path, acc, model, optimizer, lr_scheduler=None) -> TrainerState:
+    """Every rank: check the checkpoint, copy its adapter into the model's LoRA parameters and its state into the
+    optimizer and the learning-rate schedule. RNG states are restored separately (`restore_rng`), last, once setup
+    no longer draws numbers."""
+    state = _load_weights_and_optimizer(path, acc, model, optimizer)
+    if lr_scheduler is not None:
+        from asyncgrpo.trainer.schedule import restore_lr_scheduler
+
+        file = path / SCHEDULER
+        # A checkpoint from before schedules existed has none; the schedule is a function of the step alone.
+        saved = torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else \
+            {**lr_scheduler.state_dict(), "last_epoch": state.step, "_step_count": state.step + 1}
+        restore_lr_scheduler(lr_scheduler, saved)
+    return state
+
+
+def _load_weights_and_optimizer(path: Path, acc, model, optimizer) -> TrainerState:
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(path)
+    state = TrainerState(**manifest["state"])
+    peft_model = acc.unwrap_model(model)
+    marker = f".{peft_model.active_adapter}."
+    params = {clean_fsdp_name(name).replace(marker, ".", 1): p for name, p in lora_parameters(peft_model)}
+    current = backend_of(acc)
+    # Full shapes (FSDP2's DTensors report them, ZeRO-3 keeps them in ds_shape); an FSDP1 parameter is a flat view of
+    # this rank's slice: names only.
+    shapes = {k: None if current == "fsdp1" else getattr(p, "ds_shape", p.shape) for k, p in params.items()}
+    tensors = load_file(str(path / ADAPTER_DIR / "adapter_model.safetensors"))
+    if set(tensors) != set(params) or any(shape is not None and tensors[k].shape != shape for k, shape in shapes.items()):
+        raise CheckpointError(f"the adapter in {str(path)!r} does not fit this model (different lora_r, "
+                              f"lora_target_modules or base model). Fix: resume with the config the checkpoint was "
+                              f"saved with ({str(path.parent / 'config.yaml')!r})")
+    if _layout(current, acc.num_processes) != _layout(state.backend, state.world_size):  # optimizer files differ
+        raise CheckpointError(f"{str(path)!r} was saved by a {state.backend} run of {state.world_size} ranks and this "
+                              f"run uses {current} on {acc.num_processes}. Fix: resume with the launch config the "
+                              f"checkpoint was saved with (DDP, FSDP and ZeRO checkpoints do not mix; FSDP1 and FSDP2 "
+                              f"do, on any number of ranks; ZeRO needs the same stage and number of ranks)")
+    if state.backend in DEEPSPEED:  # the engine restores the LoRA weights, their fp32 masters and Adam state
+        loaded, _ = model.load_checkpoint(str(path / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_module_strict=False,
+                                          load_optimizer_states=True, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {str(path / DEEPSPEED_DIR)!r}. Fix: resume from "
+                                  f"another checkpoint-<step> (this one is incomplete)")
+        return state
+    optim_state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=False)
+    if state.backend in SHARDED:  # every rank reads the whole (adapter-sized) state and keeps its own shard
+        _load_sharded(acc, model, optimizer, current, tensors, marker, optim_state)
+        return state
+    with torch.no_grad():
+        for key, param in params.items():
+            param.copy_(tensors[key])
+    optimizer.load_state_dict(optim_state)
+    return state
+
+
+def _layout(backend: str, world_size: int) -> tuple:
+    """What must match between the run that saved a checkpoint and the one resuming from it."""
+    if backend in DEEPSPEED:
+        return backend, world_size
+    return ("sharded",) if backend in SHARDED else ("replicated",)
+
+
+def _load_sharded(acc, model, optimizer, backend: str, tensors, marker: str, optim_state: dict) -> None:
+    """Collective: load LoRA weights and optimizer state saved whole into an FSDP-sharded model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    weights = {}
+    for key, tensor in tensors.items():  # PEFT's saved keys -> the model's parameter names (adapter name back in)
+        module, _, leaf = key.rpartition(".lora_")
+        weights[f"{module}.lora_{leaf.split('.', 1)[0]}{marker}{leaf.split('.', 1)[1]}"] = tensor
+    set_model_state_dict(model, weights, options=_state_dict_options(backend, strict=False))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    set_optimizer_state_dict(model, inner, optim_state, options=_state_dict_options(backend))
+
+
+def rng_state() -> dict:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(path: Path, rank: int) -> None:
+    """This rank's RNG states as saved; a rank the checkpoint did not have (more ranks now) keeps its own."""
+    import numpy as np
+
+    file = path / f"rng-rank{rank}.pt"
+    if not file.is_file():
+        log.warning("%s has no RNG state for rank %d (saved with fewer ranks); keeping this rank's own", path, rank)
+        return
+    state = torch.load(file, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+

@@ -1,0 +1,66 @@
+"""The policy a run trains, built in one place for the trainer and the benchmarks: the base model with its LoRA
+adapter, the optimizer over the adapter alone, prepared for the backend the launcher chose (`build_policy`), and the
+LoRA wrapping itself (`with_lora`), which `asyncgrpo doctor` also uses for its probe adapter."""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+from asyncgrpo.lora import with_lora
+
+log = logging.getLogger(__name__)
+
+
+class Policy(NamedTuple):
+    """What `build_policy` returns; the model and optimizer as `accelerator.prepare` returned them."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: object
+    peft_config: object  # PEFT's LoraConfig (written into every published adapter)
+    scoring_head: object  # the LM head the chunked logprob path runs (None: full logits; logprobs.py)
+
+
+def build_policy(cfg, acc, model_path: str) -> Policy:
+    """Collective (under FSDP/ZeRO `prepare` shards the model): the tokenizer and base model of `model_path` in
+    `torch_dtype`, the LoRA adapter (the same initialisation on every rank: seeded), AdamW over the LoRA parameters
+    only, prepared by `acc`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncgrpo.data import local_model_dir
+    from asyncgrpo.distributed import configure_backend, fp32_buffer_check, recompute_rotary_buffers, zero3_init_in
+    from asyncgrpo.trainer.logprobs import find_scoring_head
+    from asyncgrpo.trainer.gather import lora_parameters
+
+    torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
+    with acc.local_main_process_first():  # a hub model is downloaded once per node; the others read the cache
+        local_dir = local_model_dir(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(local_dir)
+    dtype = getattr(torch, cfg.torch_dtype)
+    # Under ZeRO-3 the base is partitioned as it is built, in `torch_dtype` (zero3_init_in); under FSDP with
+    # `fsdp_cpu_ram_efficient_loading` only local rank 0 reads the weights (transformers), the others get them
+    # from rank 0 when the model is sharded (accelerate).
+    with zero3_init_in(dtype):
+        base = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
+    if any(hasattr(p, "ds_id") for p in base.parameters()):
+        rebuilt = recompute_rotary_buffers(base)  # zero.Init rounded them to torch_dtype too
+        log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s; rotary buffers of %d "
+                 "modules recomputed in fp32", cfg.torch_dtype, rebuilt)
+    if cfg.gradient_checkpointing:
+        # Non-reentrant: it works with frozen inputs and FSDP/ZeRO-3 (PEFT also makes the embeddings' output
+        # require grad when it sees checkpointing on).
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, peft_config = with_lora(cfg, base)
+    model.train()  # transformers 5 returns models in eval mode
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable), f"non-LoRA trainable params: {trainable[:3]}"
+    params = [p for _, p in lora_parameters(model)]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+    configure_backend(acc, model, max_grad_norm=cfg.max_grad_norm)
+    model, optimizer = acc.prepare(model, optimizer)
+    fp32_buffer_check(model)
+    return Policy(model, optimizer, tokenizer, peft_config, find_scoring_head(acc.unwrap_model(model)))

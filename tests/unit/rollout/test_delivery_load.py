@@ -1,0 +1,242 @@
+"""The load step of each `adapter_delivery`, and ReceiverClient's answers, against a real receiver on 127.0.0.1.
+
+The receiver's co-located vLLM is `RecordingVLLM` here: the unit tier has no vLLM server, and a real one cannot be
+made to report an adapter served from another path on demand. tests/integration/test_delivery.py loads into a real
+one."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import torch
+from liveness import returns_within
+from peft import LoraConfig
+
+from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
+from asyncgrpo.inference.receiver import AdapterReceiver, serve
+from asyncgrpo.rollout.delivery import HttpDelivery, ReceiverClient, SharedFsDelivery
+from asyncgrpo.store import AdapterStore
+
+KEY = "delivery-load-key"
+VLLM = "http://10.9.9.9:8000"  # the trainer's client for that server is never called with http delivery
+CONFIG = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
+
+
+def version(store: AdapterStore, n: int):
+    return store.write(n, {"base_model.model.layer.q_proj.lora_A.weight": torch.full((8, 16), float(n)),
+                           "base_model.model.layer.q_proj.lora_B.weight": torch.full((16, 8), float(n))},
+                       CONFIG, base_model="/models/base")
+
+
+class Unreachable:
+    """The trainer's client for a server with a receiver: the receiver loads, so it must not be called at all."""
+
+    base_url = VLLM
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the trainer's vLLM client was called ({name}); the receiver loads")
+
+
+class RecordingVLLM:
+    """What the receiver asks of its vLLM: `load_adapter` serves the path asked for; `report` overrides what
+    `adapter_paths` answers (a server that kept another copy)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.served: dict[str, str] = {}
+        self.report: dict[str, str] = {}
+
+    def adapter_paths(self) -> dict[str, str]:
+        return {**self.served, **self.report}
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.calls.append((name, path))
+        self.served[name] = path
+
+
+class RecordingClient:
+    """The trainer's InferenceClient for shared_fs: records the load it is asked for."""
+
+    base_url = VLLM
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.calls.append((name, path))
+
+
+def start(rec: AdapterReceiver, api_key: str | None = KEY):
+    server = serve(rec, "127.0.0.1", 0, api_key)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.fixture()
+def receiver(tmp_path):
+    """(receiver, its URL, its vLLM) with a RecordingVLLM behind it."""
+    vllm = RecordingVLLM()
+    rec = AdapterReceiver(tmp_path / "server-side", vllm=vllm)
+    server, url = start(rec)
+    yield rec, url, vllm
+    server.shutdown()
+    server.server_close()
+
+
+def test_shared_fs_loads_the_trainers_own_path_and_expects_it_back_resolved(tmp_path):
+    real = version(AdapterStore(tmp_path / "store"), 1)
+    (tmp_path / "link").symlink_to(real.parent)
+    via_link = tmp_path / "link" / real.name
+    client, delivery = RecordingClient(), SharedFsDelivery()
+    delivery.stage(client, "policy-v1", via_link)
+    assert client.calls == []  # nothing to send: the server reads the path itself
+    delivery.load(client, "policy-v1", via_link)
+    assert client.calls == [("policy-v1", str(via_link))]
+    assert delivery.served_path(client, "policy-v1", via_link) == str(real.resolve())  # what vLLM reports
+
+
+def test_http_load_asks_the_receiver_to_load_its_committed_copy(receiver, tmp_path, caplog):
+    rec, url, vllm = receiver
+    path = version(AdapterStore(tmp_path / "trainer-side"), 1)
+    delivery = HttpDelivery({VLLM: ReceiverClient(url, KEY)})
+    delivery.stage(Unreachable(), "policy-v1", path)
+    assert vllm.calls == []  # staging only uploads: the load comes inside the pause
+    with caplog.at_level("WARNING", logger="asyncgrpo.rollout.delivery"):
+        delivery.load(Unreachable(), "policy-v1", path)
+    assert vllm.calls == [("policy-v1", str(rec.root / "policy-v1"))]
+    assert "uploading it again" not in caplog.text  # committed there: loaded at once, not sent twice
+    assert delivery.served_path(Unreachable(), "policy-v1", path) == str(rec.root / "policy-v1")
+    assert delivery.served_path(Unreachable(), "policy-v2", path) is None  # never staged
+
+
+def test_make_delivery_gives_each_receiver_the_servers_api_key(receiver, monkeypatch):
+    from asyncgrpo.config import API_KEY_ENV, AsyncGRPOConfig
+    from asyncgrpo.rollout.delivery import make_delivery
+
+    rec, url, vllm = receiver
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    cfg = AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=VLLM,
+                          adapter_receiver_url=url)
+    assert make_delivery(cfg).receivers[VLLM].committed() == []  # the receiver requires KEY: a 401 without it
+
+
+def test_http_load_of_a_version_the_receiver_lost_uploads_it_again_then_loads_it(receiver, tmp_path):
+    rec, url, vllm = receiver
+    path = version(AdapterStore(tmp_path / "trainer-side"), 1)
+    delivery = HttpDelivery({VLLM: ReceiverClient(url, KEY)})
+    delivery.stage(Unreachable(), "policy-v1", path)
+    shutil.rmtree(rec.root / "policy-v1")  # a replaced node, or a receiver restarted on an empty directory
+    delivery.load(Unreachable(), "policy-v1", path)
+    remote = rec.root / "policy-v1"
+    assert {p.name: p.read_bytes() for p in remote.iterdir()} == {p.name: p.read_bytes() for p in path.iterdir()}
+    assert vllm.calls == [("policy-v1", str(remote))]
+
+
+def test_http_load_refuses_a_version_served_from_another_path_than_the_committed_one(receiver, tmp_path):
+    rec, url, vllm = receiver
+    path = version(AdapterStore(tmp_path / "trainer-side"), 1)
+    delivery = HttpDelivery({VLLM: ReceiverClient(url, KEY)})
+    delivery.stage(Unreachable(), "policy-v1", path)
+    vllm.report = {"policy-v1": "/old/copy/policy-v1"}
+    with pytest.raises(SyncError) as info:
+        delivery.load(Unreachable(), "policy-v1", path)
+    assert str(info.value) == (f"the receiver {url} reports policy-v1 served from '/old/copy/policy-v1', but "
+                               f"committed it at {str(rec.root / 'policy-v1')!r}")
+
+
+def test_http_load_failing_otherwise_than_not_committed_is_raised_without_uploading_again(tmp_path):
+    rec = AdapterReceiver(tmp_path / "server-side", vllm=None)  # answers 503 to every load
+    server, url = start(rec)
+    try:
+        path = version(AdapterStore(tmp_path / "trainer-side"), 1)
+        delivery = HttpDelivery({VLLM: ReceiverClient(url, KEY)})
+        delivery.stage(Unreachable(), "policy-v1", path)
+        shutil.rmtree(rec.root / "policy-v1")
+        with pytest.raises(InferenceServerError) as info:
+            delivery.load(Unreachable(), "policy-v1", path)
+        assert info.value.status == 503 and "started without --vllm-url" in str(info.value)
+        assert rec.committed() == []  # not uploaded again: only a 404 (not committed there) is
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_receiver_refusal_names_the_call_the_url_the_status_and_the_receivers_reason(receiver):
+    rec, url, vllm = receiver
+    client = ReceiverClient(url + "/", KEY)  # a trailing slash in adapter_receiver_url is fine
+    assert client.base_url == url
+    with pytest.raises(InferenceServerError) as info:
+        client.load("policy-v9")
+    assert str(info.value) == (f"load policy-v9: POST {url}/adapters/policy-v9/load answered HTTP 404: version "
+                               f"policy-v9 is not committed here; upload and commit it first")
+    assert info.value.status == 404 and '"error"' in info.value.body  # no API key hint: not a 401
+    assert client.committed() == [] and client.health()
+
+
+def test_a_receiver_answer_that_is_not_json_is_quoted_as_text(tmp_path):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Plain(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"upstream proxy said no"
+            self.send_response(502)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Plain)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(InferenceServerError) as info:
+            ReceiverClient(url, KEY).committed()
+        assert str(info.value) == f"list adapters: GET {url}/adapters answered HTTP 502: upstream proxy said no"
+        assert info.value.status == 502 and info.value.body == "upstream proxy said no"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_receiver_is_called_directly_whatever_proxy_the_environment_names(receiver, monkeypatch):
+    rec, url, vllm = receiver
+    for var in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    client = ReceiverClient(url, KEY)
+    assert client.committed() == [] and client.health()
+
+
+@pytest.mark.parametrize("call", ["committed", "upload", "load"])
+def test_a_receiver_that_does_not_answer_in_time_fails_the_call_with_its_url(call, monkeypatch, tmp_path):
+    import socket
+
+    from asyncgrpo.rollout import delivery as delivery_module
+
+    listener = socket.socket()  # accepts the connection (the kernel does) but never answers
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setattr(delivery_module, "ADMIN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(delivery_module, "UPLOAD_TIMEOUT_S", 0.2)
+    client = ReceiverClient(url, KEY)
+    path = version(AdapterStore(tmp_path / "trainer-side"), 1)
+    calls = {"committed": client.committed, "upload": lambda: client.upload("policy-v1", path),
+             "load": lambda: client.load("policy-v1")}
+    first = {"committed": "list adapters: GET /adapters", "upload": "upload adapter_model.safetensors: PUT "
+             "/adapters/policy-v1/adapter_model.safetensors", "load": "load policy-v1: POST /adapters/policy-v1/load"}
+    try:
+        with pytest.raises(InferenceServerError) as info:
+            # a liveness bound: a call that passes no read timeout would wait forever on a receiver that never answers
+            returns_within(calls[call], 15.0, f"{call}() on a receiver that never answers")
+        assert not isinstance(info.value, ServerUnreachableError)  # it answered the connection: not a dead node
+        what, method_route = first[call].split(": ")
+        method, route = method_route.split(" ")
+        assert str(info.value).startswith(f"{what}: {method} {url}{route} failed: ")
+    finally:
+        listener.close()

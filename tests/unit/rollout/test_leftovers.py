@@ -1,0 +1,103 @@
+"""What a run leaves behind: temporary directories of killed writers are removed at start (not those of a writer
+still alive), and a run unloads the adapter versions it loaded except the one it keeps. The server is a recording
+fake; tests/integration/test_paused_server.py checks a real server after a finished and a signalled run."""
+
+import os
+import subprocess
+import sys
+
+from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.store import clean_stale_temporaries
+
+
+def test_temporary_dirs_of_dead_writers_in_any_run_are_removed_and_live_ones_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs: the killed writer
+    killed = tmp_path / "run-a" / f".tmp-v000004-{dead.pid}"
+    writing = tmp_path / "run-b" / f".tmp-v000002-{os.getpid()}"  # a live writer (another run sharing the dir)
+    version = tmp_path / "run-a" / "v000003"
+    for d in (killed, writing, version):
+        d.mkdir(parents=True)
+    assert clean_stale_temporaries(tmp_path) == [killed]
+    assert not killed.exists() and writing.exists() and version.exists()
+
+
+class Server:
+    def __init__(self, url, healthy=True):
+        self.base_url, self.healthy, self.unloaded = url, healthy, []
+
+    def health(self):
+        return self.healthy
+
+    def unload_adapter(self, name):
+        if name == "run-v1" and self.base_url.endswith("2"):
+            raise InferenceServerError("not loaded", status=404)  # a restarted server never had it
+        self.unloaded.append(name)
+
+
+def test_unload_all_keeps_only_the_named_version_and_skips_a_dead_server(tmp_path):
+    servers = [Server("http://a:1"), Server("http://a:2"), Server("http://a:3", healthy=False)]
+    publisher = AdapterPublisher(servers, "run")
+    publisher.loaded = {f"run-v{i}": tmp_path / f"v{i}" for i in (1, 2, 3)}
+    publisher.unload_all(keep="run-v3")
+    assert servers[0].unloaded == ["run-v1", "run-v2"]
+    assert servers[1].unloaded == ["run-v2"]  # v1's 404 is not an error
+    assert servers[2].unloaded == []  # not answering: not waited for
+    assert list(publisher.loaded) == ["run-v3"]
+    publisher.unload_all(keep=None)  # a failed run keeps nothing
+    assert servers[0].unloaded[-1] == "run-v3" and publisher.loaded == {}
+
+
+def test_a_file_named_like_a_temporary_is_not_a_writers_directory(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "run-a").mkdir()
+    lookalike = tmp_path / "run-a" / f".tmp-v000004-{dead.pid}"
+    lookalike.write_text("a file someone left, not a version being written")
+    assert clean_stale_temporaries(tmp_path) == []
+    assert lookalike.exists()
+
+
+def test_checking_whether_a_writer_is_alive_sends_it_no_signal(tmp_path):
+    # another run, writing: it echoes one line back, which it cannot do if it was signalled (SIGHUP etc. end it)
+    echo = "import sys; sys.stdout.write(sys.stdin.readline()); sys.stdout.flush(); sys.stdin.readline()"
+    writer = subprocess.Popen([sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        live = tmp_path / "run-b" / f".tmp-v000002-{writer.pid}"
+        live.mkdir(parents=True)
+        assert clean_stale_temporaries(tmp_path) == []
+        assert live.exists()
+        writer.stdin.write("still writing\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "still writing\n"  # alive and untouched
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_a_writer_of_another_user_counts_as_alive(tmp_path, monkeypatch):
+    # Stub: the tests run as one user (often root, who may signal anyone), so os.kill's PermissionError for another
+    # user's process cannot be produced for real here.
+    from asyncgrpo import store
+
+    def not_permitted(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(store.os, "kill", not_permitted)
+    theirs = tmp_path / "run-c" / ".tmp-v000001-4194000"
+    theirs.mkdir(parents=True)
+    assert clean_stale_temporaries(tmp_path) == [] and theirs.exists()
+
+
+def test_unload_all_returns_what_it_unloaded_and_tries_every_server_after_a_dead_one(tmp_path, caplog):
+    import logging
+
+    servers = [Server("http://a:3", healthy=False), Server("http://a:1"), Server("http://a:2")]
+    publisher = AdapterPublisher(servers, "run")
+    publisher.loaded = {f"run-v{i}": tmp_path / f"v{i}" for i in (1, 2)}
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.rollout.publish"):
+        assert publisher.unload_all(keep=None) == ["run-v1", "run-v2", "run-v2"]  # v1 was not on :2 (a 404)
+    assert servers[1].unloaded == ["run-v1", "run-v2"] and servers[2].unloaded == ["run-v2"]
+    assert "run-v1 was not unloaded" not in caplog.text  # a 404 is no failure to report
+    assert publisher.unload_all(keep=None) == []  # nothing loaded any more

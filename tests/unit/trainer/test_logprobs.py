@@ -1,0 +1,93 @@
+"""The trainer's chunked logprob path (the LM head run on completion positions only, chunk by chunk) against the
+model's own full logits, on tiny random models built from transformers' config classes."""
+
+import pytest
+import torch
+
+from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
+
+
+def _qwen2(vocab=300, **extra):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, **extra)
+    return Qwen2ForCausalLM(config)
+
+
+def _gemma3(softcap=5.0):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+                              final_logit_softcapping=softcap, sliding_window=8)
+    return Gemma3ForCausalLM(config)
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    return model.train()
+
+
+def _batch(vocab=300):
+    """Two sequences of different lengths (right padding), completion positions from different offsets."""
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, vocab, (2, 12), generator=g)
+    attention = torch.ones(2, 12, dtype=torch.long)
+    attention[1, 9:] = 0
+    mask = torch.zeros(2, 11)
+    mask[0, 4:11] = 1.0  # prompt of 5 tokens, 7 completion tokens
+    mask[1, 2:8] = 1.0  # prompt of 3 tokens, 6 completion tokens, then padding
+    return input_ids, attention, mask
+
+
+def _both_paths(model, temperature, chunk_size=3):
+    input_ids, attention, mask = _batch(model.config.vocab_size)
+    head = find_scoring_head(model)
+    assert head is not None
+    results = []
+    for h in (None, head):
+        model.zero_grad(set_to_none=True)
+        lp = sequence_logprobs(model, h, input_ids, attention, mask, temperature, chunk_size=chunk_size)
+        (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((lp.detach(), grads))
+    return mask, results
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_policy_logprobs_chunked_equal_the_full_logits_path_with_lora_gradients(temperature):
+    mask, ((naive, naive_grads), (chunked, chunked_grads)) = _both_paths(_lora(_qwen2()), temperature)
+    assert chunked.shape == (2, 11) and chunked.dtype == torch.float32
+    assert torch.equal(chunked[mask == 0], torch.zeros(int((mask == 0).sum())))  # zeros off the completion
+    assert torch.allclose(chunked, naive, atol=1e-5, rtol=0)
+    assert naive_grads.keys() == chunked_grads.keys() and naive_grads
+    for name, grad in naive_grads.items():
+        assert grad.abs().max() > 0, name  # the gradient reaches the LoRA weights under the head
+        assert torch.allclose(chunked_grads[name], grad, atol=1e-5, rtol=0), name
+
+
+def test_policy_logprobs_chunked_apply_gemma_final_logit_softcapping_once():
+    model = _lora(_gemma3(softcap=0.2))  # small: random logits are small too
+    mask, ((naive, _), (chunked, _)) = _both_paths(model, 0.9)
+    assert find_scoring_head(model).softcap == 0.2
+    assert torch.allclose(chunked, naive, atol=1e-5, rtol=0)
+    assert model.config.final_logit_softcapping == 0.2  # restored after the call
+    assert "forward" not in vars(model.get_output_embeddings())  # the head's own forward is back
+    without = sequence_logprobs(_lora(_gemma3(softcap=None)), None, *_batch(), 0.9)
+    assert (without - naive).abs().max() > 1e-3  # the softcap moved the values: the check above has teeth
+
+
+def test_heads_the_chunked_path_cannot_model_fall_back_to_full_logits():
+    assert find_scoring_head(_qwen2()) is not None
+    from peft import LoraConfig, get_peft_model
+
+    lora_head = get_peft_model(_qwen2(), LoraConfig(r=4, target_modules=["lm_head"]))
+    assert find_scoring_head(lora_head) is None
+    scaled = _qwen2()
+    scaled.config.logits_scaling = 8.0  # as Granite's forward divides the head's output
+    assert find_scoring_head(scaled) is None
