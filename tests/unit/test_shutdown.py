@@ -1,12 +1,13 @@
 """SIGTERM/SIGINT in `train`: the callback (resume paused servers) runs first, then the process exits with
-128 + the signal number. Real signals, sent to this very process; the publisher side is a recording fake server
-(a real one is paused and signalled in tests/integration/test_paused_server.py)."""
+128 + the signal number. Real signals, sent to this very process; the publisher side is tests/fakes.py's
+`FakeVLLM` (a real one is paused and signalled in tests/integration/test_paused_server.py)."""
 
 import os
 import signal
 import threading
 
 import pytest
+from fakes import FakeVLLM
 
 from asyncgrpo.errors import SyncError
 from asyncgrpo.shutdown import exit_on_signal
@@ -58,57 +59,30 @@ def test_a_failing_callback_still_exits_with_the_signal_code():
     assert exited.value.code == 143
 
 
-class PausableServer:
-    """Records pause/resume like vLLM's dev routes; `block_load` holds a load until released."""
-
-    def __init__(self, url="http://fake:8000"):
-        self.base_url = url
-        self.paused = False
-        self.calls = []
-        self.served = {}
-        self.loading = threading.Event()
-        self.release = threading.Event()
-
-    def pause(self, mode="keep"):
-        self.calls.append("pause")
-        self.paused = True
-
-    def resume(self):
-        self.calls.append("resume")
-        self.paused = False
-
-    def load_adapter(self, name, path, inplace=False):
-        self.loading.set()
-        assert self.release.wait(30), "the test never released the load"
-        self.served[name] = str(path)
-
-    def unload_adapter(self, name):
-        self.served.pop(name, None)
-
-    def reset_prefix_cache(self):
-        return True
-
-    def adapter_paths(self):
-        return dict(self.served)
-
-
 def test_halt_resumes_a_server_paused_by_a_sync_stuck_in_a_load(tmp_path):
-    server = PausableServer()
+    loading, release = threading.Event(), threading.Event()
+
+    def stuck(server, name):  # the load holds until the test releases it
+        loading.set()
+        assert release.wait(30), "the test never released the load"
+
+    server = FakeVLLM(on_load=stuck)
     server.served["run-v0"] = str(tmp_path)
     publisher = AdapterPublisher([server], "run")
     publisher.current_name, publisher.loaded["run-v0"] = "run-v0", tmp_path
     errors = []
     syncing = threading.Thread(target=lambda: _publish(publisher, tmp_path, errors))
     syncing.start()
-    assert server.loading.wait(30)  # the sync has paused the server and is inside the load
+    assert loading.wait(30)  # the sync has paused the server and is inside the load
     assert server.paused
     assert publisher.halt() == ["http://fake:8000"]  # what the signal handler calls, on another thread
     assert server.paused is False  # resumed while the sync is still stuck
-    server.release.set()
+    release.set()
     syncing.join(30)
     with pytest.raises(SyncError, match="SIGTERM/SIGINT"):
         publisher.publish(2, tmp_path)  # halted: no further sync pauses anything
-    assert server.calls == ["pause", "resume", "resume"]  # halt's resume, then the sync's own `finally`
+    # halt's resume, then the sync's own `finally`
+    assert [call[0] for call in server.calls if call[0] in ("pause", "resume")] == ["pause", "resume", "resume"]
     assert publisher.halt() == []  # a second halt (watcher thread, then handler) resumes nothing again
 
 

@@ -1,5 +1,5 @@
-"""The doctor's server checks: each failure's line names the value and the fix. A fake client answers what a real
-server would (tests/integration/test_faults.py runs `asyncgrpo doctor` against real servers)."""
+"""The doctor's server checks: each failure's line names the value and the fix. `FakeVLLM` (tests/fakes.py) answers
+what a real server would (tests/integration/test_faults.py runs `asyncgrpo doctor` against real servers)."""
 
 from __future__ import annotations
 
@@ -7,31 +7,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from fakes import FakeVLLM
 
 from asyncgrpo.rollout.preflight import check_adapter_dir_writable, report
 from asyncgrpo.inference.checks import (CheckResult, ServerContext, check_base_model, check_dev_mode,
                                         check_lora_enabled, check_max_lora_rank, check_max_loras,
                                         check_runtime_lora_updating, check_version)
 
-
-class FakeClient:
-    base_url = "http://node:8000"
-
-    def __init__(self, lora=None, dev_mode=True, lora_updating=True, version="0.32.0", root="/models/m"):
-        self.lora, self.dev_mode, self.lora_updating, self._version, self.root = lora, dev_mode, lora_updating, \
-            version, root
-
-    def server_config(self):
-        return {"lora_config": self.lora} if self.dev_mode else None
-
-    def has_route(self, method, path):
-        return {"/is_paused": self.dev_mode, "/v1/load_lora_adapter": self.lora_updating}[path]
-
-    def version(self):
-        return self._version
-
-    def models(self):
-        return [{"id": self.root, "root": self.root, "parent": None}]
+NODE = "http://node:8000"
 
 
 def ctx(client, model_path="/models/m", **cfg):
@@ -41,7 +24,7 @@ def ctx(client, model_path="/models/m", **cfg):
 
 
 def test_rank_and_max_loras_failures_name_the_server_flag():
-    client = FakeClient(lora={"max_lora_rank": 8, "max_loras": 2})
+    client = FakeVLLM(NODE, lora={"max_lora_rank": 8, "max_loras": 2})
     assert check_max_lora_rank(ctx(client, lora_r=16)).line() == (
         "FAIL  max_lora_rank: --max-lora-rank 8 is below lora_r=16. Fix: restart it with --max-lora-rank 16 (vLLM "
         "accepts 1, 8, 16, 32, 64, ...), or lower lora_r")
@@ -52,15 +35,15 @@ def test_rank_and_max_loras_failures_name_the_server_flag():
 
 
 def test_lora_off_and_no_server_info_are_told_apart():
-    assert check_lora_enabled(ctx(FakeClient(lora=None))).line() == (
+    assert check_lora_enabled(ctx(FakeVLLM(NODE, lora=None))).line() == (
         "FAIL  LoRA enabled: the server serves no LoRA adapters. Fix: restart it with --enable-lora "
         "--max-lora-rank 8 --max-loras 3")
-    skipped = check_max_lora_rank(ctx(FakeClient(dev_mode=False)))
+    skipped = check_max_lora_rank(ctx(FakeVLLM(NODE, dev_mode=False)))
     assert skipped.ok is None and "no /server_info (VLLM_SERVER_DEV_MODE unset)" in skipped.line()
 
 
 def test_dev_mode_is_required_only_for_pause_sync():
-    no_dev = FakeClient(lora={}, dev_mode=False)
+    no_dev = FakeVLLM(NODE, lora={}, dev_mode=False)
     assert check_dev_mode(ctx(no_dev, sync_mode="pause")).line() == (
         "FAIL  dev mode: sync_mode: pause needs /pause and /resume, and the server has neither. Fix: start it with "
         "VLLM_SERVER_DEV_MODE=1 (launch/vllm/serve.sh and `python -m asyncgrpo.inference.server` set it), or set "
@@ -70,10 +53,10 @@ def test_dev_mode_is_required_only_for_pause_sync():
 
 def test_runtime_lora_updating_and_version():
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in check_runtime_lora_updating(
-        ctx(FakeClient(lora_updating=False))).fix
-    assert check_version(ctx(FakeClient(version="0.9.1"))).line() == (
+        ctx(FakeVLLM(NODE, lora_updating=False))).fix
+    assert check_version(ctx(FakeVLLM(NODE, vllm_version="0.9.1"))).line() == (
         "FAIL  vLLM version: 0.9.1 is older than 0.10.2. Fix: upgrade vLLM on the inference node")
-    assert check_version(ctx(FakeClient(version="0.32.0+cpu"))).ok is True
+    assert check_version(ctx(FakeVLLM(NODE, vllm_version="0.32.0+cpu"))).ok is True
 
 
 def _model(directory, **config):
@@ -86,15 +69,15 @@ def test_base_model_matches_by_directory_then_config_then_name(tmp_path):
     served = _model(tmp_path / "server" / "qwen", _name_or_path="x")
     same_config = _model(tmp_path / "trainer" / "copy", _name_or_path="y", transformers_version="5")
     other = _model(tmp_path / "trainer" / "other", num_hidden_layers=4)
-    assert check_base_model(ctx(FakeClient(root=served), served)).ok is True
-    result = check_base_model(ctx(FakeClient(root=served), same_config))
+    assert check_base_model(ctx(FakeVLLM(NODE, root=served), served)).ok is True
+    result = check_base_model(ctx(FakeVLLM(NODE, root=served), same_config))
     assert result.ok is True and "equal config.json" in result.detail
-    result = check_base_model(ctx(FakeClient(root=served), other))
+    result = check_base_model(ctx(FakeVLLM(NODE, root=served), other))
     assert result.ok is False and "differs from" in result.detail and "num_hidden_layers" in result.detail
     # Paths that are not readable here (the server's disk): only the name can be compared.
-    by_name = check_base_model(ctx(FakeClient(root="/mnt/node/Qwen2.5-0.5B"), "Qwen/Qwen2.5-0.5B"))
+    by_name = check_base_model(ctx(FakeVLLM(NODE, root="/mnt/node/Qwen2.5-0.5B"), "Qwen/Qwen2.5-0.5B"))
     assert by_name.ok is True and "shapes not compared" in by_name.detail
-    assert check_base_model(ctx(FakeClient(root="/mnt/node/Llama-3-8B"), "Qwen/Qwen2.5-0.5B")).line() == (
+    assert check_base_model(ctx(FakeVLLM(NODE, root="/mnt/node/Llama-3-8B"), "Qwen/Qwen2.5-0.5B")).line() == (
         "FAIL  base model: the server serves /mnt/node/Llama-3-8B, the trainer loads Qwen/Qwen2.5-0.5B. Fix: serve "
         "the trainer's base model (vLLM --model) or set model_name_or_path to the served one")
 

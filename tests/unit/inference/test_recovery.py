@@ -1,4 +1,5 @@
-"""ServerRecovery and the publisher's sync through a server that restarts, with fake servers and a fake clock.
+"""ServerRecovery and the publisher's sync through a server that restarts, with fake servers and a fake clock
+(tests/fakes.py's `FakeVLLM` and `Clock`).
 
 A real server killed and restarted mid-run is tested in tests/integration/test_faults.py; here the timing (backoff,
 deadline) and the ordering (current adapter back before the new version) are pinned without waiting.
@@ -9,79 +10,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+from fakes import Clock, FakeVLLM
 
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerGoneError, ServerRecovery, backoff_delays
 from asyncgrpo.inference.server import find_free_port
 from asyncgrpo.rollout.publish import AdapterPublisher
-
-
-class Clock:
-    """A fake monotonic clock that `sleep` advances; records each sleep."""
-
-    def __init__(self):
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.sleeps.append(s)
-        self.now += s
-
-
-class FakeServer:
-    """A server that is down until the clock reaches `back_at` (never when None), then up with no adapters."""
-
-    def __init__(self, url: str, clock: Clock, back_at: float | None = 0.0):
-        self.base_url, self.clock, self.back_at = url, clock, back_at
-        self.adapters: dict[str, str] = {}
-        self.calls: list[str] = []
-        self.health_polls: list[float] = []
-
-    def up(self) -> bool:
-        return self.back_at is not None and self.clock.now >= self.back_at
-
-    def _call(self, what: str) -> None:
-        if not self.up():
-            raise ServerUnreachableError(f"{what}: cannot reach {self.base_url}")
-        self.calls.append(what)
-
-    def health(self) -> bool:
-        self.health_polls.append(self.clock.now)
-        return self.up()
-
-    def crash(self, back_at: float | None) -> None:
-        """Die now; come back at `back_at` as a fresh server (no adapters)."""
-        self.back_at = back_at
-        self.adapters = {}
-
-    def load_adapter(self, name, path, inplace=False):
-        self._call(f"load {name}")
-        if name in self.adapters:
-            raise InferenceServerError(f"{name} already loaded", status=400)
-        self.adapters[name] = str(path)
-
-    def unload_adapter(self, name):
-        self._call(f"unload {name}")
-        if self.adapters.pop(name, None) is None:
-            raise InferenceServerError(f"{name} not found", status=404)
-
-    def adapter_paths(self):
-        self._call("models")
-        return dict(self.adapters)
-
-    def pause(self, mode="keep"):
-        self._call("pause")
-
-    def resume(self):
-        self._call("resume")
-
-    def reset_prefix_cache(self):
-        self._call("reset")
-        return True
 
 
 def test_backoff_doubles_from_half_a_second_caps_at_five_and_sums_to_the_timeout():
@@ -92,7 +27,7 @@ def test_backoff_doubles_from_half_a_second_caps_at_five_and_sums_to_the_timeout
 
 def test_a_server_that_comes_back_is_restored_before_it_is_marked_up():
     clock = Clock()
-    server = FakeServer("http://a", clock, back_at=3.0)
+    server = FakeVLLM("http://a", clock=clock, back_at=3.0)
     order = []
     recovery = ServerRecovery(60, clock=clock, sleep=clock.sleep)
     recovery.restore = lambda c: order.append(("restore", recovery.is_up(c)))
@@ -105,7 +40,7 @@ def test_a_server_that_comes_back_is_restored_before_it_is_marked_up():
 
 def test_a_recovery_someone_else_finished_is_not_repeated():
     clock = Clock()
-    server = FakeServer("http://a", clock, back_at=0.0)
+    server = FakeVLLM("http://a", clock=clock, back_at=0.0)
     recovery = ServerRecovery(60, clock=clock, sleep=clock.sleep)
     seen = recovery.epoch(server)
     recovery.recover(server, seen)
@@ -116,7 +51,7 @@ def test_a_recovery_someone_else_finished_is_not_repeated():
 
 def test_a_server_that_never_returns_fails_once_with_its_name_and_the_fix():
     clock = Clock()
-    server = FakeServer("http://node-7:8000", clock, back_at=None)
+    server = FakeVLLM("http://node-7:8000", clock=clock, back_at=None)
     recovery = ServerRecovery(10, clock=clock, sleep=clock.sleep)
     with pytest.raises(ServerGoneError) as err:
         recovery.recover(server, 0)
@@ -134,7 +69,7 @@ def test_a_server_that_never_returns_fails_once_with_its_name_and_the_fix():
 
 def test_a_failed_re_registration_says_the_server_came_back():
     clock = Clock()
-    server = FakeServer("http://a", clock, back_at=0.0)
+    server = FakeVLLM("http://a", clock=clock, back_at=0.0)
 
     def restore(client):
         raise InferenceServerError("load_adapter: HTTP 404 no such directory")
@@ -155,55 +90,55 @@ def _publisher(servers, clock, timeout=60, mode="versioned"):
 @pytest.mark.parametrize("mode", ["versioned", "pause"])
 def test_a_sync_waits_for_a_restarted_server_and_gives_it_the_current_version_first(mode, tmp_path):
     clock = Clock()
-    a, b = FakeServer("http://a", clock), FakeServer("http://b", clock)
+    a, b = FakeVLLM("http://a", clock=clock), FakeVLLM("http://b", clock=clock)
     publisher = _publisher([a, b], clock, mode=mode)
     v0, v1 = tmp_path / "v0", tmp_path / "v1"
     publisher.publish(0, v0)
     b.crash(back_at=7.0)
     b.calls.clear()
     publisher.publish(1, v1)
-    assert a.adapters == {"p-v0": str(v0), "p-v1": str(v1)}
-    assert b.adapters == {"p-v0": str(v0), "p-v1": str(v1)}  # the restarted server got v0 back, then v1
-    loads = [c for c in b.calls if c.startswith("load")]
+    assert a.served == {"p-v0": str(v0), "p-v1": str(v1)}
+    assert b.served == {"p-v0": str(v0), "p-v1": str(v1)}  # the restarted server got v0 back, then v1
+    loads = [c for c in b.said() if c.startswith("load")]
     assert loads == ["load p-v0", "load p-v1"]
     assert clock.now >= 7.0 and publisher.current_name == "p-v1"
     publisher.retire(in_use=set())
-    assert a.adapters == b.adapters == {"p-v1": str(v1)}
+    assert a.served == b.served == {"p-v1": str(v1)}
 
 
 def test_a_sync_to_a_server_that_never_returns_is_all_or_nothing(tmp_path):
     clock = Clock()
-    a, b = FakeServer("http://a", clock), FakeServer("http://b", clock)
+    a, b = FakeVLLM("http://a", clock=clock), FakeVLLM("http://b", clock=clock)
     publisher = _publisher([a, b], clock, timeout=5)
     publisher.publish(0, tmp_path / "v0")
     b.crash(back_at=None)
     with pytest.raises(SyncError, match="publishing .*v1 to http://b failed: inference server http://b stopped "
                                         "answering and did not come back within 5 s"):
         publisher.publish(1, tmp_path / "v1")
-    assert a.adapters == {"p-v0": str(tmp_path / "v0")}  # v1 taken off the server that got it
+    assert a.served == {"p-v0": str(tmp_path / "v0")}  # v1 taken off the server that got it
     assert publisher.current_name == "p-v0"
 
 
 def test_retire_skips_a_version_a_restarted_server_never_had(tmp_path):
     clock = Clock()
-    a = FakeServer("http://a", clock)
+    a = FakeVLLM("http://a", clock=clock)
     publisher = _publisher([a], clock)
     publisher.publish(0, tmp_path / "v0")
     publisher.publish(1, tmp_path / "v1")
     a.crash(back_at=0.0)  # restarted at once: it knows neither version
-    a.adapters = {"p-v1": str(tmp_path / "v1")}  # and got the current one back
+    a.served = {"p-v1": str(tmp_path / "v1")}  # and got the current one back
     publisher.retire(in_use=set())
-    assert a.adapters == {"p-v1": str(tmp_path / "v1")} and list(publisher.loaded) == ["p-v1"]
+    assert a.served == {"p-v1": str(tmp_path / "v1")} and list(publisher.loaded) == ["p-v1"]
 
 
 def test_restore_loads_nothing_when_the_current_version_is_still_served(tmp_path):
     clock = Clock()
-    a = FakeServer("http://a", clock)
+    a = FakeVLLM("http://a", clock=clock)
     publisher = _publisher([a], clock)
     publisher.publish(0, tmp_path / "v0")
     a.calls.clear()
     publisher.restore(a)  # a network fault, not a restart: the adapter is still there
-    assert a.calls == ["models"]
+    assert a.said() == ["read"]
 
 
 def test_the_client_tells_an_unreachable_server_from_an_http_error():
@@ -215,7 +150,7 @@ def test_the_client_tells_an_unreachable_server_from_an_http_error():
 
 def test_concurrent_failures_on_one_server_recover_it_once():
     clock = Clock()
-    server = FakeServer("http://a", clock, back_at=0.0)
+    server = FakeVLLM("http://a", clock=clock, back_at=0.0)
     restored = []
     recovery = ServerRecovery(10, restore=restored.append, clock=clock, sleep=clock.sleep)
     seen = recovery.epoch(server)

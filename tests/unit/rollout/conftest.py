@@ -1,5 +1,5 @@
 """One way to build a rollout producer for the unit tests: a real `RolloutProducer`, real `InferenceClient`, real queue
-and scorer, against the in-process HTTP stub of tests/unit/conftest.py. The stub stands in for vLLM only where a test
+and scorer, against the in-process HTTP stub of tests/fakes.py. The stub stands in for vLLM only where a test
 needs an answer a real server cannot give on demand (a dropped request, a request held, a chosen logprob, finish
 reason or token id); each test module says which. `rollout_on_stub(route, **config)` builds one; every producer built
 is stopped at teardown, through `stop_within`."""
@@ -7,41 +7,17 @@ is stopped at teardown, through `stop_within`."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
+from fakes import DigitTokenizer, ParkingCondition, answer, cfg, sevens
 from liveness import returns_within
 
-from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import PromptRow
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.producer import RolloutProducer
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.scoring import InThreadScoring
-
-
-class DigitTokenizer:
-    """Ids 0-9 are the digits."""
-
-    def __len__(self):
-        return 10
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(str(i) for i in ids)
-
-
-class ParkingCondition(threading.Condition):
-    """The schedule's condition, recording when the producer thread waits on it (its send rule just said no)."""
-
-    def __init__(self):
-        super().__init__()
-        self.parked = threading.Event()
-
-    def wait(self, timeout=None):
-        if threading.current_thread().name == "rollout-producer":
-            self.parked.set()
-        return super().wait(timeout)
 
 
 BOUND_S = 15.0  # liveness bounds of stop() and take() below
@@ -73,23 +49,6 @@ def stop_within_fixture():
     return stop_within
 
 
-def answer(body: dict, token_ids: list[list[int]], finish_reasons: list[str] | None = None,
-           logprob: float = -0.5) -> tuple[int, str, str]:
-    """A /v1/completions answer to `body`: completion i samples `token_ids[i]`, each token at `logprob`."""
-    finish_reasons = finish_reasons or ["stop"] * len(token_ids)
-    choices = [{"index": i, "text": "", "token_ids": ids, "logprobs": {"token_logprobs": [logprob] * len(ids)},
-                "finish_reason": reason} for i, (ids, reason) in enumerate(zip(token_ids, finish_reasons))]
-    return 200, "application/json", json.dumps({"model": body["model"], "choices": choices})
-
-
-def sevens(stub, handler):
-    """A route: health answers, every completion is "7"."""
-    if handler.path == "/health":
-        return 200, "text/plain", ""
-    body = json.loads(handler.body)
-    return answer(body, [[7]] * body["n"])
-
-
 class StubRollout:
     """A producer (not started) on stub servers (one unless `servers`), with its queue, clients and config. Config
     defaults: 2 completions per prompt, 2 groups per step, max_staleness 0, one request in flight; rows p0..p7 with
@@ -98,10 +57,10 @@ class StubRollout:
     def __init__(self, stubs, route, *, rows=None, tokenizer=None, reward=None, recovery=None,
                  response_template=None, groups_per_step: int = 2, park: bool = False, client_timeout_s: float = 10,
                  servers: int = 1, **cfg_values):
-        values = {"lora_adapter_path": "/tmp/adapters", "num_generations": 2,
+        values = {"num_generations": 2,
                   "per_device_train_batch_size": 2 * groups_per_step, "max_staleness": 0,
                   "max_inflight_requests": 1, "vllm_server_timeout": 30, **cfg_values}
-        self.cfg = AsyncGRPOConfig.from_dict(values)
+        self.cfg = cfg(**values)
         self.servers = [stubs(route) for _ in range(servers)]  # each answering through `route`
         self.clients = [InferenceClient(s.url, timeout_s=client_timeout_s, connect_retries=0)  # no retry: lost at once
                         for s in self.servers]

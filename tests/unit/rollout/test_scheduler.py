@@ -1,95 +1,82 @@
-"""What the rollout producer sends, for which batch and under which version, with requests in flight.
+"""rollout/scheduler.py: which version a batch needs, and what the producer sends, for which batch and under which
+version, with requests in flight.
 
-The server is a Python fake (no HTTP) that holds every generation request until the test releases it: a real vLLM
-server cannot be told to keep exactly these requests in flight, and the point here is the producer's accounting, not
-the transport (tests/integration/test_training.py runs the producer against a real server). The schedule's condition is
-instrumented to say when the producer thread has parked (its send rule is false), so every assertion is taken in a
-state where the producer has finished deciding; nothing sleeps.
+The server is tests/fakes.py's `FakeVLLM(hold=True)`, holding every generation request until the test releases it: a
+real vLLM server cannot be told to keep exactly these requests in flight, and the point is the producer's accounting
+(tests/integration/test_training.py runs the producer against a real server). The schedule's condition says when the
+producer thread has parked (its send rule is false), so every assertion is taken once the producer has decided.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from types import SimpleNamespace
 
 import pytest
+from fakes import DigitTokenizer, FakeVLLM, ParkingCondition, cfg
 
-from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.data import PromptRow
+from asyncgrpo.data import PromptRow, PromptStream
 from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.producer import RolloutProducer
+from asyncgrpo.rollout.producer import RolloutProducer, request_seed
 from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.rollout.scheduler import RolloutSchedule, version_needed
 from asyncgrpo.rollout.scoring import InThreadScoring
 
 DEADLINE_S = 15.0  # every wait here is milliseconds when the rule holds; a broken rule fails at this deadline
 
 
-class DigitTokenizer:
-    """Ids 0-9 are the digits."""
-
-    def __len__(self):
-        return 10
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(str(i) for i in ids)
+# ---- version_needed: when the producer may start generating a batch (the version the trainer will hold at the
+# batch's first step, less the staleness allowed) ---------------------------------------------------------------------
+def test_synchronous_batches_wait_for_the_version_that_trains_them():
+    c = cfg(max_staleness=0)
+    assert [version_needed(b, c) for b in range(4)] == [0, 1, 2, 3]
 
 
-class HeldServer:
-    """A fake inference client: request i (in arrival order) answers once `release` has let i requests through.
-    Each completion of a group is one token; completion 0 is "7" (reward 1), the others "3" (reward 0)."""
-
-    base_url = "http://held:8000"
-
-    def __init__(self):
-        self.requests: list[tuple[str, list[int]]] = []  # (adapter, prompt ids) in arrival order
-        self.held = 0  # requests that arrived and wait to be released
-        self._released = 0
-        self._cond = threading.Condition()
-
-    def complete(self, adapter, prompt_ids, *, n, max_tokens, temperature, top_p, seed):
-        with self._cond:
-            self.requests.append((adapter, list(prompt_ids)))
-            mine = len(self.requests)
-            self.held += 1
-            self._cond.wait_for(lambda: self._released >= mine)
-            self.held -= 1
-        return [SimpleNamespace(token_ids=[7 if i == 0 else 3], logprobs=[-0.25 * (i + 1)], finish_reason="stop",
-                                text="", model=adapter) for i in range(n)]
-
-    def release(self, k: int = 10**9) -> None:
-        with self._cond:
-            self._released += k
-            self._cond.notify_all()
+def test_one_step_of_staleness_lets_the_next_batch_start_one_version_early():
+    c = cfg(max_staleness=1)
+    assert [version_needed(b, c) for b in range(4)] == [-1, 0, 1, 2]
 
 
-class ParkingCondition(threading.Condition):
-    """The schedule's condition, recording when the producer thread waits on it (its send rule just said no)."""
-
-    def __init__(self):
-        super().__init__()
-        self.parked = threading.Event()
-
-    def wait(self, timeout=None):
-        if threading.current_thread().name == "rollout-producer":
-            self.parked.set()
-        return super().wait(timeout)
+def test_num_iterations_with_one_publish_per_batch_keeps_staleness_in_batches():
+    # Batch b is trained at steps 3b..3b+2 and published after them: version b trains it.
+    assert [version_needed(b, cfg(num_iterations=3, weight_sync_steps=3, max_staleness=0)) for b in range(4)] == \
+        [0, 1, 2, 3]
+    assert [version_needed(b, cfg(num_iterations=3, weight_sync_steps=3, max_staleness=1)) for b in range(4)] == \
+        [-1, 0, 1, 2]
 
 
+def test_num_iterations_with_a_publish_every_step_counts_every_step_as_a_version():
+    # Batch b first trains at step 3b = version 3b: with max_staleness 1 it starts during the previous batch's
+    # last pass only.
+    c = cfg(num_iterations=3, weight_sync_steps=1, max_staleness=1)
+    assert [version_needed(b, c) for b in range(4)] == [-1, 2, 5, 8]
+
+
+def test_request_seeds_are_fixed_numbers_below_2_to_the_31():
+    """A resumed run must send the same seeds as the run it continues, and vLLM takes a signed 32-bit seed."""
+    assert request_seed(3, 5, 8) == 3 * 1_000_003 + 5 * 8
+    assert request_seed(3000, 0, 8) == 3_000_009_000 - 2**31  # wraps at 2**31, not 2**32
+    assert all(0 <= request_seed(s, i, 16) < 2**31 for s in (0, 7, 10**6) for i in (0, 1, 10**9))
+
+
+def test_a_publish_every_other_step_rounds_the_version_down():
+    # Batch b trains at step b; with a publish every 2 steps the trainer then holds version b // 2, less 1 of staleness.
+    c = cfg(weight_sync_steps=2, max_staleness=1)  # (0 with this pair is refused: config.py)
+    assert [version_needed(b, c) for b in range(5)] == [-1, -1, 0, 0, 1]
+
+
+# ---- the producer's sends under its schedule -------------------------------------------------------------------------
 class Harness:
     def __init__(self, *, max_staleness: int, max_inflight: int, groups_per_step: int = 2, scale_rewards=True,
                  start_position: int = 0, **cfg_values):
-        cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 4,
-                                         "per_device_train_batch_size": 4 * groups_per_step,
-                                         "max_staleness": max_staleness, "max_inflight_requests": max_inflight,
-                                         "scale_rewards": scale_rewards, **cfg_values})
-        self.queue = RolloutQueue(cfg.max_staleness)
-        self.server = HeldServer()
+        config = cfg(num_generations=4, per_device_train_batch_size=4 * groups_per_step, max_staleness=max_staleness,
+                     max_inflight_requests=max_inflight, scale_rewards=scale_rewards, **cfg_values)
+        self.queue = RolloutQueue(config.max_staleness)
+        self.server = FakeVLLM("http://held:8000", hold=True)  # completion 0 is "7" (reward 1), the others "3" (0)
         rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(40)]
         scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None, {"format_reward": {"pattern": "^7$"}})
         self.producer = RolloutProducer(clients=[self.server], rows=rows,
-                                        scorer=InThreadScoring(scorer, DigitTokenizer()), queue=self.queue, groups_per_step=groups_per_step, cfg=cfg,
-                                        start_position=start_position)
+                                        scorer=InThreadScoring(scorer, DigitTokenizer()), queue=self.queue,
+                                        groups_per_step=groups_per_step, cfg=config, start_position=start_position)
         self.cond = self.producer.schedule.cond = ParkingCondition()
         self.rows = rows
 
@@ -217,8 +204,6 @@ def test_a_group_carries_its_rewards_scaled_advantages_and_behaviour_logprobs(ha
 
 
 def test_a_resumed_producer_continues_at_the_checkpoints_data_position(harness):
-    from asyncgrpo.data import PromptStream
-
     h = harness(max_staleness=0, max_inflight=2, groups_per_step=2, start_position=13)
     h.settled(lambda: h.producer.set_policy(0, "pol-v0"))
     h.release(2)
@@ -230,12 +215,8 @@ def test_a_resumed_producer_continues_at_the_checkpoints_data_position(harness):
 
 
 def test_the_schedule_alone_resumes_at_its_batch_frees_lost_slots_and_waits_for_a_server():
-    from asyncgrpo.rollout.scheduler import RolloutSchedule
-
-    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "num_generations": 4,
-                                     "per_device_train_batch_size": 8, "max_staleness": 0})
     up = [True]
-    s = RolloutSchedule(cfg, groups_per_step=2, max_inflight=8, servers_up=lambda: up[0], batches_taken=3)
+    s = RolloutSchedule(cfg(num_generations=4, per_device_train_batch_size=8, max_staleness=0), groups_per_step=2, max_inflight=8, servers_up=lambda: up[0], batches_taken=3)
     s.set_policy(2, "pol-v2")
     with s.cond:
         assert not s.may_send()  # a run resumed at batch 3 needs version 3 for it
