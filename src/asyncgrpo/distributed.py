@@ -351,22 +351,33 @@ def require_shared_dir(path, key: str) -> None:
             "storage every trainer node mounts at the same path (or run on one node)")
 
 
-def _all_reduce(value: float, op) -> float:
+def _all_reduce(values: list[float], op) -> list[float]:
+    """One all-reduce of every value at once (float64, elementwise)."""
     if not is_distributed():
-        return value
-    t = to_collective(torch.tensor([value], dtype=torch.float64))
+        return list(values)
+    t = to_collective(torch.tensor(values, dtype=torch.float64))
     dist.all_reduce(t, op=op)
-    return float(to_host(t).item())
+    return to_host(t).tolist()
 
 
 def dist_sum(value: float) -> float:
     """Collective: the sum of `value` over all ranks."""
-    return _all_reduce(value, dist.ReduceOp.SUM)
+    return _all_reduce([value], dist.ReduceOp.SUM)[0]
 
 
 def dist_max(value: float) -> float:
     """Collective: the maximum of `value` over all ranks."""
-    return _all_reduce(value, dist.ReduceOp.MAX)
+    return _all_reduce([value], dist.ReduceOp.MAX)[0]
+
+
+def dist_sums(values: list[float]) -> list[float]:
+    """Collective: the sum over all ranks of each of `values`, in one all-reduce."""
+    return _all_reduce(values, dist.ReduceOp.SUM)
+
+
+def dist_maxima(values: list[float]) -> list[float]:
+    """Collective: the maximum over all ranks of each of `values`, in one all-reduce."""
+    return _all_reduce(values, dist.ReduceOp.MAX)
 
 
 def setup_logging(rank: int) -> None:

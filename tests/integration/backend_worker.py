@@ -136,7 +136,8 @@ def main() -> None:
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.demo import default_config_path
     from asyncgrpo.trainer.gather import backend_of, gather_lora_state
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer, StepStats
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+    from asyncgrpo.trainer.metrics import StepMetrics
 
     out = Path(args.out)
     cfg = AsyncGRPOConfig.load(default_config_path(), [
@@ -148,7 +149,7 @@ def main() -> None:
     register_optimizer_step_post_hook(lambda *a: steps.append(1))
 
     warmup = with_behaviour(trainer, synthetic_share(trainer.rank, trainer.world, 4, 4, seed=1), seed=1)
-    trainer._optimise(micro_batches(trainer, warmup, 1), StepStats())
+    trainer._optimise(micro_batches(trainer, warmup, 1), StepMetrics())
     state = TrainerState(step=1, version=1, data_position=0, run_id="worker", backend=backend_of(trainer.acc),
                          world_size=trainer.world)
     path = Path(str(save_checkpoint(trainer.acc, trainer.model, trainer.optimizer, state, output_dir=cfg.output_dir,
@@ -157,14 +158,14 @@ def main() -> None:
     share = with_behaviour(trainer, synthetic_share(trainer.rank, trainer.world, 4, 4, seed=2), seed=2)
 
     before = len(steps)
-    stats_a = StepStats()
+    stats_a = StepMetrics()
     trainer._optimise(micro_batches(trainer, share, 1), stats_a)
     steps_a = len(steps) - before
     update_a = gather_lora_state(trainer.acc, trainer.model)
 
     load_checkpoint(path, trainer.acc, trainer.model, trainer.optimizer)
     before = len(steps)
-    stats_b = StepStats()
+    stats_b = StepMetrics()
     with DeviceAudit() as audit:
         trainer._optimise(micro_batches(trainer, share, args.micro), stats_b)
         steps_b = len(steps) - before

@@ -238,7 +238,7 @@ def train_steps(args, model, optimizer, micro_batches, device, use_dist_sum: boo
     import torch
 
     from asyncgrpo.distributed import dist_sum
-    from asyncgrpo.trainer.loss import grpo_loss
+    from asyncgrpo.trainer.loss import LossSpec, grpo_loss
     from asyncgrpo.trainer.batching import to_device
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -257,7 +257,7 @@ def train_steps(args, model, optimizer, micro_batches, device, use_dist_sum: boo
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # FSDP2's no_sync: reduce once
             batch = to_device(b, device)
             terms = grpo_loss(policy_logprobs(model, batch), batch["behaviour"], batch["advantages"], batch["mask"],
-                              epsilon_low=0.2, epsilon_high=0.28, normaliser=n_tokens)
+                              LossSpec(epsilon_low=0.2, epsilon_high=0.28), normaliser=n_tokens)
             terms.loss.backward()
             max_ratio = max(max_ratio, float(terms.max_abs_log_ratio))
             loss_sum += float(terms.loss.detach())

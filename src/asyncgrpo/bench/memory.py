@@ -66,7 +66,7 @@ def measure_variant(variant: str, vocab_size: int, completion_tokens: int, hidde
     import torch
 
     from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
-    from asyncgrpo.trainer.loss import grpo_loss
+    from asyncgrpo.trainer.loss import LossSpec, grpo_loss
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
@@ -83,7 +83,7 @@ def measure_variant(variant: str, vocab_size: int, completion_tokens: int, hidde
     else:
         before = _rss_bytes()
     logprobs = sequence_logprobs(model, head, input_ids, attention, mask, temperature)
-    terms = grpo_loss(logprobs, logprobs.detach(), advantages, mask, epsilon_low=0.2, epsilon_high=0.2,
+    terms = grpo_loss(logprobs, logprobs.detach(), advantages, mask, LossSpec(epsilon_low=0.2, epsilon_high=0.2),
                       normaliser=float(mask.sum()))
     terms.loss.backward()
     if cuda:

@@ -1,17 +1,9 @@
-"""GRPO loss family: pure functions over tensors, no model, no distributed state. docs/losses.md explains each
-variant and when to use which.
+"""The GRPO loss family as pure functions over tensors: no model, no distributed state.
 
-Departures from the GRPO paper (as in DAPO / TRL's default "token-level" aggregation):
-- the importance ratio is taken against the *behaviour* logprobs the inference server reported for the
-  sampled tokens, not against a recomputed "old" policy: with asynchronous rollouts the server's policy is
-  the one that actually produced the tokens. With the off-policy correction on it is taken against the
-  *proximal* policy instead (the trainer at the batch's first pass; decoupled PPO), and every token is weighted
-  by the capped ratio proximal / behaviour (TRL's `vllm_importance_sampling_*`);
-- the surrogate is averaged over all completion tokens of the global batch (`loss_type: dapo`, the default);
-  `grpo`, `bnpo`, `dr_grpo` and `cispo` are the other aggregations/objectives TRL names;
-- the clip range may be asymmetric (`epsilon`, `epsilon_high`), and `delta` bounds the unclipped ratio from above
-  (INTELLECT-2's two-sided clip: with a negative advantage the plain surrogate is unbounded in the ratio);
-- every log-ratio is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] before `exp`.
+`LossSpec` holds what the loss takes from the config; `loss_normaliser` says what each micro-batch's summed loss is
+divided by, `grpo_loss` computes the clipped surrogate (+ KL, + importance weights) and its statistics, and
+`group_advantages` is the tensor form of the group-relative advantage. docs/losses.md explains each variant and when
+to use which; docs/trainer-internals.md how this departs from the GRPO paper and why log-ratios are bounded.
 """
 
 from __future__ import annotations
@@ -22,11 +14,53 @@ import torch
 
 from asyncgrpo.config import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
 
-# Log-ratios are clamped to this bound before `exp`. exp(20) = 4.9e8 is finite in fp32 (exp overflows at 88.7) and
-# far beyond any ratio a clip or cap lets through, so the clamp never changes a loss that was finite; it turns
-# what would be inf (a behaviour logprob of -inf or -100) into a large finite ratio, so that a zero advantage or a
-# masked token multiplies it to 0 instead of NaN. A clamped token gets no gradient through its ratio.
+# Log-ratios are clamped to this bound before `exp` (docs/trainer-internals.md: why 20, and why it never changes a
+# finite loss).
 LOG_RATIO_BOUND = 20.0
+
+# Loss types that average over sequences: their normaliser needs the global number of sequences.
+_PER_SEQUENCE = ("grpo", "dr_grpo")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Everything the loss takes from the config, fixed for a run. `is_mode` None: no importance weight (the
+    off-policy correction is off); with it, the trainer also passes proximal logprobs. `max_completion_length` is
+    only read by `dr_grpo`'s normaliser."""
+
+    epsilon_low: float
+    epsilon_high: float
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    is_mode: str | None = None
+    is_cap: float = 3.0
+    max_completion_length: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> LossSpec:
+        """The spec of an AsyncGRPOConfig (`epsilon_high` unset means `epsilon`)."""
+        return cls(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_upper, loss_type=cfg.loss_type, beta=cfg.beta,
+                   importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
+                   is_mode=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
+                   is_cap=cfg.vllm_importance_sampling_cap, max_completion_length=cfg.max_completion_length)
+
+    @property
+    def counts_sequences(self) -> bool:
+        """The normaliser needs the global batch's number of sequences (`global_sequences`)."""
+        return self.loss_type in _PER_SEQUENCE
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term: the trainer computes reference logprobs (the adapter switched off)."""
+        return self.beta > 0.0
+
+    @property
+    def importance_weighted(self) -> bool:
+        """The off-policy correction is on: tokens are weighted by proximal / behaviour, and the trainer keeps the
+        proximal logprobs (its own at the batch's first pass)."""
+        return self.is_mode is not None
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool | str = True, eps: float = 1e-4) -> torch.Tensor:
@@ -44,8 +78,8 @@ def group_advantages(rewards: torch.Tensor, scale: bool | str = True, eps: float
     return centred / (std + eps)
 
 
-def loss_normaliser(loss_type: str, *, global_tokens: float, global_sequences: float, micro_tokens: float,
-                    micro_batches: int, world: int, max_completion_length: int) -> float:
+def loss_normaliser(spec: LossSpec, *, global_tokens: float, global_sequences: float, micro_tokens: float,
+                    micro_batches: int, world: int) -> float:
     """What one micro-batch's summed (per-token or, for `grpo`, per-sequence) loss is divided by, so that the
     gradients summed over micro-batches and averaged over ranks (DDP/FSDP/ZeRO average) give TRL's aggregate:
 
@@ -54,12 +88,14 @@ def loss_normaliser(loss_type: str, *, global_tokens: float, global_sequences: f
       each token by its sequence's length first);
     - dr_grpo: the sum over tokens divided by sequences x max_completion_length (a constant: no length bias);
     - bnpo: each micro-batch's own token mean, averaged over micro-batches and ranks (TRL: "local batch")."""
+    loss_type = spec.loss_type
     if loss_type in ("dapo", "cispo"):
         value = global_tokens / world
     elif loss_type == "grpo":
         value = global_sequences / world
     elif loss_type == "dr_grpo":
-        value = global_sequences * max_completion_length / world
+        assert spec.max_completion_length, "dr_grpo needs max_completion_length"
+        value = global_sequences * spec.max_completion_length / world
     elif loss_type == "bnpo":
         value = micro_tokens * micro_batches
     else:
@@ -110,62 +146,56 @@ def grpo_loss(
     behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    spec: LossSpec,
     *,
-    epsilon_low: float,
-    epsilon_high: float,
     normaliser: float,
-    beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
-    delta: float | None = None,
     proximal_logprobs: torch.Tensor | None = None,
-    is_mode: str | None = None,
-    is_cap: float = 3.0,
 ) -> LossTerms:
-    """Clipped surrogate of the chosen `loss_type` (+ optional k3 KL to the reference policy).
+    """Clipped surrogate of the chosen `spec.loss_type` (+ optional k3 KL to the reference policy).
 
     logprobs, behaviour_logprobs, mask, ref_logprobs, proximal_logprobs: (B, T); advantages: (B,).
     `normaliser` is what the summed loss is divided by (`loss_normaliser`: for the default `dapo`, the global
     batch's completion-token count per rank, so that micro-batches and ranks add up to one token-level mean).
     The ratio is pi / proximal when `proximal_logprobs` is given, else pi / behaviour (today's default);
-    `importance_sampling_level: sequence` replaces it by the sequence's geometric mean ratio (GSPO).
-    `delta` caps the unclipped ratio (two-sided clip); `is_mode`/`is_cap` weight each token by the importance
-    weight proximal / behaviour (`importance_weights`), None = no weight.
+    `spec.importance_sampling_level: sequence` replaces it by the sequence's geometric mean ratio (GSPO).
+    `spec.delta` caps the unclipped ratio (two-sided clip); `spec.is_mode`/`spec.is_cap` weight each token by the
+    importance weight proximal / behaviour (`importance_weights`), None = no weight.
     """
-    assert loss_type in LOSS_TYPES and importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS
+    assert spec.loss_type in LOSS_TYPES and spec.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS
     mask = mask.to(logprobs.dtype)
     valid = mask > 0
     base = behaviour_logprobs if proximal_logprobs is None else proximal_logprobs
     log_ratio = torch.where(valid, _clamped(logprobs - base), 0.0)  # (B, T); 0 on padding: no inf * 0
-    if importance_sampling_level == "sequence":
+    if spec.importance_sampling_level == "sequence":
         seq = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (B, 1)
         log_ratio = seq.expand_as(log_ratio)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages.unsqueeze(1)  # (B, 1)
-    if loss_type == "cispo":
+    if spec.loss_type == "cispo":
         # MiniMax-M1 / TRL: the ratio, capped at epsilon_high and detached, weights the policy-gradient term.
-        per_token = -ratio.clamp(max=epsilon_high).detach() * adv * logprobs
-        was_clipped = (ratio > epsilon_high) & valid
+        per_token = -ratio.clamp(max=spec.epsilon_high).detach() * adv * logprobs
+        was_clipped = (ratio > spec.epsilon_high) & valid
     else:
-        unclipped = ratio if delta is None else ratio.clamp(max=delta)
-        clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+        unclipped = ratio if spec.delta is None else ratio.clamp(max=spec.delta)
+        clipped = torch.clamp(ratio, 1.0 - spec.epsilon_low, 1.0 + spec.epsilon_high) * adv
         per_token = -torch.min(unclipped * adv, clipped)  # (B, T)
-        was_clipped = ((ratio < 1.0 - epsilon_low) & (adv < 0)) | ((ratio > 1.0 + epsilon_high) & (adv > 0))
-        if delta is not None:
-            was_clipped = was_clipped | ((ratio > delta) & (adv < 0))
+        was_clipped = (((ratio < 1.0 - spec.epsilon_low) & (adv < 0))
+                       | ((ratio > 1.0 + spec.epsilon_high) & (adv > 0)))
+        if spec.delta is not None:
+            was_clipped = was_clipped | ((ratio > spec.delta) & (adv < 0))
     stats_base = logprobs.detach() if proximal_logprobs is None else proximal_logprobs
-    is_w, is_ratio, capped = importance_weights(stats_base, behaviour_logprobs, mask, mode=is_mode or "token_truncate",
-                                                cap=is_cap)
-    if is_mode is not None:
+    is_w, is_ratio, capped = importance_weights(stats_base, behaviour_logprobs, mask,
+                                                mode=spec.is_mode or "token_truncate", cap=spec.is_cap)
+    if spec.importance_weighted:
         per_token = per_token * is_w
     kl = torch.zeros_like(per_token)
-    if beta > 0.0:
+    if spec.needs_reference:
         assert ref_logprobs is not None, "beta > 0 needs reference logprobs"
         delta_ref = ref_logprobs - logprobs
         kl = torch.exp(delta_ref) - delta_ref - 1.0  # k3 estimator: >= 0, unbiased for KL(pi || ref)
-        per_token = per_token + beta * kl
-    if loss_type == "grpo":  # each sequence's token mean, then (via the normaliser) the mean over sequences
+        per_token = per_token + spec.beta * kl
+    if spec.loss_type == "grpo":  # each sequence's token mean, then (via the normaliser) the mean over sequences
         per_token = per_token / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
     loss = torch.where(valid, per_token, 0.0).sum() / normaliser
     with torch.no_grad():
@@ -180,6 +210,6 @@ def grpo_loss(
             max_abs_log_ratio=behaviour_log_ratio.abs().max() if mask.numel() else mask.sum(),
             is_ratio_sum=torch.where(valid, is_ratio, 0.0).sum(),
             is_ratio_max=torch.where(valid, is_ratio, 0.0).max() if mask.numel() else mask.sum(),
-            is_capped_tokens=(capped & valid).to(mask.dtype).sum() if is_mode is not None else mask.new_zeros(()),
+            is_capped_tokens=(capped & valid).to(mask.dtype).sum() if spec.importance_weighted else mask.new_zeros(()),
             behaviour_kl_sum=k3.sum(),
         )

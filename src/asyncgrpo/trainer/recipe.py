@@ -1,8 +1,9 @@
-"""The training recipe. `train()` reads like the data path in DESIGN.md:
+"""The training recipe: `AsyncGRPOTrainer` runs one GRPO run on every rank (`setup()`, `train()`, `cleanup()`).
 
-    every `num_iterations` steps: take a batch from the rollout queue (rank 0) -> split it over ranks by tokens
-    -> GRPO loss, backward, step (all ranks)
-    -> every `weight_sync_steps`: gather the LoRA tensors (all ranks) -> write + activate (rank 0) -> barrier
+Each step: every `num_iterations` steps rank 0 takes a batch from the rollout queue and splits it over ranks by
+tokens; every rank computes the GRPO loss over its micro-batches, backward, optimizer step; every
+`weight_sync_steps` steps every rank joins the LoRA gather and rank 0 hands the tensors to the rollout side to
+publish. docs/trainer-internals.md walks through the data path.
 """
 
 from __future__ import annotations
@@ -10,40 +11,32 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from asyncgrpo.trainer.checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint, resolve_checkpoint,
-                         restore_rng, save_checkpoint)
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sum, make_accelerator, on_main,
-                          require_shared_dir, setup_logging)
-from asyncgrpo.inference.recovery import check_outage_fits_ddp_timeout
-from asyncgrpo.trainer.logprobs import sequence_logprobs
-from asyncgrpo.trainer.loss import grpo_loss, loss_normaliser
-from asyncgrpo.rewards import reward_means
 from asyncgrpo.contracts import Group
-from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device
+from asyncgrpo.data import resolve_model_path
+from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
+                                   require_shared_dir, setup_logging)
+from asyncgrpo.inference.recovery import check_outage_fits_ddp_timeout
 from asyncgrpo.rollout.build import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
+from asyncgrpo.timeline import Timeline, span
+from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device
+from asyncgrpo.trainer.checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint,
+                                          resolve_checkpoint, restore_rng, save_checkpoint)
+from asyncgrpo.trainer.gather import backend_of, gather_lora_state
+from asyncgrpo.trainer.logprobs import sequence_logprobs
+from asyncgrpo.trainer.loss import LossSpec, grpo_loss, loss_normaliser
+from asyncgrpo.trainer.metrics import LossTotals, StepMetrics, summary_counters
 from asyncgrpo.trainer.policy import build_policy
 from asyncgrpo.trainer.schedule import build_lr_scheduler
-from asyncgrpo.trainer.gather import backend_of, gather_lora_state
-from asyncgrpo.timeline import Timeline, span
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step measured; rank 0 writes it to TensorBoard."""
-
-    values: dict[str, float] = field(default_factory=dict)
-
-    def add(self, **kw: float) -> None:
-        self.values.update({k: float(v) for k, v in kw.items()})
 
 
 @dataclass
@@ -61,6 +54,7 @@ class AsyncGRPOTrainer:
 
     def __init__(self, cfg: AsyncGRPOConfig):
         self.cfg = cfg
+        self.loss_spec = LossSpec.from_config(cfg)  # what the loss takes from the config, fixed for the run
         self.version = 0  # policy version the server serves (and the trainer's weights at the last sync)
         self.step = 0
         self.data_position = 0  # rank 0: the data stream position after the last prompt trained on
@@ -111,8 +105,6 @@ class AsyncGRPOTrainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
 
     def _resolve_model(self) -> str:
-        from asyncgrpo.data import resolve_model_path
-
         return resolve_model_path(self.cfg)
 
     def _start_rollout(self) -> None:
@@ -133,11 +125,11 @@ class AsyncGRPOTrainer:
         bar = self._progress_bar()
         started = time.perf_counter()
         while self.step < cfg.max_steps:
-            stats = self.train_step()
+            metrics = self.train_step()
             if self.step % cfg.weight_sync_steps == 0:
-                self.sync(stats)
+                self.sync(metrics)
             if self.main:
-                self._log(stats, bar)
+                self._log(metrics, bar)
             if self._should_save():
                 self.save_checkpoint()
         if self.main:
@@ -145,19 +137,19 @@ class AsyncGRPOTrainer:
             self.rollout.wait_published()  # the run ends when its last version is served
         return self._finish(time.perf_counter() - started)
 
-    def train_step(self) -> StepStats:
+    def train_step(self) -> StepMetrics:
         """Collective: one optimizer step (no weight sync) on the next batch from the queue, or, for the
         `num_iterations` - 1 steps after it, on that same batch again."""
-        stats = StepStats()
+        metrics = StepMetrics()
         if self._batch is None or self.step % self.cfg.num_iterations == 0:
-            self._batch = self._next_batch(stats)  # rank 0 waits on the queue; all ranks get their share
+            self._batch = self._next_batch(metrics)  # rank 0 waits on the queue; all ranks get their share
         elif self.main:
-            self._batch_stats(self._batch.groups, stats, waited_s=0.0)
-        self._optimise(self._batch.micro_batches, stats)
+            self._batch_metrics(self._batch.groups, metrics, waited_s=0.0)
+        self._optimise(self._batch.micro_batches, metrics)
         self.step += 1
-        return stats
+        return metrics
 
-    def _next_batch(self, stats: StepStats) -> TrainBatch:
+    def _next_batch(self, metrics: StepMetrics) -> TrainBatch:
         """Collective: rank 0 takes one global batch of groups and sends each rank its share (equal numbers of
         groups, about equal numbers of tokens); every rank collates its share into micro-batches once."""
         def take() -> list[Group]:
@@ -166,14 +158,14 @@ class AsyncGRPOTrainer:
                 groups = self.rollout.take(self.groups_per_step, self.version,
                                            timeout_s=self.cfg.vllm_request_timeout * 4 + self.cfg.vllm_server_timeout)
             assert max(self.version - g.version for g in groups) <= self.cfg.max_staleness
-            self._batch_stats(groups, stats, waited_s=time.perf_counter() - t0)
+            self._batch_metrics(groups, metrics, waited_s=time.perf_counter() - t0)
             self.data_position = max(self.data_position, 1 + max(g.index for g in groups))
             return groups
 
         groups = on_main(take, "taking a batch from the rollout queue") or []
         share = broadcast_object(split_by_tokens(groups, self.world) if self.main else None)[self.rank]
         micro_batches = self._micro_batches(share)
-        stats.add(**{"train/micro_batches": len(micro_batches)})  # the same on every rank
+        metrics.micro_batches(len(micro_batches))
         return TrainBatch(groups, micro_batches)
 
     def _micro_batches(self, share: list[Group]) -> list[dict[str, torch.Tensor]]:
@@ -194,22 +186,9 @@ class AsyncGRPOTrainer:
             parts = [[singles[i] for i in sorted(b)] for b in packed]
         return [to_device(collate(part, self.pad_id), self.acc.device) for part in parts]
 
-    def _batch_stats(self, groups: list[Group], stats: StepStats, waited_s: float) -> None:
-        """Rank 0: what this step's batch holds (rewards, staleness against the trainer's version now)."""
-        staleness = [self.version - g.version for g in groups]
-        rewards = torch.tensor([r for g in groups for r in g.rewards])
-        stats.add(**{"time/wait_for_data_s": waited_s, "reward/mean": rewards.mean(), "reward/std": rewards.std(),
-                     "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
-                     # TRL's name: groups of this batch whose rewards are all equal (0 with dynamic_sampling)
-                     "reward/frac_reward_zero_std": sum(max(g.rewards) == min(g.rewards) for g in groups) / len(groups),
-                     "completion/mean_length": sum(g.n_completion_tokens for g in groups)
-                     / (len(groups) * self.cfg.num_generations),
-                     # hit max_completion_length (left out of the loss with mask_truncated_completions)
-                     "completion/truncated_fraction": sum(r == "length" for g in groups for r in g.finish_reasons)
-                     / (len(groups) * self.cfg.num_generations)})
-        for name, mean in reward_means([g.reward_parts for g in groups]).items():
-            if mean is not None:  # None: the function applied to no completion of this batch
-                stats.add(**{f"reward/{name}": mean})
+    def _batch_metrics(self, groups: list[Group], metrics: StepMetrics, waited_s: float) -> None:
+        """Rank 0: what this step's batch holds, staleness against the trainer's version now."""
+        metrics.batch(groups, self.version, self.cfg.num_generations, waited_s)
 
     def policy_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32, zero where
@@ -221,65 +200,47 @@ class AsyncGRPOTrainer:
         """The trainer's own fp32 logprob of every completion token (for policy-equivalence checks)."""
         return score_completions(self.policy_logprobs, prompt_ids, completion_ids, self.pad_id, self.acc.device)
 
-    def _optimise(self, micro_batches: list[dict[str, torch.Tensor]], stats: StepStats) -> None:
+    def _optimise(self, micro_batches: list[dict[str, torch.Tensor]], metrics: StepMetrics) -> None:
         """Collective: GRPO loss over this rank's micro-batches, backward, clip, optimizer step, schedule step."""
-        cfg = self.cfg
-        n_tokens = dist_sum(sum(float(b["mask"].sum()) for b in micro_batches))
-        # grpo and dr_grpo average over sequences: count them over every rank the same collective way.
-        n_seqs = 0.0
-        if cfg.loss_type in ("grpo", "dr_grpo"):
-            n_seqs = dist_sum(float(sum(b["mask"].shape[0] for b in micro_batches)))
-        totals = dict.fromkeys(("loss", "clipped", "kl", "ratio", "is_ratio", "is_capped", "kl_behaviour"), 0.0)
-        maxima = {"max_abs_log_ratio": 0.0, "is_ratio_max": 0.0}
+        spec = self.loss_spec
+        # The global batch's tokens (and sequences, for the loss types that average over them), in one all-reduce.
+        n_tokens, n_seqs = dist_sums([sum(float(b["mask"].sum()) for b in micro_batches),
+                                      float(sum(b["mask"].shape[0] for b in micro_batches))])
+        n_seqs = n_seqs if spec.counts_sequences else 0.0
+        totals = LossTotals(self.world)
         for i, batch in enumerate(micro_batches):
             # The loss is the loss_type's mean over the global batch; DDP averages gradients over ranks, so the
             # normaliser is per rank (loss_normaliser).
-            normaliser = loss_normaliser(cfg.loss_type, global_tokens=n_tokens, global_sequences=n_seqs,
+            normaliser = loss_normaliser(spec, global_tokens=n_tokens, global_sequences=n_seqs,
                                          micro_tokens=float(batch["mask"].sum()), micro_batches=len(micro_batches),
-                                         world=self.world, max_completion_length=cfg.max_completion_length)
+                                         world=self.world)
             # Gradients accumulate over the micro-batches; the last one's backward reduces them across ranks (and,
             # under DeepSpeed, is where the engine steps): one optimizer step per trainer step on every backend.
             with accumulation(self.acc, self.model, accumulate=i < len(micro_batches) - 1):
-                terms = self._micro_step(batch, normaliser)
-            for key, value in (("loss", float(terms.loss.detach()) / self.world), ("clipped", terms.clipped_tokens),
-                               ("kl", terms.kl_sum), ("ratio", terms.ratio_sum), ("is_ratio", terms.is_ratio_sum),
-                               ("is_capped", terms.is_capped_tokens), ("kl_behaviour", terms.behaviour_kl_sum)):
-                totals[key] += float(value)
-            maxima["max_abs_log_ratio"] = max(maxima["max_abs_log_ratio"], float(terms.max_abs_log_ratio))
-            maxima["is_ratio_max"] = max(maxima["is_ratio_max"], float(terms.is_ratio_max))
-        if cfg.max_grad_norm > 0:
-            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                totals.add(self._micro_step(batch, normaliser))
+        if self.cfg.max_grad_norm > 0:
+            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             if grad_norm is not None:  # DeepSpeed clipped inside its engine (gradient_clipping = max_grad_norm)
-                stats.add(**{"train/grad_norm": float(grad_norm)})
+                metrics.grad_norm(float(grad_norm))
         lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step used
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        summed = {k: dist_sum(v) for k, v in totals.items()}
-        per_token = max(n_tokens, 1.0)  # every token masked (e.g. all truncated): statistics of nothing are 0
-        stats.add(**{"train/loss": summed["loss"], "train/clip_fraction": summed["clipped"] / per_token,
-                     "train/kl": summed["kl"] / per_token, "train/ratio_mean": summed["ratio"] / per_token,
-                     "train/tokens": n_tokens, "train/learning_rate": lr,
-                     # Per token, trainer vs the server's behaviour logprobs: numerical noise when on-policy.
-                     "train/max_abs_log_ratio": dist_max(maxima["max_abs_log_ratio"]),
-                     # Off-policy: the IS ratio proximal (or current) / behaviour before any cap, the fraction of
-                     # tokens the correction truncated or masked, and the k3 estimate of KL(behaviour || trainer).
-                     "sampling/importance_sampling_ratio/mean": summed["is_ratio"] / per_token,
-                     "sampling/importance_sampling_ratio/max": dist_max(maxima["is_ratio_max"]),
-                     "sampling/is_capped_fraction": summed["is_capped"] / per_token,
-                     "sampling/kl_behaviour": summed["kl_behaviour"] / per_token})
+        sums, maxima = totals.reduced()
+        metrics.optimiser(sums, maxima, n_tokens=n_tokens, lr=lr)
 
-    def _micro_step(self, batch, normaliser: float):
-        cfg = self.cfg
+    def _micro_step(self, batch: dict[str, torch.Tensor], normaliser: float):
+        """One micro-batch's forward(s), loss and backward; returns its LossTerms."""
+        spec = self.loss_spec
         ref = batch.get("ref")
-        if cfg.beta > 0 and ref is None:
+        if spec.needs_reference and ref is None:
             # The reference is the same (possibly sharded) model with the adapter switched off: no second copy. It
             # never changes, so a batch trained on again (num_iterations) keeps it.
             with torch.no_grad(), self.acc.unwrap_model(self.model).disable_adapter():
                 ref = batch["ref"] = self.policy_logprobs(batch)
         logprobs = self.policy_logprobs(batch)
         proximal = None
-        if cfg.vllm_importance_sampling_correction:
+        if spec.importance_weighted:
             # Decoupled PPO: the proximal policy is the trainer when it starts on this batch (PPO's "old" policy,
             # TRL's old logprobs). On the first pass that is this very forward, so its logprobs, detached, are kept
             # for the batch's later passes: no extra forward. Recomputing it every pass would make the ratio 1 at
@@ -287,18 +248,13 @@ class AsyncGRPOTrainer:
             proximal = batch.get("proximal")
             if proximal is None:
                 proximal = batch["proximal"] = logprobs.detach()
-        terms = grpo_loss(logprobs, batch["behaviour"], batch["advantages"], batch["mask"],
-                          epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_upper, normaliser=normaliser,
-                          beta=cfg.beta, ref_logprobs=ref, loss_type=cfg.loss_type,
-                          importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
-                          proximal_logprobs=proximal,
-                          is_mode=cfg.vllm_importance_sampling_mode if proximal is not None else None,
-                          is_cap=cfg.vllm_importance_sampling_cap)
+        terms = grpo_loss(logprobs, batch["behaviour"], batch["advantages"], batch["mask"], spec,
+                          normaliser=normaliser, ref_logprobs=ref, proximal_logprobs=proximal)
         self.acc.backward(terms.loss)
         return terms
 
     # ---- weight sync ----------------------------------------------------------------------------------
-    def sync(self, stats: StepStats | None = None, first: bool = False, wait: bool = False) -> None:
+    def sync(self, metrics: StepMetrics | None = None, first: bool = False, wait: bool = False) -> None:
         """Collective: every rank joins the LoRA-only gather; rank 0 hands the tensors to the rollout side, which
         writes and activates them on every server in the background, overlapping the next training step. The next
         sync first waits for this one, so versions go live in order and a failed publish stops the run there.
@@ -311,9 +267,8 @@ class AsyncGRPOTrainer:
 
         def publish() -> None:
             waited = self.rollout.publish(version, tensors, self.step, wait=first or wait)
-            if stats is not None:
-                stats.add(**{"sync/gather_s": gathered - t0, "sync/wait_previous_publish_s": waited,
-                             "sync/gathered_bytes": gather_stats["gathered_bytes"]})
+            if metrics is not None:
+                metrics.sync(gathered - t0, waited, gather_stats["gathered_bytes"])
 
         on_main(publish, f"publishing policy version {version}")  # the other ranks wait here (a failure stops all)
         self.version = version
@@ -322,7 +277,8 @@ class AsyncGRPOTrainer:
     def save_checkpoint(self) -> None:
         """Collective: write `<output_dir>/checkpoint-<step>` atomically (checkpoint.py)."""
         state = TrainerState(step=self.step, version=self.version, data_position=self.data_position,
-                             run_id=self.rollout.run_id if self.rollout is not None else "", backend=backend_of(self.acc), world_size=self.world)
+                             run_id=self.rollout.run_id if self.rollout is not None else "",
+                             backend=backend_of(self.acc), world_size=self.world)
         save_checkpoint(self.acc, self.model, self.optimizer, state, output_dir=self.cfg.output_dir,
                         peft_config=self.peft_config, base_model=str(Path(self.model_path).resolve()),
                         total_limit=self.cfg.save_total_limit, lr_scheduler=self.lr_scheduler)
@@ -352,29 +308,23 @@ class AsyncGRPOTrainer:
 
     # ---- logging and the end --------------------------------------------------------------------------
     def _progress_bar(self):
-        from tqdm.auto import tqdm
-
         return tqdm(total=self.cfg.max_steps, initial=self.step, desc="asyncgrpo", disable=not self.main,
                     dynamic_ncols=True)
 
-    def _log(self, stats: StepStats, bar) -> None:
-        """Rank 0: the step's statistics with the rollout side's counters, to TensorBoard every `logging_steps`."""
-        stats.add(**self.rollout.stats(), **{"policy/version": self.version})
+    def _log(self, metrics: StepMetrics, bar) -> None:
+        """Rank 0: the step's metrics with the rollout side's counters, to TensorBoard every `logging_steps`."""
+        metrics.rollout(self.rollout.stats(), self.version)
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
-            self.rollout.log(stats.values, self.step)
-        bar.set_postfix(reward=f"{stats.values['reward/mean']:.3f}", v=self.version, refresh=False)
+            metrics.log(self.rollout, self.step)
+        bar.set_postfix(reward=f"{metrics.reward_mean:.3f}", v=self.version, refresh=False)
         bar.update(1)
 
     def _finish(self, seconds: float) -> dict:
         summary = {}
         if self.main:
-            rollout = self.rollout.stats()
             summary = {"steps": self.step, "version": self.version, "adapter_name": self.rollout.adapter_name,
                        "adapter_path": str(self.rollout.adapter_path), "model_path": str(self.model_path),
-                       "train_seconds": seconds, "dropped_stale": rollout["queue/dropped_stale_total"],
-                       "dropped_zero_std": rollout["queue/dropped_zero_std_total"],
-                       "lost_groups": rollout["rollout/lost_groups_total"],
-                       "resent_groups": rollout["rollout/resent_groups_total"],
+                       "train_seconds": seconds, **summary_counters(self.rollout.stats()),
                        "tensorboard": str(self.rollout.tensorboard_dir.resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),
                        "start_step": self.start_step,
@@ -402,7 +352,9 @@ class AsyncGRPOTrainer:
         if self.rollout is not None:
             self.rollout.close(keep_final=self.finished and self.cfg.keep_final_adapter)
         if hasattr(self, "acc"):
-            if self.finished:  # every rank reached the end: leave the process group together (a gloo rank that tore it
-                self.acc.wait_for_everyone()  # down while rank 0 was still unloading adapters was seen to abort at exit)
+            if self.finished:
+                # Every rank reached the end: leave the process group together (a gloo rank that tore it down while
+                # rank 0 was still unloading adapters was seen to abort at exit).
+                self.acc.wait_for_everyone()
             self.acc.end_training()
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from asyncgrpo.trainer.logprobs import chunk_positions, chunked_token_logprobs, token_logprobs
-from asyncgrpo.trainer.loss import group_advantages, grpo_loss
+from asyncgrpo.trainer.loss import LossSpec, group_advantages, grpo_loss
 
 
 def test_group_advantages_are_centred_and_scaled_per_group():
@@ -26,7 +26,7 @@ def test_on_policy_gradient_is_advantage_weighted_logprob_gradient():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    terms = grpo_loss(logp, logp.detach(), adv, mask, epsilon_low=0.2, epsilon_high=0.2, normaliser=3.0)
+    terms = grpo_loss(logp, logp.detach(), adv, mask, LossSpec(epsilon_low=0.2, epsilon_high=0.2), normaliser=3.0)
     terms.loss.backward()
     # ratio = 1: d/dlogp of -(ratio * A) / N = -A / N on masked tokens, 0 on padding
     assert torch.allclose(logp.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]]))
@@ -36,27 +36,27 @@ def test_on_policy_gradient_is_advantage_weighted_logprob_gradient():
 def test_ratio_outside_the_clip_range_gives_no_gradient_and_is_counted():
     behaviour = torch.log(torch.tensor([[0.5, 0.5]]))
     logp = torch.log(torch.tensor([[0.9, 0.52]])).requires_grad_()  # ratios 1.8 and 1.04
-    terms = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), epsilon_low=0.2, epsilon_high=0.28,
-                      normaliser=2.0)
+    terms = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2),
+                      LossSpec(epsilon_low=0.2, epsilon_high=0.28), normaliser=2.0)
     terms.loss.backward()
     assert logp.grad[0, 0].item() == 0.0  # clipped at 1.28
     assert logp.grad[0, 1].item() < 0.0
     assert terms.clipped_tokens.item() == 1.0
     # a negative advantage is not clipped above: the policy is pushed down however far it moved
     logp2 = torch.log(torch.tensor([[0.9]])).requires_grad_()
-    grpo_loss(logp2, behaviour[:, :1], torch.tensor([-1.0]), torch.ones(1, 1), epsilon_low=0.2, epsilon_high=0.28,
-              normaliser=1.0).loss.backward()
+    grpo_loss(logp2, behaviour[:, :1], torch.tensor([-1.0]), torch.ones(1, 1),
+              LossSpec(epsilon_low=0.2, epsilon_high=0.28), normaliser=1.0).loss.backward()
     assert logp2.grad.item() > 0.0
 
 
 def test_kl_term_is_zero_at_the_reference_and_positive_away_from_it():
     logp = torch.tensor([[-1.0, -2.0]])
     mask = torch.ones(1, 2)
-    same = grpo_loss(logp, logp, torch.zeros(1), mask, epsilon_low=0.2, epsilon_high=0.2, normaliser=2.0,
-                     beta=0.1, ref_logprobs=logp.clone())
+    same = grpo_loss(logp, logp, torch.zeros(1), mask, LossSpec(epsilon_low=0.2, epsilon_high=0.2, beta=0.1),
+                     normaliser=2.0, ref_logprobs=logp.clone())
     assert same.kl_sum.item() == 0.0 and same.loss.item() == 0.0
-    away = grpo_loss(logp, logp, torch.zeros(1), mask, epsilon_low=0.2, epsilon_high=0.2, normaliser=2.0,
-                     beta=0.1, ref_logprobs=logp - 0.5)
+    away = grpo_loss(logp, logp, torch.zeros(1), mask, LossSpec(epsilon_low=0.2, epsilon_high=0.2, beta=0.1),
+                     normaliser=2.0, ref_logprobs=logp - 0.5)
     k3 = torch.exp(torch.tensor(-0.5)) + 0.5 - 1
     assert torch.isclose(away.kl_sum, 2 * k3)
     assert torch.isclose(away.loss, 0.1 * k3)
@@ -195,7 +195,7 @@ def _case():
 
 def test_each_clip_bound_applies_to_its_own_advantage_sign():
     logp, behaviour, adv, mask, _ = _case()
-    terms = grpo_loss(logp, behaviour, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    terms = grpo_loss(logp, behaviour, adv, mask, LossSpec(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH), normaliser=9.0)
     # per token -min(r A, clip(r) A):
     # row 0: -min(3, 2.56) = -2.56, -2.5, -min(1, 1.6) = -1; row 1: -min(-0.5, -0.8) = 0.8, 0.8, 1.5, 0.9; row 2: 0
     assert abs(terms.loss.item() - (-2.56 - 2.5 - 1.0 + 0.8 + 0.8 + 1.5 + 0.9) / 9.0) < 1e-12
@@ -209,13 +209,13 @@ def test_each_clip_bound_applies_to_its_own_advantage_sign():
 
 def test_clipped_tokens_count_only_masked_tokens_clipped_in_their_advantages_direction():
     logp, behaviour, adv, mask, _ = _case()
-    terms = grpo_loss(logp, behaviour, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    terms = grpo_loss(logp, behaviour, adv, mask, LossSpec(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH), normaliser=9.0)
     assert terms.clipped_tokens.item() == 3.0  # (0, 0) above 1.28 with A > 0; (1, 0) and (1, 1) below 0.8 with A < 0
 
 
 def test_loss_statistics_are_sums_over_masked_tokens():
     logp, behaviour, adv, mask, ratios = _case()
-    terms = grpo_loss(logp, behaviour, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    terms = grpo_loss(logp, behaviour, adv, mask, LossSpec(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH), normaliser=9.0)
     assert terms.n_tokens.item() == 9.0
     assert abs(terms.ratio_sum.item() - (1.5 + 1.25 + 0.5 + 0.5 + 0.78 + 1.5 + 0.9 + 0.5 + 1.5)) < 1e-12
     assert abs(terms.max_abs_log_ratio.item() - abs(torch.log(torch.tensor(0.5, dtype=torch.float64)).item())) < 1e-12
@@ -226,7 +226,7 @@ def test_loss_statistics_are_sums_over_masked_tokens():
 
 def test_a_batch_with_no_tokens_has_zero_statistics():
     empty = torch.zeros(0, 3)
-    terms = grpo_loss(empty, empty, torch.zeros(0), empty, epsilon_low=0.2, epsilon_high=0.2, normaliser=1.0)
+    terms = grpo_loss(empty, empty, torch.zeros(0), empty, LossSpec(epsilon_low=0.2, epsilon_high=0.2), normaliser=1.0)
     assert (terms.loss.item(), terms.n_tokens.item(), terms.max_abs_log_ratio.item()) == (0.0, 0.0, 0.0)
 
 
@@ -234,8 +234,8 @@ def test_kl_is_summed_over_masked_tokens_and_added_to_the_loss_per_token():
     logp = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64, requires_grad=True)
     ref = logp.detach() - torch.tensor([[0.5, -0.25, 4.0]], dtype=torch.float64)  # the last token is padding
     mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
-    terms = grpo_loss(logp, logp.detach(), torch.tensor([1.0], dtype=torch.float64), mask, epsilon_low=0.2,
-                      epsilon_high=0.2, normaliser=2.0, beta=0.1, ref_logprobs=ref)
+    terms = grpo_loss(logp, logp.detach(), torch.tensor([1.0], dtype=torch.float64), mask,
+                      LossSpec(epsilon_low=0.2, epsilon_high=0.2, beta=0.1), normaliser=2.0, ref_logprobs=ref)
     k3 = [torch.exp(torch.tensor(d, dtype=torch.float64)).item() - d - 1 for d in (-0.5, 0.25)]  # d = ref - logp
     assert abs(terms.kl_sum.item() - sum(k3)) < 1e-12
     # surrogate -1 per token (ratio 1, A = 1) plus 0.1 x k3, averaged over the normaliser
@@ -260,7 +260,7 @@ def test_micro_batches_and_ranks_add_up_to_one_token_level_mean():
     kw = dict(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)
 
     whole = logp.clone().requires_grad_()
-    reference = grpo_loss(whole, behaviour, adv, mask, normaliser=float(sum(lengths)), **kw)
+    reference = grpo_loss(whole, behaviour, adv, mask, LossSpec(**kw), normaliser=float(sum(lengths)))
     reference.loss.backward()
 
     world, normaliser = 2, sum(lengths) / 2
@@ -268,7 +268,8 @@ def test_micro_batches_and_ranks_add_up_to_one_token_level_mean():
     for rank in range(world):  # rank r holds rows 4r..4r+3, in two micro-batches of two rows
         param = logp.clone().requires_grad_()
         for rows in (slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4)):
-            terms = grpo_loss(param[rows], behaviour[rows], adv[rows], mask[rows], normaliser=normaliser, **kw)
+            terms = grpo_loss(param[rows], behaviour[rows], adv[rows], mask[rows], LossSpec(**kw),
+                              normaliser=normaliser)
             terms.loss.backward()  # gradients accumulate over micro-batches
             losses.append(terms.loss.item())
             tokens += terms.n_tokens.item()
@@ -291,8 +292,8 @@ def test_token_logprobs_are_fp32_for_every_position_of_a_bf16_batch():
 def test_a_ratio_exactly_on_a_bound_is_not_clipped_and_keeps_its_gradient():
     # epsilon 0 puts both bounds at ratio 1, where an on-policy token sits exactly
     logp = torch.tensor([[-1.0], [-1.0]], dtype=torch.float64, requires_grad=True)
-    terms = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 1,
-                      dtype=torch.float64), epsilon_low=0.0, epsilon_high=0.0, normaliser=2.0)
+    terms = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64),
+                      torch.ones(2, 1, dtype=torch.float64), LossSpec(epsilon_low=0.0, epsilon_high=0.0), normaliser=2.0)
     terms.loss.backward()
     assert terms.clipped_tokens.item() == 0.0
     assert logp.grad[:, 0].tolist() == [-0.5, 0.5]
@@ -300,8 +301,10 @@ def test_a_ratio_exactly_on_a_bound_is_not_clipped_and_keeps_its_gradient():
 
 def test_a_boolean_mask_gives_the_same_terms_in_the_logprobs_dtype():
     logp, behaviour, adv, mask, _ = _case()
-    as_float = grpo_loss(logp, behaviour, adv, mask, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
-    as_bool = grpo_loss(logp, behaviour, adv, mask.bool(), epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, normaliser=9.0)
+    as_float = grpo_loss(logp, behaviour, adv, mask, LossSpec(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH),
+                         normaliser=9.0)
+    as_bool = grpo_loss(logp, behaviour, adv, mask.bool(), LossSpec(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH),
+                        normaliser=9.0)
     for name in ("loss", "n_tokens", "clipped_tokens", "ratio_sum", "max_abs_log_ratio"):
         a, b = getattr(as_float, name), getattr(as_bool, name)
         assert b.dtype == torch.float64 and torch.equal(a, b), name
@@ -310,8 +313,8 @@ def test_a_boolean_mask_gives_the_same_terms_in_the_logprobs_dtype():
 def test_a_kl_penalty_without_reference_logprobs_is_refused():
     logp = torch.zeros(1, 2)
     with pytest.raises(AssertionError, match="^beta > 0 needs reference logprobs$"):
-        grpo_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), epsilon_low=0.2, epsilon_high=0.2, normaliser=2.0,
-                  beta=0.1)
+        grpo_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), LossSpec(epsilon_low=0.2, epsilon_high=0.2, beta=0.1),
+                  normaliser=2.0)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
@@ -326,6 +329,6 @@ def test_token_logprobs_divide_the_logits_by_any_temperature(temperature):
 def test_a_kl_term_without_reference_logprobs_is_refused_with_the_reason():
     logp = torch.tensor([[-1.0, -2.0]])
     with pytest.raises(AssertionError) as err:
-        grpo_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), epsilon_low=0.2, epsilon_high=0.2, normaliser=2.0,
-                  beta=0.1)
+        grpo_loss(logp, logp, torch.zeros(1), torch.ones(1, 2), LossSpec(epsilon_low=0.2, epsilon_high=0.2, beta=0.1),
+                  normaliser=2.0)
     assert str(err.value) == "beta > 0 needs reference logprobs"

@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from asyncgrpo.trainer.loss import LOG_RATIO_BOUND, group_advantages, grpo_loss, importance_weights, loss_normaliser
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.trainer.loss import (LOG_RATIO_BOUND, LossSpec, _clamped, group_advantages, grpo_loss,
+                                    importance_weights, loss_normaliser)
 
 EPS = dict(epsilon_low=0.2, epsilon_high=0.2)
 
@@ -16,7 +18,7 @@ EPS = dict(epsilon_low=0.2, epsilon_high=0.2)
 def test_absurd_behaviour_logprob_on_a_zero_advantage_token_gives_no_nan(behaviour):
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old = torch.tensor([[behaviour, -2.0]])
-    terms = grpo_loss(logp, old, torch.tensor([0.0]), torch.ones(1, 2), normaliser=2.0, **EPS)
+    terms = grpo_loss(logp, old, torch.tensor([0.0]), torch.ones(1, 2), LossSpec(**EPS), normaliser=2.0)
     terms.loss.backward()
     assert terms.loss.item() == 0.0  # A = 0: nothing to learn, and not NaN (before the clamp: inf * 0)
     assert torch.equal(logp.grad, torch.zeros(1, 2))
@@ -26,7 +28,7 @@ def test_absurd_behaviour_logprob_on_a_zero_advantage_token_gives_no_nan(behavio
 def test_absurd_behaviour_logprob_on_a_masked_token_gives_no_nan():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     terms = grpo_loss(logp, torch.tensor([[-math.inf, -2.0]]), torch.tensor([1.0]), torch.tensor([[0.0, 1.0]]),
-                      normaliser=1.0, **EPS)
+                      LossSpec(**EPS), normaliser=1.0)
     terms.loss.backward()
     assert terms.loss.item() == -1.0 and torch.equal(logp.grad, torch.tensor([[0.0, -1.0]]))  # ratio 1 on token 2
     assert math.isfinite(terms.is_ratio_max.item()) and math.isfinite(terms.behaviour_kl_sum.item())
@@ -37,17 +39,18 @@ def test_negative_advantage_with_log_ratio_12_is_unbounded_without_delta_and_bou
     # Plain: loss = -min(r A, clip(r) A) = max(r, 1.2) = r, d loss / d logp = r: the 1.6e5 x gradient.
     old = torch.tensor([[-12.5]])
     logp = torch.tensor([[-0.5]], requires_grad=True)
-    plain = grpo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), normaliser=1.0, **EPS)
+    plain = grpo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), LossSpec(**EPS), normaliser=1.0)
     plain.loss.backward()
     assert logp.grad.item() == pytest.approx(162754.79, rel=1e-5)
     # delta = 4: loss = -min(min(r, 4) A, clip(r) A) = max(4, 1.2) = 4, constant in logp: gradient 0, counted clipped.
     logp.grad = None
-    dual = grpo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), normaliser=1.0, delta=4.0, **EPS)
+    dual = grpo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), LossSpec(delta=4.0, **EPS), normaliser=1.0)
     dual.loss.backward()
     assert dual.loss.item() == pytest.approx(4.0) and logp.grad.item() == 0.0 and dual.clipped_tokens.item() == 1.0
     # Below delta it is the plain surrogate: r = 2 -> loss = max(2, 1.2) = 2, gradient r = 2.
     logp2 = torch.tensor([[math.log(2.0) - 12.5]], requires_grad=True)
-    grpo_loss(logp2, old, torch.tensor([-1.0]), torch.ones(1, 1), normaliser=1.0, delta=4.0, **EPS).loss.backward()
+    grpo_loss(logp2, old, torch.tensor([-1.0]), torch.ones(1, 1), LossSpec(delta=4.0, **EPS),
+              normaliser=1.0).loss.backward()
     assert logp2.grad.item() == pytest.approx(2.0)
 
 
@@ -55,7 +58,8 @@ def test_delta_leaves_positive_advantages_alone():
     # A = +1, r = 1.1 (inside the clip): loss = -1.1, gradient -1.1, with or without delta = 1.05 (< r).
     old = torch.tensor([[0.0]])
     logp = torch.tensor([[math.log(1.1)]], requires_grad=True)
-    terms = grpo_loss(logp, old - 0.0, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, delta=4.0, **EPS)
+    terms = grpo_loss(logp, old - 0.0, torch.tensor([1.0]), torch.ones(1, 1), LossSpec(delta=4.0, **EPS),
+                      normaliser=1.0)
     terms.loss.backward()
     assert terms.loss.item() == pytest.approx(-1.1) and logp.grad.item() == pytest.approx(-1.1)
 
@@ -70,7 +74,8 @@ ADV = torch.tensor([1.0, -2.0])
 
 def _run(loss_type, normaliser, **kw):
     logp = torch.tensor(LOGP, requires_grad=True)
-    terms = grpo_loss(logp, logp.detach(), ADV, MASK, normaliser=normaliser, loss_type=loss_type, **{**EPS, **kw})
+    terms = grpo_loss(logp, logp.detach(), ADV, MASK, LossSpec(loss_type=loss_type, **{**EPS, **kw}),
+                      normaliser=normaliser)
     terms.loss.backward()
     return terms.loss.item(), logp.grad
 
@@ -95,34 +100,41 @@ def test_cispo_weights_the_logprob_by_the_detached_capped_ratio():
     # r = 6 > epsilon_high 5: the weight is 5, and the token keeps a gradient (-5 A), where PPO's clip gives none.
     old = torch.tensor([[-1.0 - math.log(6.0)]])
     logp = torch.tensor([[-1.0]], requires_grad=True)
-    terms = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, loss_type="cispo",
-                      epsilon_low=0.2, epsilon_high=5.0)
+    terms = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1),
+                      LossSpec(loss_type="cispo", epsilon_low=0.2, epsilon_high=5.0), normaliser=1.0)
     terms.loss.backward()
     assert terms.loss.item() == pytest.approx(5.0) and logp.grad.item() == pytest.approx(-5.0)
     assert terms.clipped_tokens.item() == 1.0
     logp.grad = None
-    grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, **EPS).loss.backward()
+    grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), LossSpec(**EPS), normaliser=1.0).loss.backward()
     assert logp.grad.item() == 0.0
 
 
+def _spec(loss_type: str) -> LossSpec:
+    return LossSpec(loss_type=loss_type, max_completion_length=16, **EPS)
+
+
 def test_loss_normaliser_per_loss_type():
-    kw = dict(global_tokens=40.0, global_sequences=8.0, micro_tokens=6.0, micro_batches=3, world=2,
-              max_completion_length=16)
-    assert loss_normaliser("dapo", **kw) == 20.0 and loss_normaliser("cispo", **kw) == 20.0  # 40 / 2 ranks
-    assert loss_normaliser("grpo", **kw) == 4.0  # 8 / 2
-    assert loss_normaliser("dr_grpo", **kw) == 64.0  # 8 x 16 / 2
-    assert loss_normaliser("bnpo", **kw) == 18.0  # 6 x 3
-    assert loss_normaliser("dapo", **{**kw, "global_tokens": 0.0}) > 0  # all masked: no division by zero
+    kw = dict(global_tokens=40.0, global_sequences=8.0, micro_tokens=6.0, micro_batches=3, world=2)
+    assert loss_normaliser(_spec("dapo"), **kw) == 20.0 and loss_normaliser(_spec("cispo"), **kw) == 20.0  # 40 / 2
+    assert loss_normaliser(_spec("grpo"), **kw) == 4.0  # 8 / 2
+    assert loss_normaliser(_spec("dr_grpo"), **kw) == 64.0  # 8 x 16 / 2
+    assert loss_normaliser(_spec("bnpo"), **kw) == 18.0  # 6 x 3
+    assert loss_normaliser(_spec("dapo"), **{**kw, "global_tokens": 0.0}) > 0  # all masked: no division by zero
 
 
 def test_a_normaliser_below_one_is_kept_and_an_unknown_loss_type_is_named():
-    kw = dict(global_sequences=1.0, micro_tokens=1.0, micro_batches=1, max_completion_length=16)
+    kw = dict(global_sequences=1.0, micro_tokens=1.0, micro_batches=1)
     # one completion token over 2 ranks: each rank divides by 0.5 (the floor only guards against 0)
-    assert loss_normaliser("dapo", global_tokens=1.0, world=2, **kw) == 0.5
-    assert loss_normaliser("dapo", global_tokens=0.0, world=2, **kw) == 1e-8
+    assert loss_normaliser(_spec("dapo"), global_tokens=1.0, world=2, **kw) == 0.5
+    assert loss_normaliser(_spec("dapo"), global_tokens=0.0, world=2, **kw) == 1e-8
     with pytest.raises(AssertionError) as err:
-        loss_normaliser("ppo", global_tokens=1.0, world=1, **kw)
+        loss_normaliser(_spec("ppo"), global_tokens=1.0, world=1, **kw)
     assert str(err.value) == "unknown loss_type 'ppo'"
+
+
+def test_the_loss_types_that_average_over_sequences_count_them():
+    assert [t for t in ("dapo", "grpo", "dr_grpo", "bnpo", "cispo") if _spec(t).counts_sequences] == ["grpo", "dr_grpo"]
 
 
 # ---- GSPO ------------------------------------------------------------------------------------------------------------
@@ -132,8 +144,8 @@ def test_sequence_level_ratios_are_per_sequence_over_its_own_unpadded_tokens():
     old = torch.full((2, 3), -1.0)
     logp = torch.tensor([[-0.9, -0.7, 5.0], [-0.5, 7.0, 9.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    terms = grpo_loss(logp, old, torch.tensor([1.0, 1.0]), mask, normaliser=3.0, epsilon_low=0.2, epsilon_high=1.0,
-                      importance_sampling_level="sequence")
+    terms = grpo_loss(logp, old, torch.tensor([1.0, 1.0]), mask,
+                      LossSpec(epsilon_low=0.2, epsilon_high=1.0, importance_sampling_level="sequence"), normaliser=3.0)
     s0, s1 = math.exp(0.2), math.exp(0.5)
     assert terms.ratio_sum.item() == pytest.approx(2 * s0 + s1, rel=1e-6)
     assert terms.loss.item() == pytest.approx(-(2 * s0 + s1) / 3, rel=1e-6)
@@ -144,8 +156,8 @@ def test_cispo_counts_only_tokens_above_the_cap_as_clipped():
     # ratios 1 (exactly the cap: not above it), 3 (above) and 0.5, with epsilon_high = 1
     old = torch.tensor([[-1.0, -1.0 - math.log(3.0), -1.0 + math.log(2.0)]])
     logp = torch.full((1, 3), -1.0)
-    terms = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 3), normaliser=3.0, loss_type="cispo",
-                      epsilon_low=0.2, epsilon_high=1.0)
+    terms = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 3),
+                      LossSpec(loss_type="cispo", epsilon_low=0.2, epsilon_high=1.0), normaliser=3.0)
     assert terms.clipped_tokens.item() == 1.0
 
 
@@ -154,7 +166,8 @@ def test_delta_counts_a_token_clipped_only_above_delta_with_a_negative_advantage
     # (ratio 3, A -1) is the one clipped
     old = torch.tensor([[-1.0], [-1.0 - math.log(3.0)], [-1.0 - math.log(3.0)]])
     logp = torch.full((3, 1), -1.0)
-    terms = grpo_loss(logp, old, torch.tensor([-1.0, 0.0, -1.0]), torch.ones(3, 1), normaliser=3.0, delta=1.0, **EPS)
+    terms = grpo_loss(logp, old, torch.tensor([-1.0, 0.0, -1.0]), torch.ones(3, 1), LossSpec(delta=1.0, **EPS),
+                      normaliser=3.0)
     assert terms.clipped_tokens.item() == 1.0
 
 
@@ -162,8 +175,8 @@ def test_the_importance_weight_statistics_use_the_proximal_policy_not_the_curren
     prox = torch.tensor([[-1.0]])
     behaviour = prox - math.log(2.0)  # proximal / behaviour = 2
     logp = prox + math.log(1.5)  # the current policy moved on: current / behaviour would be 3
-    terms = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, proximal_logprobs=prox,
-                      is_mode="token_truncate", is_cap=5.0, **EPS)
+    terms = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1),
+                      LossSpec(is_mode="token_truncate", is_cap=5.0, **EPS), normaliser=1.0, proximal_logprobs=prox)
     assert terms.is_ratio_sum.item() == pytest.approx(2.0) and terms.is_ratio_max.item() == pytest.approx(2.0)
 
 
@@ -172,15 +185,15 @@ def test_sequence_level_ratio_is_the_geometric_mean_over_the_sequence():
     # loss = -(s + s) / 2 = -s; d s / d logp_t = s / 2, so each gradient is -s / 2 = -0.610701.
     old = torch.tensor([[-1.0, -1.0]])
     logp = torch.tensor([[-0.9, -0.7]], requires_grad=True)
-    terms = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), normaliser=2.0, epsilon_low=0.2,
-                      epsilon_high=0.3, importance_sampling_level="sequence")
+    terms = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2),
+                      LossSpec(epsilon_low=0.2, epsilon_high=0.3, importance_sampling_level="sequence"), normaliser=2.0)
     terms.loss.backward()
     assert terms.loss.item() == pytest.approx(-1.221403, rel=1e-6)
     assert torch.allclose(logp.grad, torch.full((1, 2), -0.610701), rtol=1e-5)
     # Token level the second token (r = e^0.3 = 1.35 > 1.3) is clipped: the sequence ratio keeps it.
     logp.grad = None
-    grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), normaliser=2.0, epsilon_low=0.2,
-              epsilon_high=0.3).loss.backward()
+    grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), LossSpec(epsilon_low=0.2, epsilon_high=0.3),
+              normaliser=2.0).loss.backward()
     assert logp.grad[0, 1].item() == 0.0
 
 
@@ -205,8 +218,8 @@ def test_the_importance_weight_cap_defaults_to_3():
     prox = torch.tensor([[-1.0]])
     behaviour = prox - math.log(3.5)
     logp = prox.clone().requires_grad_()
-    grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, proximal_logprobs=prox,
-              is_mode="token_truncate", **EPS).loss.backward()
+    grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 1), LossSpec(is_mode="token_truncate", **EPS),
+              normaliser=1.0, proximal_logprobs=prox).loss.backward()
     assert logp.grad.item() == pytest.approx(-3.0)
 
 
@@ -214,7 +227,7 @@ def test_the_importance_weight_cap_defaults_to_3():
 def test_an_unknown_loss_type_or_importance_sampling_level_is_refused(bad):
     logp = torch.tensor([[-1.0]])
     with pytest.raises(AssertionError):
-        grpo_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, **EPS, **bad)
+        grpo_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 1), LossSpec(**EPS, **bad), normaliser=1.0)
 
 
 def test_decoupled_ppo_clips_against_the_proximal_policy_and_weights_by_the_capped_ratio():
@@ -223,20 +236,20 @@ def test_decoupled_ppo_clips_against_the_proximal_policy_and_weights_by_the_capp
     prox = torch.tensor([[-1.0, -1.0]])
     behaviour = prox - torch.tensor([[math.log(4.0), math.log(0.5)]])
     logp = prox.clone().requires_grad_()
-    terms = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), normaliser=2.0,
-                      proximal_logprobs=prox, is_mode="token_truncate", is_cap=3.0, **EPS)
+    terms = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2),
+                      LossSpec(is_mode="token_truncate", is_cap=3.0, **EPS), normaliser=2.0, proximal_logprobs=prox)
     terms.loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-1.5, -0.25]]))
     assert terms.is_ratio_sum.item() == pytest.approx(4.5) and terms.is_ratio_max.item() == pytest.approx(4.0)
     assert terms.is_capped_tokens.item() == 1.0 and terms.clipped_tokens.item() == 0.0
     # Without the correction the first token's ratio against the behaviour policy is 4 > 1.2: clipped, no gradient.
     logp.grad = None
-    grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), normaliser=2.0, **EPS).loss.backward()
+    grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), LossSpec(**EPS), normaliser=2.0).loss.backward()
     assert logp.grad[0, 0].item() == 0.0
     # A later pass that moved 1.5x past the proximal policy is clipped against it (the trust region is kept).
     moved = (prox + math.log(1.5)).requires_grad_()
-    later = grpo_loss(moved, behaviour, torch.tensor([1.0]), torch.ones(1, 2), normaliser=2.0,
-                      proximal_logprobs=prox, is_mode="token_truncate", is_cap=3.0, **EPS)
+    later = grpo_loss(moved, behaviour, torch.tensor([1.0]), torch.ones(1, 2),
+                      LossSpec(is_mode="token_truncate", is_cap=3.0, **EPS), normaliser=2.0, proximal_logprobs=prox)
     later.loss.backward()
     assert torch.equal(moved.grad, torch.zeros(1, 2)) and later.clipped_tokens.item() == 2.0
 
@@ -244,7 +257,7 @@ def test_decoupled_ppo_clips_against_the_proximal_policy_and_weights_by_the_capp
 def test_behaviour_kl_is_the_k3_estimate():
     # r = pi / behaviour = 2: k3 = r - 1 - log r = 2 - 1 - 0.693147 = 0.306853 per token.
     logp = torch.zeros(1, 2)
-    terms = grpo_loss(logp, logp - math.log(2.0), torch.zeros(1), torch.ones(1, 2), normaliser=2.0, **EPS)
+    terms = grpo_loss(logp, logp - math.log(2.0), torch.zeros(1), torch.ones(1, 2), LossSpec(**EPS), normaliser=2.0)
     assert terms.behaviour_kl_sum.item() == pytest.approx(2 * 0.306853, rel=1e-5)
     assert terms.is_capped_tokens.item() == 0.0  # no correction: nothing capped
 
@@ -280,8 +293,6 @@ def test_a_ratio_exactly_at_the_cap_is_not_capped():
 
 
 def test_log_ratios_are_bounded_on_both_sides():
-    from asyncgrpo.trainer.loss import _clamped
-
     assert _clamped(torch.tensor([-1000.0, 3.0, 1000.0])).tolist() == [-LOG_RATIO_BOUND, 3.0, LOG_RATIO_BOUND]
 
 
@@ -290,8 +301,8 @@ def test_importance_and_behaviour_statistics_leave_padding_out():
     prox = torch.tensor([[-1.0, -1.0, 0.0]])
     behaviour = prox + torch.tensor([[math.log(2.0), math.log(4.0), 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    terms = grpo_loss(prox.clone(), behaviour, torch.tensor([1.0]), mask, normaliser=2.0, proximal_logprobs=prox,
-                      is_mode="token_truncate", is_cap=3.0, **EPS)
+    terms = grpo_loss(prox.clone(), behaviour, torch.tensor([1.0]), mask,
+                      LossSpec(is_mode="token_truncate", is_cap=3.0, **EPS), normaliser=2.0, proximal_logprobs=prox)
     assert terms.is_ratio_sum.item() == pytest.approx(0.75) and terms.is_ratio_max.item() == pytest.approx(0.5)
     k3 = (0.5 - 1 - math.log(0.5)) + (0.25 - 1 - math.log(0.25))  # r - 1 - log r per token, padding left out
     assert terms.behaviour_kl_sum.item() == pytest.approx(k3, rel=1e-5)
@@ -300,12 +311,36 @@ def test_importance_and_behaviour_statistics_leave_padding_out():
 
 def test_without_an_importance_correction_no_token_counts_as_capped():
     behaviour = torch.tensor([[-1.0 - math.log(4.0)]])  # current / behaviour = 4, above the default cap
-    terms = grpo_loss(torch.tensor([[-1.0]]), behaviour, torch.tensor([1.0]), torch.ones(1, 1), normaliser=1.0, **EPS)
+    terms = grpo_loss(torch.tensor([[-1.0]]), behaviour, torch.tensor([1.0]), torch.ones(1, 1), LossSpec(**EPS),
+                      normaliser=1.0)
     assert terms.is_capped_tokens.item() == 0.0
 
 
 def test_grpo_divides_a_one_token_sequence_by_one():
     logp = torch.tensor([[-1.0, 0.0]], requires_grad=True)
-    terms = grpo_loss(logp, logp.detach(), torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]), normaliser=1.0,
-                      loss_type="grpo", **EPS)
+    terms = grpo_loss(logp, logp.detach(), torch.tensor([2.0]), torch.tensor([[1.0, 0.0]]),
+                      LossSpec(loss_type="grpo", **EPS), normaliser=1.0)
     assert terms.loss.item() == pytest.approx(-2.0)  # -(ratio 1 x A 2) / 1 token
+
+
+# ---- the spec a config gives ---------------------------------------------------------------------------------------
+def test_loss_spec_from_config_picks_up_every_field():
+    cfg = AsyncGRPOConfig.from_dict({
+        "lora_adapter_path": "/tmp/adapters", "epsilon": 0.11, "epsilon_high": 0.33, "loss_type": "dr_grpo",
+        "beta": 0.05, "importance_sampling_level": "sequence", "delta": 4.5,
+        "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
+        "vllm_importance_sampling_cap": 2.5, "max_completion_length": 77})
+    assert LossSpec.from_config(cfg) == LossSpec(
+        epsilon_low=0.11, epsilon_high=0.33, loss_type="dr_grpo", beta=0.05, importance_sampling_level="sequence",
+        delta=4.5, is_mode="sequence_mask", is_cap=2.5, max_completion_length=77)
+    spec = LossSpec.from_config(cfg)
+    assert spec.counts_sequences and spec.needs_reference and spec.importance_weighted
+
+
+def test_loss_spec_from_a_default_config_has_no_correction_and_epsilon_high_falls_back_to_epsilon():
+    spec = LossSpec.from_config(AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "epsilon": 0.15}))
+    assert (spec.epsilon_low, spec.epsilon_high, spec.loss_type, spec.beta, spec.delta) == (0.15, 0.15, "dapo", 0.0, None)
+    assert spec.is_mode is None and not spec.importance_weighted and not spec.needs_reference
+    assert not spec.counts_sequences and spec.importance_sampling_level == "token"
+    with pytest.raises(AttributeError):  # frozen: a run's spec does not change under it
+        spec.beta = 1.0
