@@ -13,16 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from integration.held_sync import REPO, held_sync, is_paused, train
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.config import ROLLOUT_KEY_ENV
-from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.rollout.publish import HOLD_PAUSED_ENV
 
-REPO = Path(__file__).resolve().parents[2]
 CHILD = re.compile(r"rollout side running in its own process \(pid (\d+)\)")
-DEADLINE_S = 300  # a CPU run reaches its first syncs within a minute; on a loaded 2-core machine, a few
+CHILD_RUN = ("--rollout_process", "true", "--max_steps", "30")  # a single-process run whose rollout side is a child
 
 
 def _alive(pid: int) -> bool:
@@ -69,77 +67,37 @@ def test_no_rollout_process_outlives_the_run(two_process_run):
     assert "did not exit within" not in proc.stderr  # it closed and exited when asked, it was not killed
 
 
-def _train(url: str, out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """One training process (no launcher: rank 0) with its rollout side in a child; output to out/train.log."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--rollout_process", "true",
-           "--vllm_server_base_url", url, "--lora_adapter_path", str(out / "adapters"), "--output_dir", str(out),
-           "--max_steps", "30", "--per_device_train_batch_size", "32", "--max_inflight_requests", "4",
-           "--ddp_timeout", "120", *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env={**cpu_launch_env(), **(env or {})}, stdout=open(out / "train.log", "w"),
-                            stderr=subprocess.STDOUT)
-
-
-def _wait_until(ready, proc: subprocess.Popen, out: Path) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not ready():
-        assert proc.poll() is None, (out / "train.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, (out / "train.log").read_text()[-3000:]
-        time.sleep(0.1)
-
-
 def test_a_rollout_process_killed_mid_sync_stops_the_trainer_naming_it_and_no_server_stays_paused(vllm_server,
                                                                                                    tmp_path):
     url = vllm_server.base_url
-    marker = tmp_path / "paused-by-sync"
-    # The hook holds version 1's sync paused in the child: the kill lands mid-sync, the worst moment.
-    proc = _train(url, tmp_path, "--sync_mode", "pause", env={HOLD_PAUSED_ENV: str(marker)})
-    try:
-        _wait_until(marker.exists, proc, tmp_path)
+    # The proxy holds version 1's sync paused in the child: the kill lands mid-sync, the worst moment.
+    with held_sync(url, tmp_path, *CHILD_RUN) as (proxy_url, proc):
         child = _child_pid((tmp_path / "train.log").read_text())
-        with InferenceClient(url) as client:
-            assert client.is_paused() is True  # the fault is real
         os.kill(child, signal.SIGKILL)  # as the out-of-memory killer would
         code = proc.wait(timeout=120)  # reported within a poll, not after take's timeout
-        with InferenceClient(url) as client:
-            paused_after = client.is_paused()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        with InferenceClient(url) as client:
-            client.resume()  # whatever happened, leave the session server usable
+        paused_after = is_paused(url)
     log = (tmp_path / "train.log").read_text()
     assert code == 2, log[-3000:]
     assert f"asyncgrpo: error: the rollout process (pid {child}) was killed by SIGKILL while the trainer waited" in log
     assert "Fix:" in log and not (tmp_path / "run_summary.json").exists()
     # The child could not resume the server it paused; the trainer, still alive, did (and its message says so).
-    assert f"It left {url} paused mid-sync; the trainer resumed them." in log
+    assert f"It left {proxy_url} paused mid-sync; the trainer resumed them." in log
     assert paused_after is False, log[-3000:]
     assert not _alive(child)
 
 
 def test_sigterm_reaches_the_rollout_process_which_resumes_a_paused_server(vllm_server, tmp_path):
     url = vllm_server.base_url
-    marker = tmp_path / "paused-by-sync"
-    # The test hook (in the child, which inherits the environment) holds version 1's sync paused until halted.
-    proc = _train(url, tmp_path, "--sync_mode", "pause", env={HOLD_PAUSED_ENV: str(marker)})
-    try:
-        _wait_until(marker.exists, proc, tmp_path)
+    # The proxy holds version 1's sync (in the child) paused until the server is resumed.
+    with held_sync(url, tmp_path, *CHILD_RUN) as (proxy_url, proc):
         child = _child_pid((tmp_path / "train.log").read_text())
-        with InferenceClient(url) as client:
-            assert client.is_paused() is True  # held paused by the child: the fault is real
-            proc.send_signal(signal.SIGTERM)  # to the trainer only, as a launcher does
-            code = proc.wait(timeout=120)
-            paused_after = client.is_paused()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        with InferenceClient(url) as client:
-            client.resume()  # whatever happened, leave the session server usable
+        proc.send_signal(signal.SIGTERM)  # to the trainer only, as a launcher does
+        code = proc.wait(timeout=120)
+        paused_after = is_paused(url)
     log = (tmp_path / "train.log").read_text()
     assert code == 143, log[-3000:]
     assert paused_after is False, log[-3000:]
-    assert f"resumed {url}, which a weight sync in progress had paused" in log
+    assert f"resumed {proxy_url}, which a weight sync in progress had paused" in log
     assert re.search(r"\[rollout\].*received SIGTERM: making sure no inference server is left paused", log), log[-3000:]
     assert not _alive(child)
 
@@ -154,7 +112,7 @@ def test_an_error_in_the_rollout_process_reaches_the_user_as_it_would_in_process
     dead = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there
     lines = {}
     for mode in ("false", "true"):
-        proc = _train(dead, tmp_path / mode, "--rollout_process", mode, "--vllm_server_timeout", "2")
+        proc = train(dead, tmp_path / mode, *CHILD_RUN, "--rollout_process", mode, "--vllm_server_timeout", "2")
         code = proc.wait(timeout=240)
         log = (tmp_path / mode / "train.log").read_text()
         assert code == 2, log[-3000:]
@@ -167,10 +125,10 @@ LISTENING = re.compile(r"\[rollout\] .* rollout server listening on (127\.0\.0\.
 KEY = {ROLLOUT_KEY_ENV: "integration-test-key"}  # in both ends' environment
 
 
-def _rollout_serve(log_path: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def _rollout_serve(log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
     """`asyncgrpo rollout-serve --listen 127.0.0.1:0 *args` (output to `log_path`) and the address it logged."""
     server = subprocess.Popen([sys.executable, "-m", "asyncgrpo", "rollout-serve", "--listen", "127.0.0.1:0", *args],
-                              cwd=REPO, env={**cpu_launch_env(), **KEY, **(env or {})}, stdout=open(log_path, "w"),
+                              cwd=REPO, env={**cpu_launch_env(), **KEY}, stdout=open(log_path, "w"),
                               stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not (found := LISTENING.search(log_path.read_text())):
@@ -219,28 +177,18 @@ def test_a_run_trains_with_its_rollout_side_served_by_rollout_serve_which_exits_
 
 def test_sigterm_on_the_trainer_reaches_rollout_serve_which_resumes_a_paused_server_and_exits_1(vllm_server,
                                                                                                tmp_path):
-    """No pid to signal: the trainer's halt shuts the connection down, and the rollout server, holding version 1's
-    sync paused (the test hook), resumes the server at once and exits 1 (the run did not close)."""
-    url, marker = vllm_server.base_url, tmp_path / "paused-by-sync"
-    server, address = _rollout_serve(tmp_path / "rollout-serve.log", env={HOLD_PAUSED_ENV: str(marker)})
-    proc = _train(url, tmp_path / "trainer", "--rollout_process", "false", "--rollout_address", address,
-                  "--sync_mode", "pause", env=KEY)
-    try:
-        _wait_until(marker.exists, proc, tmp_path / "trainer")
-        with InferenceClient(url) as client:
-            assert client.is_paused() is True  # held paused by the rollout server: the fault is real
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=120)
-            server_code = server.wait(timeout=120)
-            paused_after = client.is_paused()
-    finally:
-        for p in (proc, server):
-            if p.poll() is None:
-                p.kill()
-        with InferenceClient(url) as client:
-            client.resume()  # whatever happened, leave the session server usable
+    """No pid to signal: the trainer's halt shuts the connection down, and the rollout server, its version 1 sync held
+    paused by the proxy, resumes the server at once and exits 1 (the run did not close)."""
+    url = vllm_server.base_url
+    server, address = _rollout_serve(tmp_path / "rollout-serve.log")
+    with held_sync(url, tmp_path / "trainer", "--max_steps", "30", "--rollout_address", address, env=KEY,
+                   others=(server,)) as (proxy_url, proc):
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        server_code = server.wait(timeout=120)
+        paused_after = is_paused(url)
     log, remote_log = (tmp_path / "trainer" / "train.log").read_text(), (tmp_path / "rollout-serve.log").read_text()
     assert code == 143, log[-3000:]
     assert server_code == 1 and paused_after is False, remote_log[-3000:]
-    assert re.search(rf"\[rollout\] .* resumed {re.escape(url)}, which a weight sync in progress had paused",
+    assert re.search(rf"\[rollout\] .* resumed {re.escape(proxy_url)}, which a weight sync in progress had paused",
                      remote_log), remote_log[-3000:]

@@ -1,50 +1,27 @@
-"""Publishing an adapter version: an atomic write to disk, then activation on the inference server(s).
+"""The adapter publisher: serves each new adapter version on every inference server, all of them or none.
 
-The two sync modes differ only inside AdapterPublisher.
-
-Never a half-written adapter: files go into a hidden temporary directory beside the target (weights first,
-`adapter_config.json` last, so a partial directory is not even a loadable adapter), are fsynced, and the
-directory is renamed into place. The server is only ever given a renamed, complete `v{N}` directory, and only after
-each file's size and sha256 (recorded in `asyncgrpo_manifest.json` at write) are checked again. Files are 0644 and
-directories 0755, so a vLLM running as another user on shared storage can read them.
-
-Never a paused server left behind: `/resume` runs in `finally`, and every answer is checked. The publisher also
-remembers which servers it has paused right now, so that `halt()` (called by the SIGTERM/SIGINT handler on the main
-thread, shutdown.py) can resume them before the process exits, even while this thread is stuck in a call.
-
-A server found unreachable during a sync is waited for (inference/recovery.py, up to `vllm_server_timeout`); once
-back it gets the current version re-registered and then the new one. All or nothing still holds: if it never
-returns, the servers that got the new version drop it and the sync fails.
-
-Several servers are synced concurrently (one thread each, `_activate_all`), so a sync costs about what one server
-costs rather than the sum. Each server's pause, load, reset, resume and read-back run in its own thread exactly as
-for one server; the sync waits for all of them, and if any failed the new version is unloaded from every server
-that got it. Before that, with `adapter_delivery: http`, the version's files are uploaded to every server's receiver
-at once (`stage_all`, sync/delivery.py); a failed upload fails the sync before any server is paused or loads
-anything. `retire` and `unload_all` go server by server (both run after the new version is served).
+`AdapterPublisher.publish` checks the version's files, hands them to the delivery (rollout/delivery.py), then on
+every server at once loads it under its own name (`{prefix}-v{N}`), pausing the server around the load in `pause`
+mode, and reads it back. A failure leaves every server resumed and serving the previous version; `halt()` (the
+SIGTERM handler) resumes whatever a sync in progress has paused. docs/publish-internals.md says why it works so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
 from asyncgrpo.inference.recovery import ServerGoneError
+from asyncgrpo.rollout.delivery import SharedFsDelivery
 from asyncgrpo.store import verify_adapter_files
 
 log = logging.getLogger(__name__)
 
-# Test-only: a file path. The first sync that pauses a server creates this file and then holds the server paused
-# until `halt()` (a SIGTERM), so a test can signal the trainer at a known point of a sync without sleeping.
-HOLD_PAUSED_ENV = "ASYNCGRPO_TEST_HOLD_PAUSED"
-HOLD_PAUSED_MAX_S = 600.0  # the hold gives up after this, so a forgotten test process cannot hang for ever
 # halt() waits this long for pause calls on their way before it resumes (a pause takes ~30 ms; `wait` mode lasts as
 # long as the requests it waits for). Bounded: a signal handler must not hang on a server that does not answer.
 HALT_WAIT_S = 10.0
@@ -99,9 +76,7 @@ class AdapterPublisher:
     def __init__(self, clients, prefix: str, sync_mode: str = "pause", pause_mode: str = "keep", recovery=None,
                  adapter_root: str | Path | None = None, delivery=None):
         assert sync_mode in SYNC_MODES, sync_mode
-        from asyncgrpo.rollout.delivery import SharedFsDelivery
-
-        # How the files reach each server (`adapter_delivery`, sync/delivery.py): read in place, or uploaded.
+        # How the files reach each server (`adapter_delivery`, rollout/delivery.py): read in place, or uploaded.
         self.delivery = delivery if delivery is not None else SharedFsDelivery()
         # Every path sent to a server must resolve inside this directory (`lora_adapter_path`); None: no check.
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
@@ -119,7 +94,6 @@ class AdapterPublisher:
         self._paused: dict[str, object] = {}  # base_url -> client
         self._pausing: set[str] = set()  # base_urls whose pause call has not returned yet
         self._halted = threading.Event()
-        self._held = False  # the test-only hold (HOLD_PAUSED_ENV) happens once per process
 
     def halt(self) -> list[str]:
         """Stop syncing for good and resume every server a sync in progress has paused; returns their URLs.
@@ -174,22 +148,6 @@ class AdapterPublisher:
         finally:
             with self._pause_lock:
                 self._paused.pop(client.base_url, None)
-
-    def _hold_for_test(self, client) -> None:
-        """Test-only (HOLD_PAUSED_ENV): hold the first pause until `halt()`, then abandon the sync."""
-        marker = os.environ.get(HOLD_PAUSED_ENV)
-        if not marker:
-            return
-        with self._pause_lock:  # servers are synced concurrently: only one of them is held
-            if self._held:
-                return
-            self._held = True
-        # Whole or absent: a test reads the marker as soon as it appears, and write_text creates it empty first.
-        partial = Path(f"{marker}.part")
-        partial.write_text(client.base_url)
-        os.replace(partial, marker)
-        self._halted.wait(HOLD_PAUSED_MAX_S)
-        raise SyncError("the sync was held paused by the test hook and then halted")
 
     def name(self, version: int) -> str:
         return f"{self.prefix}-v{version}"
@@ -304,7 +262,6 @@ class AdapterPublisher:
             self._pause(client)  # recorded, so that a SIGTERM during the sync resumes the server (halt)
             paused_at = time.perf_counter()
             try:
-                self._hold_for_test(client)
                 self._load(client, name, path, timing)  # a failed load leaves nothing loaded under `name`
                 try:
                     client.reset_prefix_cache()

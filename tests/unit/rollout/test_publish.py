@@ -380,20 +380,27 @@ def test_a_failure_says_what_the_server_serves_now(tmp_path):
         "\n  The server did not answer (it is down or restarting); nothing is being served by it now.")
 
 
-def test_the_test_hold_keeps_the_first_paused_sync_until_halt(tmp_path, monkeypatch):
-    # The hook tests/integration/test_paused_server.py uses to SIGTERM a trainer at a known point of a sync.
-    import threading
-    import time
-
-    from asyncgrpo.rollout.publish import HOLD_PAUSED_ENV
-
-    marker = tmp_path / "held"
-    monkeypatch.setenv(HOLD_PAUSED_ENV, str(marker))
+def test_a_halt_while_a_load_hangs_resumes_the_server_and_the_sync_fails_without_the_new_version(tmp_path):
+    # What tests/integration/test_paused_server.py does to a real trainer (its proxy holds the load until the server
+    # is resumed, then refuses it): halt() comes from another thread, while the sync is stuck inside the load.
     v1, v2 = versions(tmp_path, 2)
-    server = Server()
+    inside, resumed = threading.Event(), threading.Event()
+
+    class HangingLoad(Server):
+        def load_adapter(self, name, path, inplace=False):
+            if name == "pol-v2":
+                inside.set()
+                assert resumed.wait(30), "halt() did not resume the server"
+                raise InferenceServerError("held until the server was resumed, not loaded", status=500)
+            super().load_adapter(name, path, inplace)
+
+        def resume(self):
+            super().resume()
+            resumed.set()
+
+    server = HangingLoad()
     publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
-    publisher.publish(1, v1)  # not paused: not held
-    assert not marker.exists()
+    publisher.publish(1, v1)
     errors = []
 
     def sync():
@@ -402,14 +409,12 @@ def test_the_test_hold_keeps_the_first_paused_sync_until_halt(tmp_path, monkeypa
         except SyncError as exc:
             errors.append(str(exc))
 
-    thread = threading.Thread(target=sync)
+    thread = threading.Thread(target=sync, name="test-sync", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)  # polling for the marker the hook writes, with a deadline
-    assert marker.read_text() == "http://a:8000"  # the server it holds paused
+    assert inside.wait(30)
     assert publisher.halt() == ["http://a:8000"]
-    thread.join(30)
+    thread.join(30)  # a liveness bound: the refused load ends the sync
     assert not thread.is_alive()
-    assert "failed: the sync was held paused by the test hook and then halted\n" in errors[0]
-    assert ("load", "pol-v2") not in server.calls and server.calls[-1] == ("resume",)
+    assert "publishing" in errors[0] and "held until the server was resumed, not loaded" in errors[0]
+    assert server.calls[-1] == ("resume",) and "pol-v2" not in server.served
+    assert publisher.current_name == "pol-v1"
