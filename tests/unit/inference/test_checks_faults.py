@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 from fakes import FakeVLLM
 
-from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.inference.checks import ServerContext, check_logprobs_mode, check_not_paused
 
 NODE = "http://node:8000"

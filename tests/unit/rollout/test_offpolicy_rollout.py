@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from fakes import generation
 import torch
 
 from asyncgrpo.data import PromptRow
@@ -56,10 +57,8 @@ def test_the_check_finds_the_bad_token_wherever_it_is_and_passes_sums_that_overf
 
 
 def run_producer(rollout_on_stub, choices, **cfg_values):
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         return 200, "application/json", json.dumps({"model": body["model"], "choices": choices})
 
     seen = {}
@@ -134,10 +133,8 @@ def test_the_producer_refills_what_dynamic_sampling_dropped(rollout_on_stub):
     # be generated from version 0): batch 1's group never comes, but each dropped request is replaced and counted.
     answers = []
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         first = not answers
         answers.append(1)
         choices = [choice(0, [-0.5], "length" if first else "stop"), choice(1, [-0.5], "stop")]

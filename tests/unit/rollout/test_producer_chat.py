@@ -3,7 +3,7 @@ small Python one (ids 0-9 the digits, 10 an end-of-turn special token; `parse_re
 string below is written out; tests/integration/test_own_data.py runs a real chat template and response template. The
 stub HTTP server stands in for vLLM because a real one does not sample a chosen padded-vocab id on demand."""
 
-import json
+from fakes import generation
 
 from asyncgrpo.data import PromptRow
 from asyncgrpo.rollout.scoring import decode_completion
@@ -45,10 +45,8 @@ def test_special_tokens_are_dropped_by_default_and_kept_on_request_on_both_sides
 
 
 def chat_route(rollout_on_stub):
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         # completion 0 closes its turn; completion 1 samples a padded vocab row and runs out of tokens
         return rollout_on_stub.answer(body, [[7, EOT], [3, OOV]], ["stop", "length"])
     return route

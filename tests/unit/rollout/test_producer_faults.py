@@ -2,9 +2,9 @@
 be made to drop exactly the first generation request on demand (the integration test kills a real server, but
 whether a request is in flight at that moment is timing)."""
 
-import json
 
 import pytest
+from fakes import generation
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # each request's thread ends cleanly
@@ -12,10 +12,8 @@ import pytest
 def test_a_group_lost_with_its_server_is_generated_again_before_new_prompts(rollout_on_stub, drops):
     prompts_sent = []
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         prompts_sent.append(body["prompt"])
         if len(prompts_sent) <= drops:
             return None  # the server dies under the first request(s): no answer at all

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from fakes import generation
 
 from asyncgrpo.errors import AdapterNotLoadedError, InferenceServerError, ServerUnreachableError
 from asyncgrpo.inference.recovery import ServerRecovery
@@ -32,10 +33,8 @@ def test_a_lost_request_hands_its_server_and_the_cause_to_recovery_which_restore
     recovery = RecordingRecovery(30, restore=restored.append)
     dropped = []
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         if not dropped:
             dropped.append(body["prompt"])
             return None  # the server dies under the first request: no answer at all
@@ -61,9 +60,8 @@ def test_a_server_whose_adapter_cannot_be_restored_fails_the_run_with_its_addres
 
     recovery = RecordingRecovery(30, restore=restore)
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
+    @generation
+    def route(body):
         return None  # every generation request is dropped: only the recovery's failure can end the run
 
     rollout = rollout_on_stub(route, recovery=recovery)
@@ -157,10 +155,8 @@ def test_a_server_that_forgot_its_adapter_between_requests_is_recovered_and_the_
     restored = []
     recovery = RecordingRecovery(30, restore=restored.append)
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         if not restored:  # restarted unseen: nothing was registered on it since
             return not_loaded(body)
         return rollout_on_stub.answer(body, [[7]] * body["n"])
@@ -181,10 +177,9 @@ def test_a_server_that_forgets_again_right_after_its_recovery_fails_the_run_with
     restored = []
     recovery = RecordingRecovery(30, restore=restored.append)
 
-    def route(stub, handler):  # registrations go somewhere else: every request says the adapter does not exist
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        return not_loaded(json.loads(handler.body))
+    @generation
+    def route(body):  # registrations go somewhere else: every request says the adapter does not exist
+        return not_loaded(body)
 
     rollout = rollout_on_stub(route, recovery=recovery)
     with pytest.raises(InferenceServerError) as err:
@@ -212,10 +207,8 @@ def test_an_adapter_missing_on_a_server_being_recovered_is_that_outage_not_a_sec
     recovery = ServerRecovery(30, restore=restore)
     answers = []
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         answers.append(body["prompt"])
         if len(answers) == 1:  # an outage is being recovered while this request meets the restarted server
             threading.Thread(target=recovery.recover, args=(rollout.client, 0), daemon=True).start()
@@ -237,10 +230,8 @@ def test_a_server_that_served_between_two_forgettings_is_recovered_both_times(ro
     restored, answers = [], []
     recovery = ServerRecovery(30, restore=restored.append)
 
-    def route(stub, handler):  # restarted unseen before the first request and again after the second
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):  # restarted unseen before the first request and again after the second
         answers.append(body["prompt"])
         if len(answers) in (1, 3):
             return not_loaded(body)

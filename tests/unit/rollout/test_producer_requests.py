@@ -3,11 +3,11 @@ talks to an in-process stub HTTP server that records each request body: a real v
 sent, nor answer a chosen finish reason (`abort`, `length`) on demand (tests/integration/test_training.py and
 test_policy_equivalence.py run the same path against a real server)."""
 
-import json
 import threading
 import time
 
 import pytest
+from fakes import generation
 
 DEADLINE_S = 15.0
 
@@ -41,10 +41,8 @@ def test_a_group_carries_finish_reasons_reward_parts_and_the_token_count(rollout
                      "truncated": truncated, "answer": answer, "rest": sorted(rest)})
         return [1.0 if text == answer[0] else 0.0 for text in completions]
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         return rollout_on_stub.answer(body, [[4, 2], [7, 7, 7]], ["stop", "length"])
 
     from asyncgrpo.data import PromptRow
@@ -73,10 +71,8 @@ def test_a_group_carries_finish_reasons_reward_parts_and_the_token_count(rollout
 def test_a_group_aborted_by_a_sync_is_lost_and_its_prompt_sent_again_first(rollout_on_stub):
     prompts_sent = []
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        body = json.loads(handler.body)
+    @generation
+    def route(body):
         prompts_sent.append(body["prompt"])
         # the first request is aborted by a sync (`/pause?mode=abort`) after one of its completions finished
         reasons = ["stop", "abort"] if len(prompts_sent) == 1 else ["stop", "stop"]
@@ -93,10 +89,9 @@ def test_a_group_aborted_by_a_sync_is_lost_and_its_prompt_sent_again_first(rollo
 
 
 def test_batch_scaling_leaves_groups_centred_only_until_the_queue_scales_the_whole_batch(rollout_on_stub):
-    def seven_and_three(stub, handler):  # completion 0 is "7" (reward 1), completion 1 is "3" (reward 0)
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        return rollout_on_stub.answer(json.loads(handler.body), [[7], [3]])
+    @generation
+    def seven_and_three(body):  # completion 0 is "7" (reward 1), completion 1 is "3" (reward 0)
+        return rollout_on_stub.answer(body, [[7], [3]])
 
     rollout = rollout_on_stub(seven_and_three, scale_rewards="batch")
     groups = rollout.run()
@@ -110,14 +105,13 @@ def test_an_answer_or_error_that_arrives_after_stop_is_dropped_unscored_and_unre
     arrived, release = threading.Event(), threading.Event()
     scored = []
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
+    @generation
+    def route(body):
         arrived.set()
         assert release.wait(DEADLINE_S)
         if late == "error":  # a run that ended normally: a request failing afterwards is not the run's error
             return 500, "application/json", '{"error": "engine dead"}'
-        return rollout_on_stub.answer(json.loads(handler.body), [[7], [7]])
+        return rollout_on_stub.answer(body, [[7], [7]])
 
     rollout = rollout_on_stub(route, reward=lambda prompts, completions, **c: scored.append(1) or [1.0, 1.0])
     rollout.producer.start()

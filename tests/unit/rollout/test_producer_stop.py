@@ -2,11 +2,11 @@
 flight. A stub HTTP server stands in for vLLM: a real one cannot be made to fail one request while it holds the
 others on demand."""
 
-import json
 import threading
 import time
 
 import pytest
+from fakes import generation
 
 from asyncgrpo.errors import InferenceServerError
 
@@ -20,10 +20,9 @@ def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_
     prompts, timed_out = [], []
     lock = threading.Lock()
 
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        prompt = json.loads(handler.body)["prompt"]
+    @generation
+    def route(body):
+        prompt = body["prompt"]
         with lock:
             prompts.append(prompt)
             first = len(prompts) == 1
@@ -66,9 +65,8 @@ def test_stop_on_a_producer_never_started_returns_and_sends_nothing(rollout_on_s
 
 
 def test_after_a_failed_request_the_producer_thread_ends_without_sending_the_next_prompt(rollout_on_stub):
-    def route(stub, handler):
-        if handler.path == "/health":
-            return 200, "text/plain", ""
+    @generation
+    def route(body):
         return 500, "application/json", '{"error": "engine dead"}'  # an answer, unlike a dead server: not resent
 
     rollout = rollout_on_stub(route)  # one request in flight at a time: the next prompt waits for this one

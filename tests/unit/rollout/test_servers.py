@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from fakes import generation
 
 from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.rollout.servers import ServerPicker
@@ -144,10 +145,9 @@ def test_the_producers_counts_return_to_zero_after_answers(rollout_on_stub):
 
 
 def test_the_producers_counts_return_to_zero_after_errors(rollout_on_stub):
-    def refuse(stub, handler):  # an HTTP error the producer does not retry: it fails the run
-        if handler.path == "/health":
-            return 200, "text/plain", ""
-        json.loads(handler.body)
+    @generation
+    def refuse(body):  # an HTTP error the producer does not retry: it fails the run
+        body
         return 400, "application/json", json.dumps({"error": "refused on purpose"})
 
     rollout = rollout_on_stub(refuse, servers=2, groups_per_step=4, per_device_train_batch_size=8,
