@@ -1,31 +1,53 @@
 """The rules the training processes follow on any launcher: which device they run on, how a failure on rank 0 reaches
-the other ranks, where checkpoints may live, and where a batch's tensors go. Two-rank cases run under a real
-`torchrun` (gloo)."""
+the other ranks, where checkpoints may live, and where a batch's tensors go. Two-rank cases run on two real gloo
+ranks (tests/gloo.py): each scenario runs on both and returns what happened there."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo import two_ranks
 
-from asyncgrpo.distributed import require_usable_device
-from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.inference.server import find_free_port
 from asyncgrpo.contracts import Group
+from asyncgrpo.distributed import on_main, require_shared_dir, require_usable_device
+from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.trainer.batching import collate, to_device
 
-WORKER = Path(__file__).with_name("two_ranks.py")
+
+def _outcome(rank: int, work) -> dict:
+    """What `work(ran)` did on this rank: {"ran": ranks that ran rank-0 work, "ok": its result} or the error."""
+    ran: list[int] = []
+    try:
+        return {"ran": ran, "ok": work(ran)}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"ran": ran, "error": type(exc).__name__, "message": str(exc)}
 
 
-def two_ranks(scenario: str, out: Path) -> list[dict]:
-    """Run `scenario` on 2 ranks; a hang would hit the timeout (the process group's own is 30 minutes)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(find_free_port()), str(WORKER), scenario, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def main_fails(rank: int, out: Path) -> dict:
+    def fail(ran):
+        ran.append(rank)
+        raise ValueError("the dataset file train.jsonl does not exist")
+
+    return _outcome(rank, lambda ran: on_main(lambda: fail(ran), "start-up"))
+
+
+def main_succeeds(rank: int, out: Path) -> dict:
+    return _outcome(rank, lambda ran: on_main(lambda: ran.append(rank) or "rank-0 result", "start-up"))
+
+
+def shared_dir(rank: int, out: Path) -> dict:
+    return _outcome(rank, lambda ran: require_shared_dir(out / "shared", "output_dir"))
+
+
+def private_dir(rank: int, out: Path) -> dict:  # as two nodes with node-local disks
+    return _outcome(rank, lambda ran: require_shared_dir(out / f"private-{rank}", "output_dir"))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    scenarios = {f.__name__: f for f in (main_fails, main_succeeds, shared_dir, private_dir)}
+    with two_ranks(tmp_path_factory.mktemp("distributed"), scenarios) as run:
+        yield lambda name, out: list(run(name, out))
 
 
 def test_a_launch_of_several_ranks_without_cuda_stops_unless_cpu_was_asked_for(monkeypatch):
@@ -47,24 +69,24 @@ def test_a_launch_of_several_ranks_without_cuda_stops_unless_cpu_was_asked_for(m
     assert require_usable_device() is True
 
 
-def test_a_failure_on_rank_0_stops_every_rank_with_its_message(tmp_path):
-    rank0, rank1 = two_ranks("main_fails", tmp_path)
+def test_a_failure_on_rank_0_stops_every_rank_with_its_message(ranks, tmp_path):
+    rank0, rank1 = ranks("main_fails", tmp_path)
     assert rank0 == {"ran": [0], "error": "ValueError", "message": "the dataset file train.jsonl does not exist"}
     assert rank1["ran"] == []  # only rank 0 runs the work
     assert rank1["error"] == "PeerFailed"
     assert rank1["message"] == "rank 0 failed during start-up: ValueError: the dataset file train.jsonl does not exist"
 
 
-def test_rank_0_work_returns_its_result_on_rank_0_only(tmp_path):
-    rank0, rank1 = two_ranks("main_succeeds", tmp_path)
+def test_rank_0_work_returns_its_result_on_rank_0_only(ranks, tmp_path):
+    rank0, rank1 = ranks("main_succeeds", tmp_path)
     assert rank0 == {"ran": [0], "ok": "rank-0 result"} and rank1 == {"ran": [], "ok": None}
 
 
-def test_checkpoints_need_an_output_dir_every_rank_sees(tmp_path):
-    shared = two_ranks("shared_dir", tmp_path)
+def test_checkpoints_need_an_output_dir_every_rank_sees(ranks, tmp_path):
+    shared = ranks("shared_dir", tmp_path)
     assert shared == [{"ran": [], "ok": None}] * 2
     assert list((tmp_path / "shared").iterdir()) == []  # the probe file is cleaned up
-    private = two_ranks("private_dir", tmp_path)
+    private = ranks("private_dir", tmp_path)
     for report in private:  # every rank stops, naming the rank that could not see rank 0's file
         assert report["error"] == "AsyncGRPOError"
         assert "is not shared: rank 1 on" in report["message"] and "rank 0 on" not in report["message"]

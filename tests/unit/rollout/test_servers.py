@@ -1,5 +1,5 @@
 """Which server gets the next generation request (rollout/servers.py): the picker alone, without threads or HTTP, and
-the producer's counting of requests in flight per server against stub servers (tests/unit/conftest.py; a real vLLM
+the producer's counting of requests in flight per server against stub servers (tests/fakes.py; a real vLLM
 server cannot be made to fail a chosen request on demand)."""
 
 from __future__ import annotations
