@@ -240,12 +240,12 @@ def scoring_arguments(cfg, tokenizer, stages: Stages) -> dict:
     timed_tokenizer = TimedTokenizer(tokenizer, stages)
     if importlib.util.find_spec("asyncgrpo.rollout.scoring") is None:
         return {"tokenizer": timed_tokenizer, "scorer": scorer}
-    from asyncgrpo.rollout import scoring
+    from asyncgrpo.rollout import build, scoring
 
     if getattr(cfg, "reward_workers", 0) == 0:
         return {"scorer": scoring.InThreadScoring(scorer, timed_tokenizer, None)}
     # The workers load the tokenizer from the directory it was loaded from (`tokenizer.name_or_path`).
-    return {"scorer": TimedGroupScorer(scoring.make_group_scorer(cfg, tokenizer, None), stages)}
+    return {"scorer": TimedGroupScorer(build.make_group_scorer(cfg, tokenizer, None), stages)}
 
 
 def reward_workers_supported() -> bool:
@@ -289,7 +289,7 @@ def consume(queue: RolloutQueue, producer, groups: int, stop: threading.Event, e
 def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, warmup_s: float,
             loadgen_pid: int) -> dict:
     """One producer against the load generator: warm up, count what is queued during `duration_s`, stop."""
-    from asyncgrpo.rollout.producer import RolloutProducer
+    from asyncgrpo.rollout.build import build_producer
 
     stages = Stages()
     groups = cfg.groups_per_step(world_size=1)
@@ -297,7 +297,7 @@ def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, 
                           stages=stages)
     scoring = scoring_arguments(cfg, tokenizer, stages)
     client = TimedClient(url, timeout_s=cfg.vllm_request_timeout, stages=stages)
-    producer = RolloutProducer(clients=[client], rows=rows, queue=queue, groups_per_step=groups, cfg=cfg, **scoring)
+    producer = build_producer(cfg, clients=[client], rows=rows, queue=queue, groups_per_step=groups, **scoring)
     stop, errors = threading.Event(), []
     consumer = threading.Thread(target=consume, args=(queue, producer, groups, stop, errors), name="bench-consumer",
                                 daemon=True)

@@ -1,16 +1,9 @@
-"""Inference-node faults: wait for a server that stopped answering, and bring it back into service.
+"""Inference-server faults: wait for a server that stopped answering, and bring it back into service.
 
-When a call finds a server unreachable (ServerUnreachableError: it was killed, crashed or is restarting), the
-caller hands the server to `ServerRecovery.recover`. That marks it down (the rollout producer sends it nothing),
-polls `/health` with exponential backoff until `vllm_server_timeout` has passed, then re-registers the adapter
-version being served (`restore`; a restarted vLLM knows no adapters) before marking it up again. So no request is
-sent to a restarted server before the current adapter is loaded on it. One already sent can still reach it first
-(its connection retries outlast a fast restart): the server answers that the adapter does not exist
-(AdapterNotLoadedError), nothing is generated, and the producer counts the group lost like any other in the outage.
-
-Several threads may fail on the same server at once: the first one recovers it, the others wait for that recovery
-and return (or raise its error). A server that does not come back in time raises InferenceServerError naming the
-server and the fix, and stays failed: every later caller gets the same error at once.
+`ServerRecovery.recover` marks the server down (nothing is sent to it), polls `/health` with exponential backoff for
+up to `vllm_server_timeout`, re-registers the live adapter (`restore`: a restarted vLLM knows none), then marks it
+up. One thread recovers a server while others that failed on it wait; one that never comes back stays failed, and
+every later caller gets the same error, naming the fix. The rules and why: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from asyncgrpo.errors import ConfigError, InferenceServerError
+from asyncgrpo.inference.client import CONNECT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +36,6 @@ def backoff_delays(timeout_s: float, first_s: float = FIRST_BACKOFF_S, max_s: fl
 def connect_retry_s(connect_retries: int = 5, backoff_s: float = 0.5) -> float:
     """The longest one call spends on an unreachable server before it is reported: every attempt's connect timeout
     (a node that drops packets) plus the backoffs between attempts (InferenceClient's defaults, which train uses)."""
-    from asyncgrpo.inference.client import CONNECT_TIMEOUT_S
-
     return (connect_retries + 1) * CONNECT_TIMEOUT_S + backoff_s * (2 ** connect_retries - 1)
 
 
@@ -72,8 +64,8 @@ class ServerRecovery:
     """Health state of every inference server, and the one place that recovers a server after a fault.
 
     `restore(client)` puts back what the server must serve (the publisher's current adapter); every function in
-    `listeners` is called whenever a server goes down or up (the producer wakes its scheduler). `clock`/`sleep` are injectable for
-    unit tests of the backoff."""
+    `listeners` is called whenever a server goes down or up (rollout/build.py adds the producer's schedule, which
+    then decides again). `clock`/`sleep` are injectable for unit tests of the backoff."""
 
     def __init__(self, timeout_s: float, *, restore: Callable[[object], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):

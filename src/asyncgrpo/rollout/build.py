@@ -1,16 +1,95 @@
-"""Where the rollout side is chosen: in this process, in a spawned child, or in a `rollout-serve` on another host."""
+"""The parts of a rollout side, built and connected in one place: `build_parts` (what RolloutSide.start runs),
+`build_producer` (the producer wired to its queue and recovery) and `make_group_scorer` (in-thread or worker
+processes). Every callback between parts is passed here, where it can be read: no part registers itself on another.
+"""
 
 from __future__ import annotations
 
-from asyncgrpo.rollout.interface import RolloutInterface
-from asyncgrpo.rollout.process import RolloutProcess
-from asyncgrpo.rollout.remote import RemotePeer
-from asyncgrpo.rollout.side import RolloutSide
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncgrpo.data import PromptRow, load_prompt_set, server_max_model_len
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference.recovery import ServerRecovery
+from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.delivery import make_delivery
+from asyncgrpo.rollout.preflight import require_healthy_setup
+from asyncgrpo.rollout.producer import RolloutProducer
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
+from asyncgrpo.rollout.scoring import GroupScorer, InThreadScoring
+from asyncgrpo.store import AdapterStore, clean_stale_temporaries
 
 
-def open_rollout_side(cfg, **kwargs) -> RolloutInterface:
-    """Rank 0's rollout side: in this process, in a child process it spawns (`rollout_process: true`), or in an
-    `asyncgrpo rollout-serve` it connects to (`rollout_address`). Same interface, same arguments (RolloutSide's)."""
-    if cfg.rollout_address:
-        return RolloutProcess(cfg, peer=RemotePeer(cfg.rollout_address), **kwargs)
-    return RolloutProcess(cfg, **kwargs) if cfg.rollout_process else RolloutSide(cfg, **kwargs)
+@dataclass
+class RolloutParts:
+    """What RolloutSide.start builds: each part, already connected to the others."""
+
+    clients: list[InferenceClient]  # one per server in vllm_server_base_url
+    store: AdapterStore  # this run's adapter versions on disk
+    recovery: ServerRecovery  # which servers are up; brings one back (and restores the live adapter on it)
+    publisher: AdapterPublisher  # writes nothing itself: loads versions on the servers, retires old ones
+    queue: RolloutQueue  # scored groups, handed to the trainer by version
+    scorer: GroupScorer  # decodes and scores groups: in the request threads or in reward worker processes
+    producer: RolloutProducer  # keeps requests in flight and fills the queue (not started)
+    prompts_skipped_too_long: int  # prompts dropped at load: no room left for max_completion_length tokens
+
+
+def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step: int, start_position: int = 0,
+                start_batch: int = 0) -> RolloutParts:
+    """Check every server (`asyncgrpo doctor`: fail now, naming the fix), then build the parts of one run's rollout
+    side. `start_position`: where the data stream resumes; `start_batch`: the first batch the producer fills."""
+    clients = [InferenceClient(url, api_key=cfg.api_key, timeout_s=cfg.vllm_request_timeout)
+               for url in cfg.server_urls]
+    for client in clients:
+        client.wait_healthy(cfg.vllm_server_timeout)
+    require_healthy_setup(cfg, clients, model_path)
+    clean_stale_temporaries(cfg.lora_adapter_path)  # what writers of killed runs left in their directories
+    store = AdapterStore(Path(cfg.lora_adapter_path) / run_id)
+    # A server that stops answering is waited for (vllm_server_timeout) and gets the live adapter back before any
+    # generation goes to it; rollouts and syncs share this one view of which servers are up. Recovery and the
+    # publisher need each other: the publisher, built just below, is reached when a server comes back.
+    recovery = ServerRecovery(cfg.vllm_server_timeout, restore=lambda client: publisher.restore(client))
+    publisher = AdapterPublisher(clients, f"{cfg.lora_name}-{run_id}", cfg.sync_mode, cfg.sync_pause_mode,
+                                 recovery=recovery, adapter_root=cfg.lora_adapter_path,  # paths sent never leave it
+                                 delivery=make_delivery(cfg))  # adapter_delivery: shared_fs | http
+    # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted). The first
+    # server answers for what all share: the base model, max_model_len.
+    prompts = load_prompt_set(cfg, tokenizer, model_path=model_path,
+                              server_max_model_len=server_max_model_len(clients[0].models()))
+    queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards, dynamic_sampling=cfg.dynamic_sampling)
+    scorer = make_group_scorer(cfg, tokenizer, prompts.response_template)
+    try:
+        producer = build_producer(cfg, clients=clients, rows=prompts.rows, scorer=scorer, queue=queue,
+                                  groups_per_step=groups_per_step, recovery=recovery, start_position=start_position,
+                                  start_batch=start_batch)
+    except BaseException:
+        scorer.close()  # reward worker processes, if any: nothing else will
+        raise
+    return RolloutParts(clients=clients, store=store, recovery=recovery, publisher=publisher, queue=queue,
+                        scorer=scorer, producer=producer, prompts_skipped_too_long=prompts.skipped_too_long)
+
+
+def build_producer(cfg, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
+                   queue: RolloutQueue, groups_per_step: int, recovery: ServerRecovery | None = None,
+                   start_position: int = 0, start_batch: int = 0) -> RolloutProducer:
+    """A producer (not started) whose schedule hears what changes its send rule: a server going down or coming back
+    (`recovery`; a fresh one if None) and groups leaving the queue. The unit tests and `asyncgrpo bench producer`
+    build theirs here too, so that theirs is wired the same way."""
+    recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
+    producer = RolloutProducer(clients=clients, rows=rows, scorer=scorer, queue=queue, groups_per_step=groups_per_step,
+                               cfg=cfg, recovery=recovery, start_position=start_position, start_batch=start_batch)
+    recovery.listeners.append(producer.schedule.wake)  # a server went down or came back: decide again
+    queue.removal_listeners.append(producer.schedule.removed)  # groups taken or dropped free their batch's slots
+    return producer
+
+
+def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupScorer:
+    """The scorer `reward_workers` asks for. The pool's workers load the tokenizer from the directory the trainer
+    loaded it from (`tokenizer.name_or_path`, a local directory: `data.local_model_dir`)."""
+    scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
+    if cfg.reward_workers == 0:
+        return InThreadScoring(scorer, tokenizer, response_template)
+    return RewardPool(cfg.reward_workers, scorer, TokenizerRef.of(tokenizer), response_template,
+                      timeout_s=cfg.reward_timeout)

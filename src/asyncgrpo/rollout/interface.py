@@ -1,4 +1,9 @@
-"""The rollout side as the trainer sees it: one declared interface that every form implements."""
+"""The rollout side as the trainer sees it: `RolloutInterface`, the one declared interface every form implements.
+
+RolloutSide runs it in the training process; rollout.process.RolloutProcess is a proxy for one running in another
+process (a spawned child or `asyncgrpo rollout-serve`), whose serve loop (rollout/serve.py) answers every member
+listed here. Adding a member: declare it here, implement it in both, and the serve loop answers it as is.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +15,65 @@ from asyncgrpo.contracts import Group
 
 @runtime_checkable
 class RolloutInterface(Protocol):
-    """What rank 0 calls on its rollout side, whichever process runs it (rollout/side.py documents each method)."""
+    """What rank 0 calls on its rollout side, whichever process runs it. Calls come from the trainer's main thread,
+    except `halt`, which its signal handling may call from any thread, at any time (shutdown.py)."""
 
     run_id: str
+    """This run's id: adapters go to lora_adapter_path/<run_id>/ and are served as <lora_name>-<run_id>-v<N>;
+    checkpoints record it, so a resumed run can unload what a killed one left loaded."""
 
-    def start(self) -> None: ...
-    def take(self, n: int, version: int, timeout_s: float) -> list[Group]: ...
-    def publish(self, version: int, tensors: dict, step: int, wait: bool = False) -> float: ...
-    def wait_published(self) -> None: ...
+    def start(self) -> None:
+        """Check every server (fail now, naming the fix), load the prompts, start the producer. Nothing is sent to a
+        server before the first `publish`."""
+
+    def take(self, n: int, version: int, timeout_s: float) -> list[Group]:
+        """Block until `n` groups at most `max_staleness` versions older than the trainer's `version` are queued,
+        and return them (oldest version first, then data order). Raises the producer's failure, or TimeoutError
+        after `timeout_s`."""
+
+    def publish(self, version: int, tensors: dict, step: int, wait: bool = False) -> float:
+        """Hand version `version`'s LoRA tensors over to be written and served, after the previous publish (versions
+        go live in order; a failed publish is raised by the next call). `wait` (or `publish_in_background: false`):
+        return once the servers serve it. `step`: the trainer step its timings are logged at. Returns the seconds
+        spent waiting for the previous publish."""
+
+    def wait_published(self) -> None:
+        """Block until the publish in progress (if any) is done; raises its error."""
+
     @property
-    def adapter_name(self) -> str | None: ...
+    def adapter_name(self) -> str | None:
+        """The name the servers serve the live version under (None before the first publish)."""
+
     @property
-    def adapter_path(self) -> Path | None: ...
+    def adapter_path(self) -> Path | None:
+        """The directory of the live version (None before the first publish)."""
+
     @property
-    def tensorboard_dir(self) -> Path: ...
-    def stats(self) -> dict[str, float]: ...
-    def log(self, values: dict[str, float], step: int) -> None: ...
-    def halt(self) -> None: ...
-    def close(self, keep_final: bool) -> None: ...
+    def tensorboard_dir(self) -> Path:
+        """Where the rollout side writes TensorBoard (in another process: an absolute path on its host)."""
+
+    def stats(self) -> dict[str, float]:
+        """Rollout, queue and reward counters now, under their TensorBoard names (docs/metrics.md)."""
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        """Write `values` to TensorBoard at `step`: the one writer of a run's metrics."""
+
+    def halt(self) -> None:
+        """On SIGTERM/SIGINT: resume every server a sync in progress has paused; no later sync pauses one."""
+
+    def close(self, keep_final: bool) -> None:
+        """Stop generating and unload every version this run loaded (all but the live one with `keep_final`). Safe
+        after a start that failed part-way."""
+
+
+def interface_members() -> dict[str, str]:
+    """Every member of RolloutInterface and its kind: "method", "property" or "attribute" (a plain value, run_id)."""
+    kinds = {name: "attribute" for name in RolloutInterface.__annotations__}
+    for name, value in vars(RolloutInterface).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, property):
+            kinds[name] = "property"
+        elif callable(value):
+            kinds[name] = "method"
+    return kinds

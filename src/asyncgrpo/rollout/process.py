@@ -1,56 +1,26 @@
-"""The rollout side in a process of its own: rank 0 talks to a whole `RolloutSide` (clients, recovery, store, publisher,
-scorer, queue, producer, TensorBoard writer) running in another process through `RolloutProcess`, a proxy with exactly
-RolloutSide's interface. That process is either a child rank 0 spawns (`rollout_process: true`; ChildPeer, here) or
-an `asyncgrpo rollout-serve` started on its own, e.g. on another host, that rank 0 connects to (`rollout_address`;
-RemotePeer, rollout/remote.py). The two differ only in their peer: how the connection is made, how the other end's
-death shows, and how it is halted and stopped. The producer's threads, the request pool and the reward functions
-then no longer share the training process's GIL, and a reward function that crashes its interpreter takes down the
-rollout process, which the trainer reports, instead of the trainer itself.
-
-    side = open_rollout_side(cfg, tokenizer=tok, model_path=path, peft_config=lora, groups_per_step=n)  # the factory
-
-Transport: `multiprocessing.connection` from the standard library: a Pipe (a socketpair) to the child, a TCP socket
-to a rollout server. One trainer talks to one rollout process, request then answer, so a message layer such as pyzmq
-(sockets, patterns, reconnection, a dependency of its own) would add nothing; a Connection already frames messages,
-pickles the small ones, carries raw bytes unchanged, authenticates a TCP peer with an HMAC challenge, and reports the
-other end closing (EOF), which is how each side notices the other died. Batches come back as one compact binary blob
-(rollout/wire.py: flat token and logprob buffers, no per-token pickling); a version's LoRA tensors go as safetensors
-bytes (`safetensors.torch.save`): one copy, exact dtypes and shapes, the format the adapter store writes anyway, and
-none of the shared-memory file descriptors that torch's multiprocessing pickler would use for tensors (whose lifetime
-would then hang on the parent's references).
-
-The rollout process loads the tokenizer itself from the local model directory and serves one request at a time on
-its main thread (`serve_side`); the child is spawned (not forked: rank 0 has threads and torch loaded). Failures:
-- an exception there comes back and is raised in the trainer with its own type and message (wire.py);
-- a rollout process that dies (killed, segfault) makes the pending or next call raise RolloutProcessError naming it
-  (the child's pid and exit code or signal, or the server's address) and the fix; every wait polls the peer's
-  liveness (a child's `is_alive`; for a TCP peer EOF, or TCP keepalive's error within 20 s), so none hangs;
-- SIGTERM/SIGINT: the trainer's `halt` signals the child (or shuts the socket down), whose handlers (shutdown.py)
-  resume any server a sync in progress paused, then close the side and exit; a trainer that vanishes is seen as EOF
-  and handled the same way, at once even while a request is being handled (a watcher thread per request);
-- `close(keep_final)` asks the rollout process to close, then the peer stops it: a child is joined within a bound,
-  then terminated and killed; a rollout server exits by itself.
+"""The rollout side in a process of its own, as rank 0 sees it: `RolloutProcess`, a proxy with the rollout interface
+whose calls go over a `multiprocessing` connection to a RolloutSide served by rollout/serve.py. Its `peer` makes the
+connection and knows whether the other end lives: `ChildPeer` (here) spawns a child (`rollout_process: true`),
+remote.RemotePeer connects to an `asyncgrpo rollout-serve` (`rollout_address`). Errors there are raised here with
+their own type; a peer that dies makes the waiting call raise RolloutProcessError naming it and the fix. Transport,
+failures and why: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
-import select
 import signal
-import socket
-import threading
 import time
-import traceback
 import uuid
 from pathlib import Path
 
-from asyncgrpo.errors import RolloutProcessError
 from asyncgrpo.contracts import Group
-from asyncgrpo.rollout.side import RolloutSide
-from asyncgrpo.rollout.wire import decode_groups, encode_groups, pack_exception, rebuild_exception
+from asyncgrpo.errors import RolloutProcessError
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.rollout.serve import serve
+from asyncgrpo.rollout.wire import decode_groups, rebuild_exception
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +31,7 @@ RESUME_TIMEOUT_S = 10.0  # each /is_paused and /resume call after the child died
 
 
 class RolloutProcess:
-    """RolloutSide's interface, served by another process (module docstring) that `peer` reaches: a child this
+    """The rollout interface (rollout/interface.py), served by another process that `peer` reaches: a child this
     process spawns (ChildPeer, the default) or an `asyncgrpo rollout-serve` over TCP (remote.RemotePeer). The peer
     makes the connection and knows whether the other end lives, how it ended, and how to stop it; everything else is
     this class's. `tokenizer` is not sent: the other side loads its own from `model_path`."""
@@ -88,7 +58,7 @@ class RolloutProcess:
         return decode_groups(self._call("take", n, version, timeout_s, timeout_s=timeout_s + TAKE_GRACE_S))
 
     def publish(self, version: int, tensors: dict, step: int, wait: bool = False) -> float:
-        from safetensors.torch import save
+        from safetensors.torch import save  # heavy: safetensors, needed only once a version is published
 
         blob = save({k: v.detach().contiguous() for k, v in tensors.items()})
         return self._call("publish", version, blob, step, wait)
@@ -254,8 +224,6 @@ def _resume_left_paused(cfg) -> list[str]:
     trainer, still alive, does it for it. Returns the URLs it resumed. Best effort: the run is failing anyway."""
     if cfg.sync_mode != "pause":
         return []
-    from asyncgrpo.inference.client import InferenceClient
-
     resumed = []
     for url in cfg.server_urls:
         try:
@@ -267,136 +235,3 @@ def _resume_left_paused(cfg) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - report and go on: the error raised names the dead process
             log.error("could not check whether %s was left paused by the dead rollout process: %s", url, exc)
     return resumed
-
-
-# ---- the child --------------------------------------------------------------------------------------------
-def serve(conn, cfg, side_kwargs: dict, run_id: str) -> bool:
-    """The child's main: build the side, answer requests until `close` or the trainer's end of the pipe closes; on
-    SIGTERM/SIGINT resume any paused server (shutdown.py), close the side and exit 143/130."""
-    log_as_rollout()
-    # A signal after the first (the trainer's halt after a Ctrl-C the child saw too) must not kill the close in
-    # progress: exit_on_signal restores these, and the trainer kills a child that does not exit in time.
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
-    return serve_side(conn, build_side(cfg, side_kwargs, run_id))
-
-
-def log_as_rollout() -> None:
-    """This process's log lines carry the prefix `[rollout]`."""
-    logging.basicConfig(level=logging.INFO, format="[rollout] %(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", force=True)
-
-
-def build_side(cfg, side_kwargs: dict, run_id: str) -> RolloutSide:
-    """The side the trainer's arguments describe, with the tokenizer loaded here from the local model directory."""
-    from transformers import AutoTokenizer
-
-    from asyncgrpo.data import local_model_dir
-
-    side = RolloutSide(cfg, tokenizer=AutoTokenizer.from_pretrained(local_model_dir(side_kwargs["model_path"])),
-                       **side_kwargs)
-    side.run_id = run_id  # the trainer's, named in its checkpoints
-    return side
-
-
-def serve_side(conn, side: RolloutSide) -> bool:
-    """Answer the trainer's requests on `conn` until `close` (returns True) or the trainer's end closes (False: every
-    version unloaded); on SIGTERM/SIGINT resume any paused server (shutdown.py), close the side and exit 143/130."""
-    from asyncgrpo.shutdown import exit_on_signal
-
-    keep_final = None  # set by `close`; None: the trainer went away or a signal came, unload every version
-    with exit_on_signal(side.halt):
-        try:
-            keep_final = _answer_requests(conn, side)
-        finally:
-            if keep_final is None:
-                side.halt()  # whatever ended us, leave no server paused
-                _close_quietly(side, keep_final=False)
-            conn.close()
-    return keep_final is not None
-
-
-def _answer_requests(conn, side: RolloutSide) -> bool | None:
-    """Serve until `close` (returns its keep_final, after closing the side) or EOF (returns None)."""
-    while True:
-        try:
-            op, args = conn.recv()
-        except (EOFError, OSError):  # OSError: a socket reset, or given up on by TCP keepalive (remote.py)
-            logging.getLogger(__name__).warning("the trainer closed the connection: closing the rollout side")
-            return None
-        try:
-            with _halt_if_the_trainer_leaves(conn, side):
-                value = _handle(side, op, args)
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the trainer, typed
-            reply = ("error", pack_exception(exc, traceback.format_exc()))
-        else:
-            reply = ("ok", value)
-        try:
-            conn.send(reply)
-        except OSError:
-            return None
-        if op == "close":  # done, or failed part-way (the trainer raises it): either way not closed again
-            return bool(args[0])
-
-
-@contextlib.contextmanager
-def _halt_if_the_trainer_leaves(conn, side: RolloutSide):
-    """While a request is handled the trainer sends nothing (it waits for the answer), so its end turning readable
-    means it went away (its halt, or it died): resume any server a sync paused now, not after the request, which may
-    be waiting for that very sync. The request then ends as it can, and the next read sees the EOF."""
-    fd = conn.fileno()
-    stop_read, stop_write = os.pipe()  # written when the request is done: the watcher ends
-
-    def watch():
-        ready, _, _ = select.select([fd, stop_read], [], [])
-        if fd in ready and stop_read not in ready and _closed(fd):
-            logging.getLogger(__name__).warning("the trainer went away during a request: resuming any paused server")
-            side.halt()
-
-    watcher = threading.Thread(target=watch, name="trainer-watch", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        os.write(stop_write, b"x")
-        watcher.join()
-        os.close(stop_read)
-        os.close(stop_write)
-
-
-def _closed(fd: int) -> bool:
-    """Whether the socket `fd` reads EOF or an error now (peeked: nothing is consumed)."""
-    with socket.socket(fileno=os.dup(fd)) as sock:
-        try:
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
-
-
-def _handle(side: RolloutSide, op: str, args: tuple):
-    if op == "take":
-        return encode_groups(side.take(*args))
-    if op == "publish":
-        from safetensors.torch import load
-
-        version, blob, step, wait = args
-        return side.publish(version, load(blob), step, wait=wait)
-    if op == "start":
-        side.start()
-        logging.getLogger(__name__).info("rollout side started in process %d (parent %d)", os.getpid(), os.getppid())
-        return None
-    if op in ("adapter_name", "adapter_path"):
-        return getattr(side, op)
-    if op == "tensorboard_dir":
-        return side.tensorboard_dir.resolve()  # resolved here: a relative output_dir is this process's
-    assert op in ("start", "wait_published", "stats", "log", "close"), op
-    return getattr(side, op)(*args)
-
-
-def _close_quietly(side: RolloutSide, keep_final: bool) -> None:
-    try:
-        side.close(keep_final=keep_final)
-    except Exception as exc:  # noqa: BLE001 - the process is ending; say what could not be done
-        logging.getLogger(__name__).error("closing the rollout side failed: %s", exc)

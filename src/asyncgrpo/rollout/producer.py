@@ -74,20 +74,21 @@ def request_seed(seed: int, index: int, n: int) -> int:
 
 class RolloutProducer:
     """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end.
-    `start_batch`: the index of the first batch to fill (a resumed run continues at its checkpoint's batch)."""
+    `start_batch`: the index of the first batch to fill (a resumed run continues at its checkpoint's batch). Build
+    one with rollout.build.build_producer, which connects its schedule to `queue` and `recovery`."""
 
     def __init__(self, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
-                 queue: RolloutQueue, groups_per_step: int, cfg, start_position: int = 0,
-                 recovery: ServerRecovery | None = None, start_batch: int = 0):
+                 queue: RolloutQueue, groups_per_step: int, cfg, recovery: ServerRecovery, start_position: int = 0,
+                 start_batch: int = 0):
         self._clients = list(clients)
         self.servers = ServerPicker(clients)  # requests in flight per server: the next goes to the least loaded
         # A server that stops answering is recovered in the background (re-registered before it gets requests again)
-        self.recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
+        self.recovery = recovery
+        # Its send rule also hears from `recovery` (a server down or back) and `queue` (groups that left it):
+        # rollout/build.py's build_producer connects them.
         self.schedule = RolloutSchedule(cfg, groups_per_step, cfg.inflight_requests(groups_per_step),
                                         servers_up=lambda: any(self.recovery.is_up(c) for c in self._clients),
                                         batches_taken=start_batch)
-        self.recovery.listeners.append(self.schedule.wake)  # a server went down or came back: decide again
-        queue.removal_listeners.append(self.schedule.removed)  # groups taken or dropped free their batch's slots
         self.scorer = scorer  # decodes and scores a group: in the request thread, or in reward worker processes
         self.queue = queue
         self.groups_per_step = groups_per_step

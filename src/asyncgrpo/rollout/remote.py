@@ -1,23 +1,8 @@
-"""The rollout side on another host: `asyncgrpo rollout-serve --listen HOST:PORT` there, `rollout_address: HOST:PORT`
-in the trainer's config. The same proxy as `rollout_process` (process.RolloutProcess), over TCP instead of a pipe.
-
-Transport: `multiprocessing.connection`, as for the spawned child, on a TCP socket: the same framing, the same serve
-loop (process.serve_side), the same binary batches. The rollout host listens (`Listener`), rank 0 connects. Both ends
-authenticate with multiprocessing's HMAC challenge, keyed by the environment variable ASYNCGRPO_ROLLOUT_KEY (the same
-on both hosts). The connection carries pickles, so the key is what keeps others from running code on either end:
-without the variable the built-in loopback key is used, which `rollout-serve` accepts only on a loopback address.
-Rank 0 opens the connection itself (not `Client`) so that the connect and the handshake are bounded (a wrong port,
-say vLLM's, would otherwise wait forever for a challenge) and a key mismatch reads as one clear error. The first
-message after the handshake is ("hello", asyncgrpo version, pickled (cfg, side kwargs, run id)): what the spawn
-passes as arguments; the server answers once the side is built (its error, if not) and then serves requests.
-
-Liveness: there is no child to poll. A peer that closes (exits, is killed: its kernel closes the socket) reads as
-EOF at once. A host that vanishes without closing (power loss, network cut) is found by TCP keepalive, set on both
-ends: probes after KEEPALIVE_IDLE_S idle, every KEEPALIVE_INTERVAL_S, given up after KEEPALIVE_PROBES unanswered, and
-TCP_USER_TIMEOUT for data left unacknowledged: either way the connection errors within DEAD_PEER_S (20 s), and the
-waiting call raises RolloutProcessError naming the address. `halt` (SIGTERM/SIGINT on the trainer) shuts the socket
-down; the rollout server sees it at once, even mid-request (process._halt_if_the_trainer_leaves), resumes any server
-it paused, unloads the run's versions and exits 1. After the trainer's `close` it exits 0: it serves one run, like the trainer.
+"""The rollout side on another host, rank 0's end and the connection: `RemotePeer` (RolloutProcess's peer over TCP,
+for `rollout_address`), the connection key, TCP keepalive, and `accept_trainer` (what `asyncgrpo rollout-serve`
+accepts; its main is rollout/serve.py). Both ends authenticate with ASYNCGRPO_ROLLOUT_KEY (on a loopback address
+without it: a built-in key); every wait is bounded, and a peer that vanishes is seen within DEAD_PEER_S. The
+handshake, the liveness rules and why: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
@@ -81,18 +66,17 @@ def keep_alive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-@contextlib.contextmanager
-def _socket_of(conn: Connection):
-    """A socket object over `conn`'s descriptor (a duplicate: closing it leaves `conn` open), for its options."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        yield sock
+def socket_of(fd: int) -> socket.socket:
+    """A socket object over a duplicate of descriptor `fd` (closing it leaves the original open): for its options, a
+    peek or a shutdown, on a Connection that multiprocessing reads through the descriptor itself."""
+    return socket.socket(fileno=os.dup(fd))
 
 
 @contextlib.contextmanager
 def _reads_within(conn: Connection, seconds: float):
     """Every read on `conn` inside the block fails (BlockingIOError) after `seconds` without data (SO_RCVTIMEO:
     multiprocessing reads the descriptor directly, so a socket timeout would not apply)."""
-    with _socket_of(conn) as sock:
+    with socket_of(conn.fileno()) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
         try:
             yield
@@ -180,7 +164,7 @@ class RemotePeer:
         """Shut the socket down (safe from another thread): the server reads EOF, resumes any server it paused,
         closes the side and exits."""
         try:
-            with _socket_of(self.conn) as sock:
+            with socket_of(self.conn.fileno()) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # already closed
@@ -190,50 +174,7 @@ class RemotePeer:
         self.conn.close()
 
 
-# ---- the rollout host's end ----------------------------------------------------------------------------------
-# Not mutated (make mutate): it runs in the `rollout-serve` process, where mutmut cannot see which tests reach it;
-# tests/integration/test_rollout_process.py runs it for real, and its parts (accept_trainer, serve_side) are tested.
-def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
-    """`asyncgrpo rollout-serve`: listen at `listen` (port 0: a free one, logged), serve the first trainer that
-    authenticates, then exit: 0 after its `close`, 1 if it went away without. `paths`: config keys (and
-    `model_path`) this host resolves itself instead of taking the trainer's."""
-    from asyncgrpo.shutdown import exit_on_signal
-    from asyncgrpo.rollout.process import build_side, log_as_rollout, serve_side
-
-    try:
-        host, port = split_address(listen, any_port=True)
-    except ValueError as exc:
-        raise ConfigError("--listen", f"{listen!r} {exc}", "write e.g. `--listen 10.0.0.7:7480`, or "
-                          "`--listen 127.0.0.1:0` for a free port on loopback") from None
-    key = rollout_key(host, "--listen")
-    log_as_rollout()
-    with Listener((host, port), family="AF_INET") as listener:  # no authkey: accept_trainer bounds the handshake
-        bound_host, bound_port = listener.address
-        reach = socket.gethostname() if bound_host == "0.0.0.0" else bound_host  # all interfaces: name one
-        log.info("rollout server listening on %s:%d (set `rollout_address: %s:%d` in the trainer's config)",
-                 bound_host, bound_port, reach, bound_port)
-        if key == LOOPBACK_KEY:
-            log.warning("%s is not set: the built-in loopback key is used, which every local user knows",
-                        ROLLOUT_KEY_ENV)
-        with exit_on_signal(lambda: None):  # SIGTERM/Ctrl-C while waiting: nothing to clean up, exit 143/130
-            conn, (cfg, side_kwargs, run_id) = accept_trainer(listener, key)
-    # Closed: one run per server; a second trainer is refused rather than queued.
-    for name, value in paths.items():
-        if name == "model_path":
-            side_kwargs["model_path"] = value
-        else:
-            setattr(cfg, name, value)
-    try:
-        side = build_side(cfg, side_kwargs, run_id)
-    except Exception as exc:  # noqa: BLE001 - reported to the trainer, which raises it
-        log.error("could not set up the rollout side: %s", exc)
-        conn.send(("error", pack_exception(exc, traceback.format_exc())))
-        conn.close()
-        return 1
-    conn.send(("ok", f"host {socket.gethostname()}, pid {os.getpid()}"))
-    return 0 if serve_side(conn, side) else 1
-
-
+# ---- the rollout host's end (its main, serve_one_run, is in rollout/serve.py) -------------------------------
 def accept_trainer(listener: Listener, key: bytes) -> tuple[Connection, tuple]:
     """The first connection that authenticates with `key` and sends a hello of this asyncgrpo version: it and the
     hello's (cfg, side kwargs, run id). Others are logged and dropped, and listening goes on."""
@@ -269,5 +210,5 @@ def accept_trainer(listener: Listener, key: bytes) -> tuple[Connection, tuple]:
 
 
 def keep_alive_conn(conn: Connection) -> None:
-    with _socket_of(conn) as sock:
+    with socket_of(conn.fileno()) as sock:
         keep_alive(sock)

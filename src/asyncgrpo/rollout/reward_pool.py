@@ -1,27 +1,8 @@
-"""RewardPool (`reward_workers: N`): N worker processes that decode and score groups, off the training process.
-
-Why processes: rank 0's training loop, the producer's request threads and the publisher share one GIL; a
-pure-Python reward function scoring in those threads slows every optimizer step (the straggler at each collective).
-A worker process has its own interpreter and GIL.
-
-How they start: with the "spawn" start method. Rank 0 has threads running and torch loaded, and forking such a
-process copies locks held by other threads (a deadlock waiting to happen) and torch's thread pools. A spawned worker
-imports only this module, the reward functions (by reference, `load_reward_function`) and the tokenizer's own class
-from its local directory: no torch unless a reward function imports it. Like any spawned process it imports the
-main module: a user's own training script needs the `if __name__ == "__main__":` guard (`asyncgrpo` has it).
-Workers run at nice +10 (`WORKER_NICE`): where cores are short, the training step gets the CPU first
-(docs/benchmarks.md, "Rank 0 and reward scoring", measured both ways).
-
-How they talk: `multiprocessing` connections (a `Pipe` per worker). They come with the start method, pickle
-Python values (token ids, prompts, dataset columns, parsed messages) both ways with no schema of ours to keep,
-`poll(timeout)` gives the per-call deadline, and a worker that dies shows as EOF on its end: no home-made framing,
-no extra dependency. Per call the worker sends ("running", what) before each stage, then ("done", ...) or
-("error", ...), so a timeout or a crash names the function that was running.
-
-Failures are clear and never hang: a function that raises gives the same RewardFunctionError as in-thread scoring
-(and `reward_fallback` is honoured the same way); one that runs past `reward_timeout` has its worker killed and
-replaced, and the error names it, the prompt and `reward_timeout`; a worker that dies (os._exit, a segfault) is
-replaced, and the error names the function, the prompt and the exit code.
+"""RewardPool (`reward_workers: N`): N spawned worker processes that decode and score groups off the training
+process, each with its own GIL, at nice +10. One `multiprocessing` Pipe per worker; per call a worker says which
+stage runs, so a timeout or a crash names the reward function. A raising function gives in-thread scoring's error;
+one past `reward_timeout`, or a worker that dies, is killed and replaced, and the error names the function, the
+prompt and the cause. Why processes, spawn, pipes: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
@@ -34,11 +15,13 @@ import queue
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.scoring import score_group
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +76,6 @@ class _RemoteTraceback(Exception):
 # count every mutant as untested; test_reward_pool.py checks it through real workers (docs/testing.md).
 def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
     """A worker's whole life: load, say ready, then score requests until told to stop or the parent is gone."""
-    import traceback
-
-    from asyncgrpo.rollout.scoring import score_group
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent closes us
     # Scoring is throughput work; rank 0's step is what every other rank waits for at the next collective. Where
     # cores are short, a lower priority lets the step run first and leaves the workers the idle time.

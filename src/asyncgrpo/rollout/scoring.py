@@ -1,10 +1,9 @@
 """Turning one group's sampled token ids into rewards: decode, put in the form reward functions take, score.
 
-The producer calls `score_group(row, completion_ids, finish_reasons)` on a `GroupScorer` and gets (rewards, parts).
-Two implement it: `InThreadScoring` (`reward_workers: 0`, the caller's thread, inside the training process) and
-`reward_pool.RewardPool` (`reward_workers: N`, N worker processes). Both run `reward_inputs` + `RewardScorer.score`
-on the same inputs, so they give the same rewards; this module imports neither torch nor transformers, so that a
-worker process starts without them.
+The producer calls `score_group(row, completion_ids, finish_reasons)` on a `GroupScorer`: `InThreadScoring` here
+(`reward_workers: 0`) or reward_pool.RewardPool (worker processes); rollout/build.py's make_group_scorer picks one.
+Both run the same `score_group`, so they give the same rewards. This module imports neither torch nor transformers,
+so that a reward worker starts without them.
 """
 
 from __future__ import annotations
@@ -86,15 +85,3 @@ class InThreadScoring:
 
     def close(self) -> None:
         pass
-
-
-def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupScorer:
-    """The scorer `reward_workers` asks for. The pool's workers load the tokenizer from the directory the trainer
-    loaded it from (`tokenizer.name_or_path`, a local directory: `data.local_model_dir`)."""
-    scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
-    if cfg.reward_workers == 0:
-        return InThreadScoring(scorer, tokenizer, response_template)
-    from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
-
-    return RewardPool(cfg.reward_workers, scorer, TokenizerRef.of(tokenizer), response_template,
-                      timeout_s=cfg.reward_timeout)

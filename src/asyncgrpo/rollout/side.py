@@ -1,16 +1,9 @@
-"""RolloutSide: rank 0's half of a run, everything that talks to the inference servers, behind one interface.
+"""RolloutSide: rank 0's rollout side in this process, everything that talks to the inference servers.
 
-It owns the HTTP clients, the recovery of servers that stop answering, the adapter store and the publisher (and the
-one thread that publishes in the background, in order), the reward scorer, the queue, the producer with its schedule,
-and the TensorBoard writer (the publish thread logs each sync's timings to it). It alone knows which policy version
-is live and under which adapter name. The trainer only hands it tensors and takes batches:
-
-    side = RolloutSide(cfg, tokenizer=tok, model_path=path, peft_config=lora, groups_per_step=n)
-    side.start()                                   # servers checked, data loaded, producer started: nothing sent yet
-    side.publish(0, tensors, step=0, wait=True)    # version 0 served: generation begins
-    groups = side.take(n, version=0, timeout_s=t)  # a batch no more than max_staleness versions old
-    side.publish(1, tensors, step=1)               # in the background; its failure is raised by the next call
-    side.wait_published(); side.close(keep_final=True)
+It owns the parts rollout/build.py builds (clients, recovery, adapter store, publisher, scorer, queue, producer) plus
+the publish thread and the TensorBoard writer, and alone knows which version is live under which adapter name. It
+implements RolloutInterface (rollout/interface.py, which documents each call); the trainer hands it tensors and takes
+batches: start, publish(0, wait=True), then take and publish each step, wait_published, close.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from asyncgrpo.contracts import Group
+from asyncgrpo.rollout.build import build_parts
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +38,6 @@ class RolloutSide:
         # immutable: each run gets an id, its adapters go to lora_adapter_path/<run id>/v<N>.
         self.run_id = uuid.uuid4().hex[:8]
         self.version: int | None = None  # the version the servers serve (None: none published yet)
-        self.tensorboard_dir = Path(cfg.output_dir) / "tensorboard"
         # Set by start(); None until then, so that halt() and close() work after a start that failed part-way.
         self.clients: list = []
         self.recovery = self.store = self.publisher = self.scorer = self.queue = self.producer = self.writer = None
@@ -52,56 +45,23 @@ class RolloutSide:
         self._publishing: Future | None = None
 
     # ---- start ----------------------------------------------------------------------------------------
-    # Not mutated (make mutate): start() wires parts that each have unit tests of their own, behind the doctor,
-    # which needs a real server; every integration test that trains runs it (docs/testing.md).
+    # Not mutated (make mutate): start() runs build_parts, whose parts each have unit tests of their own, behind the
+    # doctor, which needs a real server; every integration test that trains runs it (docs/testing.md).
     def start(self) -> None:  # pragma: no mutate block
         """Check every server (`asyncgrpo doctor`: fail now, naming the fix), load the prompts, start the producer.
         It sends nothing before the first `publish`."""
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # heavy: tensorboard, only once a side starts
 
-        from asyncgrpo.data import load_prompt_set, server_max_model_len
-        from asyncgrpo.rollout.preflight import require_healthy_setup
-        from asyncgrpo.inference.client import InferenceClient
-        from asyncgrpo.inference.recovery import ServerRecovery
-        from asyncgrpo.rollout.delivery import make_delivery
-        from asyncgrpo.rollout.publish import AdapterPublisher
-        from asyncgrpo.store import AdapterStore, clean_stale_temporaries
-        from asyncgrpo.rollout.producer import RolloutProducer
-        from asyncgrpo.rollout.queue import RolloutQueue
-        from asyncgrpo.rollout.scoring import make_group_scorer
-
-        cfg = self.cfg
-        self.clients = [InferenceClient(url, api_key=cfg.api_key, timeout_s=cfg.vllm_request_timeout)
-                        for url in cfg.server_urls]
-        for client in self.clients:
-            client.wait_healthy(cfg.vllm_server_timeout)
-        require_healthy_setup(cfg, self.clients, self.model_path)
-        clean_stale_temporaries(cfg.lora_adapter_path)  # what writers of killed runs left in their directories
-        self.store = AdapterStore(Path(cfg.lora_adapter_path) / self.run_id)
-        # A server that stops answering is waited for (vllm_server_timeout), and gets the current adapter back
-        # before any generation goes to it; rollouts and syncs share this one view of which servers are up.
-        self.recovery = ServerRecovery(cfg.vllm_server_timeout)
-        self.publisher = AdapterPublisher(self.clients, f"{cfg.lora_name}-{self.run_id}", cfg.sync_mode,
-                                          cfg.sync_pause_mode, recovery=self.recovery,
-                                          adapter_root=cfg.lora_adapter_path,  # paths sent never leave it
-                                          delivery=make_delivery(cfg))  # adapter_delivery: shared_fs | http
-        self.recovery.restore = self.publisher.restore
-        # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted). The
-        # first server answers for what all share: the base model, max_model_len.
-        prompts = load_prompt_set(cfg, self.tokenizer, model_path=self.model_path,
-                                  server_max_model_len=server_max_model_len(self.clients[0].models()))
-        self.queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards,
-                                  dynamic_sampling=cfg.dynamic_sampling)
-        # Decoding and reward scoring: in the request threads, or in `reward_workers` processes (closed by stop())
-        self.scorer = make_group_scorer(cfg, self.tokenizer, prompts.response_template)
-        self.producer = RolloutProducer(clients=self.clients, rows=prompts.rows, scorer=self.scorer, queue=self.queue,
-                                        groups_per_step=self.groups_per_step, cfg=cfg,
-                                        start_position=self.data_position, recovery=self.recovery,
-                                        start_batch=self.start_step // cfg.num_iterations)  # a resumed run's batch
+        parts = build_parts(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path, run_id=self.run_id,
+                            groups_per_step=self.groups_per_step, start_position=self.data_position,
+                            start_batch=self.start_step // self.cfg.num_iterations)  # a resumed run's batch
+        self.clients, self.store, self.recovery, self.publisher = (parts.clients, parts.store, parts.recovery,
+                                                                   parts.publisher)
+        self.scorer, self.queue, self.producer = parts.scorer, parts.queue, parts.producer
         resumed = self.previous_run_id is not None
         # Resuming: hide what a killed run logged after its checkpoint (TensorBoard purges steps >= purge_step).
         self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=self.start_step + 1 if resumed else None)
-        self.writer.add_scalar("data/prompts_skipped_too_long", prompts.skipped_too_long, self.start_step)
+        self.log({"data/prompts_skipped_too_long": parts.prompts_skipped_too_long}, self.start_step)
         if resumed:
             self._unload_previous_run()
         self.producer.start()
@@ -116,6 +76,11 @@ class RolloutSide:
                     client.unload_adapter(name)
             except Exception as exc:  # noqa: BLE001 - a leftover adapter costs a slot, not correctness
                 log.warning("could not unload the previous run's adapters from %s: %s", client.base_url, exc)
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        """<output_dir>/tensorboard (relative if output_dir is)."""
+        return Path(self.cfg.output_dir) / "tensorboard"
 
     # ---- batches --------------------------------------------------------------------------------------
     def take(self, n: int, version: int, timeout_s: float) -> list[Group]:
@@ -158,9 +123,8 @@ class RolloutSide:
         self.producer.set_policy(version, self.publisher.current_name)  # new requests go to the new version
         self.publisher.retire(in_use=self.producer.adapters_in_use())
         self.store.prune(self.cfg.keep_adapter_versions, in_use=set(self.publisher.loaded.values()))
-        for key, value in {"sync/write_s": written - t0, "sync/server_s": timing.server_s,
-                           "sync/paused_s": timing.paused_s, "sync/load_s": timing.load_s}.items():
-            self.writer.add_scalar(key, value, step)
+        self.log({"sync/write_s": written - t0, "sync/server_s": timing.server_s, "sync/paused_s": timing.paused_s,
+                  "sync/load_s": timing.load_s}, step)
 
     def wait_published(self) -> None:
         """Block until the publish in progress (if any) is done; re-raises its error."""
@@ -182,7 +146,8 @@ class RolloutSide:
                 "queue/inflight_requests": producer.inflight}
 
     def log(self, values: dict[str, float], step: int) -> None:
-        """Write `values` to TensorBoard at `step`."""
+        """Write `values` to TensorBoard at `step`: every metric the side writes goes through here (the publish
+        thread's sync timings too)."""
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
 

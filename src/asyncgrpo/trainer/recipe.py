@@ -23,7 +23,7 @@ from asyncgrpo.data import resolve_model_path
 from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
                                    require_shared_dir, setup_logging)
 from asyncgrpo.inference.recovery import check_outage_fits_ddp_timeout
-from asyncgrpo.rollout.build import open_rollout_side
+from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
 from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device

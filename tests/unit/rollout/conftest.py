@@ -15,7 +15,7 @@ from liveness import returns_within
 from asyncgrpo.data import PromptRow
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.producer import RolloutProducer
+from asyncgrpo.rollout.build import build_producer
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.scoring import InThreadScoring
 
@@ -74,8 +74,8 @@ class StubRollout:
         self.rows = rows if rows is not None else [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={})
                                                    for i in range(8)]
         scoring = InThreadScoring(self.scorer, tokenizer or DigitTokenizer(), response_template)
-        self.producer = RolloutProducer(clients=self.clients, rows=self.rows, scorer=scoring, queue=self.queue,
-                                        groups_per_step=groups_per_step, cfg=self.cfg, recovery=recovery)
+        self.producer = build_producer(self.cfg, clients=self.clients, rows=self.rows, scorer=scoring,
+                                       queue=self.queue, groups_per_step=groups_per_step, recovery=recovery)
         if park:
             self.producer.schedule.cond = ParkingCondition()
 

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+from multiprocessing import Pipe
 from multiprocessing.connection import Listener
 
 import pytest
@@ -20,9 +21,10 @@ from asyncgrpo.config import ROLLOUT_KEY_ENV, AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError, RolloutProcessError
 from asyncgrpo.inference.server import find_free_port
 from asyncgrpo.rollout import remote
-from asyncgrpo.rollout.build import open_rollout_side
+from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.process import ChildPeer, RolloutProcess
 from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
+from asyncgrpo.rollout.serve import _answer_requests
 
 KEY = b"the-test-key"
 
@@ -245,10 +247,6 @@ def test_both_ends_turn_on_tcp_keepalive_so_that_a_vanished_host_is_seen_within_
 def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_the_request():
     """The serve loop both forms share: a request may wait for a sync that holds a server paused (as publish waits
     for the previous version); the trainer's end closing must resume that server now, not when the request ends."""
-    from multiprocessing import Pipe
-
-    from asyncgrpo.rollout.process import _answer_requests
-
     class Side:
         halted = threading.Event()
 

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 from liveness import returns_within
 
+from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import PromptRow, response_template_for
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout import reward_pool
+from asyncgrpo.rollout.build import make_group_scorer
 from asyncgrpo.rollout.reward_pool import DECODING, WORKER_NICE, RewardPool, TokenizerRef
 from asyncgrpo.rollout.scoring import InThreadScoring
 
@@ -45,9 +47,9 @@ def reward_path():
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory, reward_path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: transformers, only for the tests that score with a pool
 
-    from asyncgrpo.toy.tokenizer import build_tokenizer
+    from asyncgrpo.toy.tokenizer import build_tokenizer  # heavy: transformers, as above
 
     directory = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer().save_pretrained(directory)
@@ -196,9 +198,6 @@ def test_a_reward_module_the_worker_cannot_import_fails_the_pool_at_start(tokeni
 
 
 def test_reward_workers_picks_the_scorer_and_hands_it_the_rewards_config(tokenizer, template):
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.rollout.scoring import make_group_scorer
-
     ref, kwargs = "asyncgrpo.rewards:format_reward", {"format_reward": {"pattern": "^7$"}}
     values = {"lora_adapter_path": "/tmp/adapters", "reward_funcs": [ref], "reward_weights": [2.5],
               "reward_fallback": -3.0, "reward_kwargs": kwargs}

@@ -16,7 +16,8 @@ from fakes import DigitTokenizer, FakeVLLM, ParkingCondition, cfg
 
 from asyncgrpo.data import PromptRow, PromptStream
 from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.producer import RolloutProducer, request_seed
+from asyncgrpo.rollout.build import build_producer
+from asyncgrpo.rollout.producer import request_seed
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.scheduler import RolloutSchedule, version_needed
 from asyncgrpo.rollout.scoring import InThreadScoring
@@ -74,9 +75,9 @@ class Harness:
         self.server = FakeVLLM("http://held:8000", hold=True)  # completion 0 is "7" (reward 1), the others "3" (0)
         rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={}) for i in range(40)]
         scorer = RewardScorer(["asyncgrpo.rewards:format_reward"], None, None, {"format_reward": {"pattern": "^7$"}})
-        self.producer = RolloutProducer(clients=[self.server], rows=rows,
-                                        scorer=InThreadScoring(scorer, DigitTokenizer()), queue=self.queue,
-                                        groups_per_step=groups_per_step, cfg=config, start_position=start_position)
+        self.producer = build_producer(config, clients=[self.server], rows=rows,
+                                       scorer=InThreadScoring(scorer, DigitTokenizer()), queue=self.queue,
+                                       groups_per_step=groups_per_step, start_position=start_position)
         self.cond = self.producer.schedule.cond = ParkingCondition()
         self.rows = rows
 

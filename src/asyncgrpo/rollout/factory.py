@@ -1,0 +1,17 @@
+"""Where rank 0's rollout side runs: in this process, in a child it spawns, or in an `asyncgrpo rollout-serve` it
+connects to. `open_rollout_side` is the one call the trainer makes; all three forms implement RolloutInterface."""
+
+from __future__ import annotations
+
+from asyncgrpo.rollout.interface import RolloutInterface
+from asyncgrpo.rollout.process import RolloutProcess
+from asyncgrpo.rollout.remote import RemotePeer
+from asyncgrpo.rollout.side import RolloutSide
+
+
+def open_rollout_side(cfg, **kwargs) -> RolloutInterface:
+    """Rank 0's rollout side: in this process, in a child process it spawns (`rollout_process: true`), or in an
+    `asyncgrpo rollout-serve` it connects to (`rollout_address`). Same interface, same arguments (RolloutSide's)."""
+    if cfg.rollout_address:
+        return RolloutProcess(cfg, peer=RemotePeer(cfg.rollout_address), **kwargs)
+    return RolloutProcess(cfg, **kwargs) if cfg.rollout_process else RolloutSide(cfg, **kwargs)
