@@ -1,16 +1,12 @@
 from pathlib import Path
 
 import pytest
+from fakes import cfg
 
 from asyncgrpo.config import AsyncGRPOConfig, field_docs
 from asyncgrpo.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def make(**kw):
-    kw.setdefault("lora_adapter_path", "/tmp/adapters")
-    return AsyncGRPOConfig.from_dict(kw)
 
 
 def test_use_lora_without_adapter_path_names_the_field_and_fix():
@@ -22,24 +18,24 @@ def test_use_lora_without_adapter_path_names_the_field_and_fix():
 
 def test_unknown_key_suggests_the_close_match():
     with pytest.raises(ConfigError) as err:
-        make(learning_rat=1e-3)
+        cfg(learning_rat=1e-3)
     assert err.value.field == "learning_rat"
     assert "did you mean `learning_rate`" in str(err.value)
 
 
 def test_wrong_type_names_field_and_expected_type():
     with pytest.raises(ConfigError) as err:
-        make(max_steps="ten")
+        cfg(max_steps="ten")
     assert err.value.field == "max_steps"
     assert "expected an integer, got 'ten'" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        make(use_lora="yes")
+        cfg(use_lora="yes")
     assert "expected true or false" in str(err.value)
 
 
 def test_batch_must_hold_whole_groups():
     with pytest.raises(ConfigError) as err:
-        make(per_device_train_batch_size=12, num_generations=8)
+        cfg(per_device_train_batch_size=12, num_generations=8)
     assert err.value.field == "per_device_train_batch_size"
     assert "multiple of 8" in str(err.value)
 
@@ -51,7 +47,7 @@ def test_batch_must_hold_whole_groups():
 ])
 def test_bad_values_name_their_field(key, value, field):
     with pytest.raises(ConfigError) as err:
-        make(**{key: value})
+        cfg(**{key: value})
     assert err.value.field == field
     assert "Fix:" in str(err.value)
 
@@ -59,12 +55,12 @@ def test_bad_values_name_their_field(key, value, field):
 def test_yaml_file_plus_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lora_adapter_path: /tmp/a\nlearning_rate: 1e-5\nmax_steps: 7\n")
-    cfg = AsyncGRPOConfig.load(path, ["--max_steps", "9", "--learning_rate=3e-4",
+    config = AsyncGRPOConfig.load(path, ["--max_steps", "9", "--learning_rate=3e-4",
                                       "--lora_target_modules", "q_proj,v_proj", "--epsilon_high", "0.28"])
-    assert cfg.max_steps == 9
-    assert cfg.learning_rate == pytest.approx(3e-4)
-    assert cfg.lora_target_modules == ["q_proj", "v_proj"]
-    assert cfg.epsilon_upper == pytest.approx(0.28)
+    assert config.max_steps == 9
+    assert config.learning_rate == pytest.approx(3e-4)
+    assert config.lora_target_modules == ["q_proj", "v_proj"]
+    assert config.epsilon_upper == pytest.approx(0.28)
     assert AsyncGRPOConfig.load(path).learning_rate == pytest.approx(1e-5)  # YAML reads 1e-5 as a string
 
 
@@ -75,9 +71,9 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 
 def test_api_key_comes_from_the_environment_and_is_never_saved(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCGRPO_VLLM_API_KEY", "s3cret-key")
-    cfg = make()
-    assert cfg.api_key == "s3cret-key"
-    cfg.save(tmp_path / "saved.yaml")
+    config = cfg()
+    assert config.api_key == "s3cret-key"
+    config.save(tmp_path / "saved.yaml")
     assert "s3cret-key" not in (tmp_path / "saved.yaml").read_text()
 
 
@@ -91,8 +87,8 @@ def test_every_field_is_documented():
 
 def test_shipped_configs_validate():
     for path in sorted((REPO / "configs").glob("*.yaml")):
-        cfg = AsyncGRPOConfig.load(path)
-        assert cfg.use_lora and cfg.lora_adapter_path
+        config = AsyncGRPOConfig.load(path)
+        assert config.use_lora and config.lora_adapter_path
 
 
 def test_configuration_page_documents_every_config_key():
@@ -105,27 +101,27 @@ def test_configuration_page_documents_every_config_key():
 
 def test_num_iterations_must_be_positive_and_checkpoints_fall_between_batches():
     with pytest.raises(ConfigError) as err:
-        make(num_iterations=0)
+        cfg(num_iterations=0)
     assert err.value.field == "num_iterations"
     with pytest.raises(ConfigError) as err:
-        make(num_iterations=3, save_steps=4)
+        cfg(num_iterations=3, save_steps=4)
     assert err.value.field == "save_steps"
     assert "not a multiple of num_iterations (3)" in str(err.value) and "use a multiple of 3" in str(err.value)
-    assert make(num_iterations=3, weight_sync_steps=3, save_steps=6).save_steps == 6
+    assert cfg(num_iterations=3, weight_sync_steps=3, save_steps=6).save_steps == 6
 
 
 def test_unset_max_inflight_requests_is_sized_from_batch_staleness_and_servers():
-    assert make(max_staleness=0).inflight_requests(groups_per_step=32) == 32  # one step: nothing may run ahead
-    assert make(max_staleness=1).inflight_requests(groups_per_step=32) == 64  # the next step's groups too
-    assert make(max_staleness=3).inflight_requests(groups_per_step=32) == 64  # never more than two steps' worth
+    assert cfg(max_staleness=0).inflight_requests(groups_per_step=32) == 32  # one step: nothing may run ahead
+    assert cfg(max_staleness=1).inflight_requests(groups_per_step=32) == 64  # the next step's groups too
+    assert cfg(max_staleness=3).inflight_requests(groups_per_step=32) == 64  # never more than two steps' worth
     servers = ",".join(f"http://10.0.0.{i}:8000" for i in range(1, 5))
-    assert make(max_staleness=0, vllm_server_base_url=servers).inflight_requests(groups_per_step=2) == 8  # 2 each
-    assert make(max_inflight_requests=5).inflight_requests(groups_per_step=32) == 5  # set: taken as it is
+    assert cfg(max_staleness=0, vllm_server_base_url=servers).inflight_requests(groups_per_step=2) == 8  # 2 each
+    assert cfg(max_inflight_requests=5).inflight_requests(groups_per_step=32) == 5  # set: taken as it is
     with pytest.raises(ConfigError) as err:
-        make(max_inflight_requests=0)
+        cfg(max_inflight_requests=0)
     assert err.value.field == "max_inflight_requests"
 
 
 def test_groups_per_step_counts_every_rank_and_micro_step():
-    cfg = make(per_device_train_batch_size=32, gradient_accumulation_steps=2, num_generations=8)
-    assert cfg.groups_per_step(world_size=2) == 16  # 32 completions x 2 micro-steps x 2 ranks / 8 per group
+    config = cfg(per_device_train_batch_size=32, gradient_accumulation_steps=2, num_generations=8)
+    assert config.groups_per_step(world_size=2) == 16  # 32 completions x 2 micro-steps x 2 ranks / 8 per group

@@ -2,14 +2,11 @@
 errors that name the key and the fix."""
 
 import pytest
+from fakes import cfg
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.rollout.scheduler import version_needed
-
-
-def cfg(**kw):
-    return AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", **kw})
 
 
 def test_defaults_keep_todays_loss():

@@ -5,6 +5,7 @@ import os
 import random
 
 import pytest
+from fakes import cfg
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import (PromptFormat, PromptStream, build_rows, load_prompt_set, parse_completions,
@@ -68,11 +69,6 @@ def write_jsonl(path, rows):
     return path
 
 
-def make_cfg(**kw):
-    kw.setdefault("lora_adapter_path", "/tmp/adapters")
-    return AsyncGRPOConfig.from_dict(kw)
-
-
 def ids_of(text: str) -> list[int]:
     return [BYTE_OFFSET + b for b in text.encode()]
 
@@ -80,7 +76,7 @@ def ids_of(text: str) -> list[int]:
 # ---- sources and columns ------------------------------------------------------------------------------------------
 def test_gsm8k_jsonl_prompts_are_tokenised_once_and_other_columns_reach_rewards(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
-    prompts = load_prompt_set(make_cfg(dataset_name=str(path), prompt_column="question"), tokenizer)
+    prompts = load_prompt_set(cfg(dataset_name=str(path), prompt_column="question"), tokenizer)
     assert prompts.total == 3 and len(prompts.rows) == 3 and prompts.skipped_too_long == 0
     row = prompts.rows[0]
     assert row.prompt == GSM8K_ROWS[0]["question"] and not row.is_chat
@@ -96,17 +92,17 @@ def test_every_local_format_loads_through_datasets(tmp_path, tokenizer, fmt):
     ds = datasets.Dataset.from_list(GSM8K_ROWS)
     if fmt.startswith("save_to_disk"):
         (datasets.DatasetDict({"train": ds}) if fmt.endswith("dict") else ds).save_to_disk(str(tmp_path / "ds"))
-        cfg = make_cfg(dataset_name=str(tmp_path / "ds"), prompt_column="question")
+        config = cfg(dataset_name=str(tmp_path / "ds"), prompt_column="question")
     elif fmt == "arrow":
         ds.save_to_disk(str(tmp_path / "ds"))
         arrow = next((tmp_path / "ds").glob("*.arrow"))
-        cfg = make_cfg(dataset_name="arrow", data_files=[str(arrow)], prompt_column="question")
+        config = cfg(dataset_name="arrow", data_files=[str(arrow)], prompt_column="question")
     else:
         path = tmp_path / f"data.{fmt}"
         {"json": ds.to_json, "jsonl": ds.to_json, "parquet": ds.to_parquet,
          "csv": lambda p: ds.to_csv(p, index=False)}[fmt](str(path))
-        cfg = make_cfg(dataset_name=str(path), prompt_column="question")
-    prompts = load_prompt_set(cfg, tokenizer)
+        config = cfg(dataset_name=str(path), prompt_column="question")
+    prompts = load_prompt_set(config, tokenizer)
     assert [r.prompt for r in prompts.rows] == [r["question"] for r in GSM8K_ROWS]
     assert [r.columns["answer"] for r in prompts.rows] == [r["answer"] for r in GSM8K_ROWS]
 
@@ -114,7 +110,7 @@ def test_every_local_format_loads_through_datasets(tmp_path, tokenizer, fmt):
 def test_data_files_with_a_format_name(tmp_path, tokenizer):
     a = write_jsonl(tmp_path / "a.jsonl", GSM8K_ROWS[:2])
     b = write_jsonl(tmp_path / "b.jsonl", GSM8K_ROWS[2:])
-    prompts = load_prompt_set(make_cfg(dataset_name="json", data_files=[str(a), str(b)], prompt_column="question"),
+    prompts = load_prompt_set(cfg(dataset_name="json", data_files=[str(a), str(b)], prompt_column="question"),
                               tokenizer)
     assert len(prompts.rows) == 3
 
@@ -122,38 +118,38 @@ def test_data_files_with_a_format_name(tmp_path, tokenizer):
 def test_a_missing_column_lists_the_columns_present(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name=str(path)), tokenizer)  # prompt_column defaults to `prompt`
+        load_prompt_set(cfg(dataset_name=str(path)), tokenizer)  # prompt_column defaults to `prompt`
     assert err.value.field == "prompt_column"
     assert "'prompt' is not a column of" in str(err.value) and "['answer', 'question']" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name=str(path), messages_column="messages"), tokenizer)
+        load_prompt_set(cfg(dataset_name=str(path), messages_column="messages"), tokenizer)
     assert err.value.field == "messages_column" and "['answer', 'question']" in str(err.value)
 
 
 def test_a_column_named_like_a_reward_argument_is_an_error(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "completions": "x"}])
     with pytest.raises(ConfigError, match=r"column\(s\) \['completions'\]"):
-        load_prompt_set(make_cfg(dataset_name=str(path)), tokenizer)
+        load_prompt_set(cfg(dataset_name=str(path)), tokenizer)
 
 
 def test_missing_files_and_unknown_splits_are_config_errors(tmp_path, tokenizer):
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name="json", data_files=[str(tmp_path / "nope.jsonl")]), tokenizer)
+        load_prompt_set(cfg(dataset_name="json", data_files=[str(tmp_path / "nope.jsonl")]), tokenizer)
     assert err.value.field == "data_files"
     path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name=str(path), prompt_column="question", dataset_train_split="test"),
+        load_prompt_set(cfg(dataset_name=str(path), prompt_column="question", dataset_train_split="test"),
                         tokenizer)
     assert err.value.field == "dataset_train_split" and "train" in str(err.value)
     (tmp_path / "data.txt").write_text("hello\n")
     with pytest.raises(ConfigError, match="a .txt file"):
-        load_prompt_set(make_cfg(dataset_name=str(tmp_path / "data.txt")), tokenizer)
+        load_prompt_set(cfg(dataset_name=str(tmp_path / "data.txt")), tokenizer)
 
 
 @pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE") != "1", reason="needs HF_HUB_OFFLINE=1 (never reach the hub)")
 def test_an_unreachable_hub_dataset_is_a_config_error(tokenizer):
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name="openai/gsm8k", dataset_config="main"), tokenizer)
+        load_prompt_set(cfg(dataset_name="openai/gsm8k", dataset_config="main"), tokenizer)
     assert err.value.field == "dataset_name" and "openai/gsm8k" in str(err.value)
 
 
@@ -161,25 +157,25 @@ def test_an_unreachable_hub_dataset_is_a_config_error(tokenizer):
 def test_over_long_prompts_are_skipped_and_counted_not_truncated(tmp_path, tokenizer):
     rows = [{"prompt": "x" * n, "answer": str(n)} for n in (10, 50, 51, 200)]
     path = write_jsonl(tmp_path / "long.jsonl", rows)
-    prompts = load_prompt_set(make_cfg(dataset_name=str(path), max_prompt_length=50), tokenizer)
+    prompts = load_prompt_set(cfg(dataset_name=str(path), max_prompt_length=50), tokenizer)
     assert [len(r.prompt_ids) for r in prompts.rows] == [10, 50]
     assert prompts.skipped_too_long == 2 and prompts.total == 4
     # From the server: max_model_len 64 - max_completion_length 14 = 50 tokens of prompt.
-    prompts = load_prompt_set(make_cfg(dataset_name=str(path), max_completion_length=14), tokenizer,
+    prompts = load_prompt_set(cfg(dataset_name=str(path), max_completion_length=14), tokenizer,
                               server_max_model_len=64)
     assert prompts.max_prompt_length == 50 and prompts.skipped_too_long == 2
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name=str(path), max_prompt_length=5), tokenizer)
+        load_prompt_set(cfg(dataset_name=str(path), max_prompt_length=5), tokenizer)
     assert err.value.field == "max_prompt_length" and "all 4 prompts" in str(err.value)
 
 
 def test_the_smaller_of_max_prompt_length_and_the_servers_room_wins():
-    assert prompt_length_limit(make_cfg(max_completion_length=16), None) is None
-    assert prompt_length_limit(make_cfg(max_completion_length=16), 256) == 240
-    assert prompt_length_limit(make_cfg(max_completion_length=16, max_prompt_length=100), 256) == 100
-    assert prompt_length_limit(make_cfg(max_completion_length=16, max_prompt_length=1000), 256) == 240
+    assert prompt_length_limit(cfg(max_completion_length=16), None) is None
+    assert prompt_length_limit(cfg(max_completion_length=16), 256) == 240
+    assert prompt_length_limit(cfg(max_completion_length=16, max_prompt_length=100), 256) == 100
+    assert prompt_length_limit(cfg(max_completion_length=16, max_prompt_length=1000), 256) == 240
     with pytest.raises(ConfigError) as err:
-        prompt_length_limit(make_cfg(max_completion_length=256), 256)
+        prompt_length_limit(cfg(max_completion_length=256), 256)
     assert err.value.field == "max_completion_length" and "--max-model-len" in str(err.value)
 
 
@@ -194,9 +190,9 @@ def test_the_servers_max_model_len_is_read_from_the_base_model_entry():
 def test_chat_messages_go_through_the_tokenizers_own_chat_template(tmp_path, chat_tokenizer):
     messages = [{"role": "user", "content": "What is 2+2?"}]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages, "answer": "#### 4"}])
-    cfg = make_cfg(dataset_name=str(path), messages_column="messages", system_prompt="Box the answer.",
+    config = cfg(dataset_name=str(path), messages_column="messages", system_prompt="Box the answer.",
                    chat_template_kwargs={"enable_thinking": True})
-    prompts = load_prompt_set(cfg, chat_tokenizer)
+    prompts = load_prompt_set(config, chat_tokenizer)
     row = prompts.rows[0]
     expected = ("<|im_start|>system\nBox the answer.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
                 "<|im_start|>assistant\n<think>\n")
@@ -209,34 +205,34 @@ def test_chat_messages_go_through_the_tokenizers_own_chat_template(tmp_path, cha
 
 def test_text_prompts_become_user_messages_in_chat_mode(tmp_path, chat_tokenizer):
     path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
-    cfg = make_cfg(dataset_name=str(path), prompt_column="question", prompt_format="chat",
+    config = cfg(dataset_name=str(path), prompt_column="question", prompt_format="chat",
                    chat_template_kwargs={"enable_thinking": False})
-    row = load_prompt_set(cfg, chat_tokenizer).rows[2]
+    row = load_prompt_set(config, chat_tokenizer).rows[2]
     assert row.rendered == "<|im_start|>user\nWhat is 1000 + 234?<|im_end|>\n<|im_start|>assistant\n"
     assert row.prompt == [{"role": "user", "content": "What is 1000 + 234?"}]
 
 
 def test_trl_conversational_prompts_in_the_prompt_column_are_chat(tmp_path, chat_tokenizer):
     path = write_jsonl(tmp_path / "conv.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
-    row = load_prompt_set(make_cfg(dataset_name=str(path)), chat_tokenizer).rows[0]
+    row = load_prompt_set(cfg(dataset_name=str(path)), chat_tokenizer).rows[0]
     assert row.rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_prompt_format_mismatches_are_errors_that_name_the_fix(tmp_path, chat_tokenizer):
     chat = write_jsonl(tmp_path / "conv.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name=str(chat), prompt_format="raw"), chat_tokenizer)
+        load_prompt_set(cfg(dataset_name=str(chat), prompt_format="raw"), chat_tokenizer)
     assert err.value.field == "prompt_format" and "chat template" in str(err.value)
     text = write_jsonl(tmp_path / "text.jsonl", [{"prompt": "hi"}])
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name=str(text), system_prompt="Be brief."), chat_tokenizer)
+        load_prompt_set(cfg(dataset_name=str(text), system_prompt="Be brief."), chat_tokenizer)
     assert err.value.field == "system_prompt" and "prompt_format: chat" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_prompt_set(make_cfg(dataset_name=str(text), messages_column="prompt"), chat_tokenizer)
+        load_prompt_set(cfg(dataset_name=str(text), messages_column="prompt"), chat_tokenizer)
     assert err.value.field == "messages_column"
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"text": "hi"}]}])
     with pytest.raises(ConfigError, match="row 0 of"):
-        load_prompt_set(make_cfg(dataset_name=str(bad)), chat_tokenizer)
+        load_prompt_set(cfg(dataset_name=str(bad)), chat_tokenizer)
 
 
 def test_a_tokenizer_without_chat_template_is_an_error_for_chat_prompts(tokenizer):
@@ -277,7 +273,7 @@ def test_the_response_template_is_the_tokenizers_else_transformers_own_for_the_m
 
 def test_parse_responses_false_turns_parsing_off(tmp_path, chat_tokenizer):
     path = write_jsonl(tmp_path / "conv.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
-    prompts = load_prompt_set(make_cfg(dataset_name=str(path), parse_responses=False), chat_tokenizer)
+    prompts = load_prompt_set(cfg(dataset_name=str(path), parse_responses=False), chat_tokenizer)
     assert prompts.response_template is None
 
 
@@ -302,9 +298,9 @@ def test_prompt_order_is_deterministic_per_epoch_and_resumes_at_the_exact_positi
 def test_the_toy_split_loads_as_before(tokenizer):
     from asyncgrpo.data import load_prompts, toy_world
 
-    cfg = make_cfg()
-    prompts = load_prompt_set(cfg, tokenizer)
-    before = load_prompts(toy_world(cfg).train_file, tokenizer, "prompt")
+    config = cfg()
+    prompts = load_prompt_set(config, tokenizer)
+    before = load_prompts(toy_world(config).train_file, tokenizer, "prompt")
     assert [(r.prompt, r.prompt_ids, r.columns) for r in prompts.rows] == \
         [(r.prompt, r.prompt_ids, r.columns) for r in before]
     assert prompts.rows[0].prompt_ids == ids_of(prompts.rows[0].prompt) and not prompts.rows[0].is_chat
@@ -320,19 +316,19 @@ def test_data_config_keys_are_checked_and_name_their_fix():
              ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs")]
     for values, field in cases:
         with pytest.raises(ConfigError) as err:
-            make_cfg(**values)
+            cfg(**values)
         assert err.value.field == field and "Fix:" in str(err.value)
 
 
 def test_mappings_can_be_overridden_on_the_command_line(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lora_adapter_path: /tmp/a\nreward_funcs: [asyncgrpo.rewards:format_reward]\n")
-    cfg = AsyncGRPOConfig.load(path, ["--chat_template_kwargs", "{enable_thinking: false}",
+    config = AsyncGRPOConfig.load(path, ["--chat_template_kwargs", "{enable_thinking: false}",
                                       "--reward_kwargs", "{format_reward: {pattern: '<answer>'}}",
                                       "--data_files", "a.jsonl,b.jsonl", "--dataset_name", "json"])
-    assert cfg.chat_template_kwargs == {"enable_thinking": False}
-    assert cfg.reward_kwargs == {"format_reward": {"pattern": "<answer>"}}
-    assert cfg.data_files == ["a.jsonl", "b.jsonl"]
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    assert config.reward_kwargs == {"format_reward": {"pattern": "<answer>"}}
+    assert config.data_files == ["a.jsonl", "b.jsonl"]
 
 
 def test_model_dir_is_a_local_directory_as_given_or_the_hub_cache_snapshot(tmp_path, monkeypatch):

@@ -2,14 +2,11 @@
 in a collective meanwhile); a single process has no collective to time out."""
 
 import pytest
+from fakes import cfg
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.inference.recovery import check_outage_fits_ddp_timeout, connect_retry_s, outage_s
-
-
-def cfg(**values):
-    return AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", **values})
 
 
 def test_connection_retries_are_the_client_defaults_six_connect_timeouts_and_five_backoffs():
