@@ -1,12 +1,11 @@
-"""`make mutate`: mutation testing of the core rules (loss.py, rollout/, sync/, checkpoint.py) against the unit tests.
+"""`make mutate`: mutation testing of the core rules (trainer/, rollout/, contracts, store) against the unit tests.
 
-Runs mutmut (configured in pyproject.toml, [tool.mutmut]) and prints one JSON line: how many mutants the unit tests
-killed, how many survived or timed out, per module, and the survivors by name (`mutmut show NAME` prints the diff).
-A measurement, like the benchmarks: not part of CI. docs/testing.md lists the survivors and why each one stays.
+Runs mutmut ([tool.mutmut] in pyproject.toml) and prints one JSON line: mutants killed, survived or timed out, per
+module, and the survivors by name (`mutmut show NAME` prints the diff). Not part of CI; docs/testing.md: the figure.
 
-    python scripts/mutate.py                         # every mutant (docs/testing.md has the last run's time)
-    python scripts/mutate.py "asyncgrpo.trainer.loss.*"      # only these mutants (mutmut's name patterns)
-    python scripts/mutate.py --report                # only summarise the results of the last run
+    python scripts/mutate.py                                  # every mutant
+    python scripts/mutate.py "asyncgrpo.trainer.loss.*"       # only these mutants (mutmut's name patterns)
+    python scripts/mutate.py --report                         # only summarise the results of the last run
 """
 
 from __future__ import annotations

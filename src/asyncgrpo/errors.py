@@ -1,4 +1,8 @@
-"""Exception types a user can cause. Each message says what is wrong, the value, and the fix."""
+"""Exception types a user can cause. Each message says what is wrong, the value, and the fix.
+
+Everything here derives from `AsyncGRPOError`, which the CLI prints as one line with exit status 2; any other
+exception is a bug in asyncgrpo.
+"""
 
 
 class AsyncGRPOError(Exception):

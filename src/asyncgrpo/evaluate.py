@@ -1,4 +1,8 @@
-"""Held-out evaluation through the inference server: completions of a served model, scored by the reward."""
+"""Held-out evaluation through the inference server: completions of a served model, scored by the reward.
+
+Used by `asyncgrpo demo` and the benchmarks to measure a base model or a trained adapter as vLLM serves it, so the
+figure includes everything between the trainer and the server.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""File helpers shared by the adapter store, the checkpoints and the adapter receiver (no torch import: the receiver
-runs beside vLLM without it)."""
+"""File helpers shared by the adapter store, the checkpoints and the adapter receiver.
+
+Standard library only: the receiver runs beside vLLM, where torch need not be importable.
+"""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Reward functions: loading by `package.module:function`, scoring with weights, clear failures, and built-ins.
 
-A reward function has TRL's signature `fn(prompts, completions, **columns) -> list[float | None]`: one value per
-completion, where `columns` are the dataset's other columns, repeated once per completion, plus
-`completion_ids` (the sampled token ids), `truncated` (True where the completion hit `max_completion_length`) and,
-for chat prompts whose tokenizer has a response template, `parsed`
-(transformers' parsed assistant message per completion: `content`, `thinking`, `tool_calls`; None where the
-completion could not be parsed). For a text prompt `completions` are strings; for a chat prompt they are TRL's
-conversational form, `[{"role": "assistant", "content": text}]`.
-
-None means "this function does not apply to this completion" (e.g. a math reward on a row without a reference):
-a completion's total is the weighted sum over the functions that returned a number, and a function's logged mean
-is over its numbers only. A completion no function applies to gets `reward_fallback`, or stops the run if unset.
+A reward function has TRL's signature `fn(prompts, completions, **columns) -> list[float | None]`, one value per
+completion; None means "does not apply to this completion". A completion's total is the weighted sum over the
+functions that returned a number, else `reward_fallback`. What each argument holds, and the built-ins: docs/data.md.
 """
 
 from __future__ import annotations

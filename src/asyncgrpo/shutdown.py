@@ -1,20 +1,9 @@
 """SIGTERM / SIGINT: leave the inference servers serving, then exit with the signal's conventional code.
 
-`accelerate launch` and torchrun send SIGTERM to every rank when one of them dies, SLURM sends it on preemption, and
-an operator presses Ctrl-C (SIGINT). Python's default for SIGTERM is to die on the spot, so a weight sync in progress
-on rank 0's publisher thread would leave the server paused (`POST /pause` done, `POST /resume` never sent), stalling
-every later request to it, including the next run's.
-
-`exit_on_signal(on_signal)` installs handlers (main thread only, as Python requires) that call `on_signal` first
-(the trainer's `halt`: resume every server this process paused), then raise SystemExit(128 + signal number): 143
-for SIGTERM, 130 for SIGINT, what a shell reports for a process the signal killed. `finally` blocks still run. A
-second signal while the first is handled gets Python's default behaviour (an impatient operator's second Ctrl-C).
-
-Python runs a signal handler only when the main thread gets back to the interpreter; a main thread blocked inside one
-C call (a gloo/NCCL collective waiting for a dead rank) would run it only when that call returns, and the launcher
-sends SIGKILL ~30 s after SIGTERM. So `on_signal` is also called at once from a watcher thread, woken through
-`signal.set_wakeup_fd` (the C-level handler writes the signal number there whatever the main thread is doing); the
-exit itself still happens on the main thread. `on_signal` must therefore be safe to call twice, from two threads.
+`exit_on_signal(on_signal)` installs handlers (main thread only) that call `on_signal` (the trainer's `halt`: resume
+every server this process paused), then raise SystemExit(128 + signal number): 143 for SIGTERM, 130 for SIGINT.
+A watcher thread woken through `signal.set_wakeup_fd` also calls `on_signal` at once, for a main thread blocked in a
+C call, so `on_signal` must be safe to call twice, from two threads. Why: docs/faults.md.
 """
 
 from __future__ import annotations

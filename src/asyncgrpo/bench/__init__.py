@@ -1,4 +1,8 @@
-"""Benchmarks that print one JSON object: `asyncgrpo bench NAME --json`."""
+"""Benchmarks that print one JSON object: `asyncgrpo bench NAME --json`.
+
+Each benchmark is a module here with a `run(...)` returning that object; what each measures and its latest figures:
+docs/benchmarks.md.
+"""
 
 from __future__ import annotations
 

@@ -3,27 +3,8 @@
     scripts/gpu_check.sh                 # Qwen2.5-1.5B-shaped model, random bf16 weights, on cuda:0, NCCL
     scripts/gpu_check.sh --cpu-smoke     # the same code path, tiny sizes, on CPU with gloo (what the unit test runs)
 
-Needs only torch, transformers, peft and accelerate, and runs from a checkout with PYTHONPATH=src (no install).
-What it does, in order:
-
-1. a process group of ONE rank (NCCL on CUDA, gloo with --cpu-smoke), from MASTER_ADDR=127.0.0.1 and a free port;
-2. a model built from config (by default the shape of Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads / 2 KV heads,
-   intermediate 8960, vocab 151936, rope theta 1e6, tied embeddings) with random weights in bf16 on the device,
-   LoRA (r 16) on q/k/v/o/gate/up/down through PEFT, every decoder layer and the root wrapped with FSDP2
-   `fully_shard` (what launch/accelerate/fsdp2.yaml does), AdamW over the LoRA parameters;
-3. device checks: every tensor that asyncgrpo code hands to a torch.distributed collective must lie on the process
-   group's device (NCCL has no CPU backend). Checked for `dist_sum`, `dist_max` (their collective path is forced:
-   with one rank they would return without one), the LoRA gather (`gather_lora_state` -> `gather_fsdp2`, whose
-   result must also equal the parameters), and every collective the train steps make;
-4. train steps on synthetic groups (default 8 groups x 8 completions, prompt 128 + completion up to 256 tokens) the
-   way `AsyncGRPOTrainer._optimise` takes them: the token count summed with `dist_sum`, micro-batches moved to the
-   device once (pinned, non_blocking), `token_logprobs` + `grpo_loss`, backward with gradient sync on the last
-   micro-batch only, clipping, one optimizer step. Behaviour logprobs are the model's own before the first step,
-   so step 1 is on-policy.
-
-Prints ONE JSON line on stdout: peak CUDA memory, median step time over the steps after the first, the device checks
-with what each saw, and the torch / CUDA / GPU versions. Exit status: 0 all checks passed, 1 a check failed, 2 no
-CUDA (without --cpu-smoke). Not covered here: accelerate's prepare(), DeepSpeed, vLLM, more than one rank.
+A one-rank process group, an FSDP2-wrapped LoRA model, device checks of the collectives asyncgrpo makes, then a few
+train steps; one JSON line out. Exit status 0: passed, 1: a check failed, 2: no CUDA. The details: docs/gpus.md.
 """
 
 from __future__ import annotations

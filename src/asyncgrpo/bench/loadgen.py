@@ -1,15 +1,10 @@
 """The load generator of `asyncgrpo bench producer`: an HTTP server, in a process of its own, that answers
-`POST /v1/completions` at once with fixed completions, in the shape vLLM answers with `logprobs: 0` and
-`return_token_ids: true` (per choice: `text`, `logprobs` with `tokens`, `token_logprobs`, `top_logprobs` and
-`text_offset`, `finish_reason`, `token_ids`, `prompt_token_ids`). A tool of the bench, not a stand-in for a server's
-correctness: it lets the rollout side run as fast as it can ingest answers.
+`POST /v1/completions` at once with fixed completions in vLLM's answer shape.
 
     python -m asyncgrpo.bench.loadgen [--port 0] < spec.json     # prints "listening PORT" once it accepts requests
 
-The spec (stdin, JSON) holds `completions`: a list of {token_ids, tokens, logprobs, text, finish_reason}; choice i of
-an answer is completion i modulo their number, cut to the request's `max_tokens` (finish reason then `length`).
-`GET /health` answers 200, `GET /stats` the requests and completion tokens answered so far. Standard library only, so
-that it starts in a fraction of a second and shares nothing (GIL included) with the process it loads.
+Standard library only, so that it starts fast and shares nothing (GIL included) with the process it loads. The spec
+and the answers: docs/benchmarks.md ("`bench producer` and its load generator").
 """
 
 from __future__ import annotations

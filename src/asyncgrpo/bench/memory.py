@@ -1,12 +1,8 @@
-"""Peak memory of one train step (forward + GRPO loss + backward), chunked vs naive logprobs.
+"""`asyncgrpo bench memory --json [--vocab_size 151936 --completion_tokens 1024]`: the peak memory of one train step
+(forward + GRPO loss + backward) with chunked vs naive logprobs.
 
-A tiny random Qwen2 with a real-size vocabulary (151,936, Qwen2.5's) and a LoRA adapter: at this size the step's
-memory is the logits, the part the chunked path removes. Each variant runs in a fresh subprocess, so that one
-variant's freed memory cannot hide the other's peak. Measured: the peak over the step above what the process held
-just before it (`torch.cuda.max_memory_allocated` where CUDA is present, else the process's peak RSS), and the
-absolute peak. Both variants score the same tokens with the same weights: `max_abs_logprob_diff` compares them.
-
-    asyncgrpo bench memory --json [--vocab_size 151936 --completion_tokens 1024]
+A tiny random Qwen2 with a real-size vocabulary and a LoRA adapter; each variant runs in a fresh subprocess, so that
+one variant's freed memory cannot hide the other's peak. What is measured: docs/benchmarks.md ("`bench memory`").
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
-"""How far one rollout process goes: completion tokens per second that the rollout side ingests (each answer parsed,
-decoded, scored with the built-in math reward, queued) when the server answers at once:
+"""`asyncgrpo bench producer --json [--duration 5]`: how far one rollout process goes, in completion tokens per second
+ingested (parsed, decoded, scored, queued) when the server answers at once.
 
-    asyncgrpo bench producer --json [--duration 5] [--key value ...]
-
-The real parts run: `RolloutProducer`, `RolloutQueue`, `RewardScorer` with `asyncgrpo.rewards:math_accuracy`, the
-`InferenceClient` over HTTP, the toy tokenizer (asyncgrpo.toy). The server is `bench/loadgen.py` in a process of
-its own, answering every request with fixed completions (`max_completion_length` tokens each, vLLM's answer shape,
-logprobs included) without generating anything. A consumer thread takes batches as the trainer does and bumps the
-policy version with `set_policy` after each, so the schedule keeps sending.
-
-Runs: `reward_workers` 0 (scoring in the request threads), then 1, 2 and 4 reward/decode worker processes, each run
-its own producer for `--duration` seconds after an untimed warm-up. Where the config has no `reward_workers` key the
-output says `reward_workers_supported: false` and every run scores in the request threads.
-
-Per run: `tokens_per_s` = completion tokens of the groups queued during the timed window / its length (both in the
-output as `tokens_ingested` and `duration_s`); `tokens_per_producer_cpu_s`, the same tokens per CPU second of this
-process (it moves less than the wall-clock rate with whatever else runs on the cores); where the time goes, as CPU
-seconds per stage measured in the threads that ran it (`stages_cpu_s`: HTTP + JSON parse in
-`InferenceClient.complete`, decode, reward, queue put; `other`: the rest of this process, i.e. scheduling, request
-threads, checks, advantages, the consumer) and per process (`cpu_s`: this process, the load generator, reward
-workers).
+The real rollout parts run against `bench/loadgen.py`, with 0, 1, 2 and 4 reward worker processes; each run reports
+where its CPU time went, per stage and per process. The figures: docs/benchmarks.md ("`bench producer`").
 """
 
 from __future__ import annotations

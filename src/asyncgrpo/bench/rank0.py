@@ -1,26 +1,8 @@
-"""How much does reward scoring slow rank 0's own work? Four short toy runs against one vLLM CPU server:
+"""`asyncgrpo bench rank0 --json [--server URL]`: how much does reward scoring slow rank 0's own work?
 
-    asyncgrpo bench rank0 --json [--server URL] [--key value ...]
-
-1. `trivial_reward`: the toy's exact-match reward (`asyncgrpo.toy:larger_reward`), scored in the request threads;
-2. `heavy_reward_threads`: the same answer check after ~20 ms of pure-Python CPU work per completion
-   (`asyncgrpo.toy.task:slow_larger_reward`), scored in the request threads of the training process
-   (`reward_workers: 0`, today's default): it competes with the training loop for the GIL;
-3. `heavy_reward_process`: the same heavy reward with the whole rollout side (requests, scoring, queue, publisher)
-   in its own process (`rollout_process: true`), scored in that process's threads;
-4. `heavy_reward_workers`: the rollout side in the training process, the heavy reward in `reward_workers: 2`
-   worker processes.
-
-The figure is rank 0's optimizer step time while it is not waiting on the rollout queue: the wall time of each
-`train_step` less the time it spent in `queue.take` (`time/wait_for_data_s`), averaged over the steps after
-`WARMUP_STEPS` (the server's first LoRA requests and the first batch are slow). With the heavy reward the run is
-scoring-bound, so rank 0 waits often, and its busy steps overlap with scoring: that overlap is what is measured.
-`loop_s` adds what the loop does between steps (the adapter gather for the sync, logging) to the same figure.
-Both are wall-clock figures: on a shared machine read them with `loadavg_*`; `train_thread_cpu_s` (the training
-thread's CPU time per measured step) hardly moves with load and shows whether the work itself changed.
-
-In run 4 only decoding and scoring leave the training process; in run 3 everything but the gather and the training
-loop does (the batch crosses a pipe in a compact binary form, rollout/wire.py).
+Four short toy runs against one vLLM CPU server: a trivial reward, then a heavy one scored in rank 0's request
+threads, in a rollout process of its own, and in reward worker processes. The figure is rank 0's step time while it
+is not waiting for data. The runs and figures: docs/benchmarks.md ("`bench rank0`").
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
-"""Does the off-policy correction hold the held-out reward at high staleness? The toy task trained at each
-`max_staleness` with each correction and several seeds, one run after another against one vLLM CPU server:
+"""`asyncgrpo bench staleness --json [--plot FILE.png] [--max_steps 60]`: does the off-policy correction hold the
+held-out reward at high staleness?
 
-    asyncgrpo bench staleness --json [--plot FILE.png] [--max_steps 60] [--key value ...]
-
-How staleness is made to occur: a version is published after every optimizer step (`weight_sync_steps: 1`,
-`num_iterations: 1`) and the producer may keep `max_staleness + 1` steps' worth of requests in flight
-(`max_inflight_requests`), so it runs up to `max_staleness` versions ahead. On a 2-core machine generation is the
-bottleneck (NOTES.md), so the queue would never fill; `TRAINER_DELAY_S` of sleep after each optimizer step
-emulates a trainer-bound cluster, letting the producer get ahead. Each cell reports the staleness it actually
-trained at (`staleness_mean`, `staleness_max`), so a cell where staleness did not occur is visible as such.
-
-Corrections compared (`CORRECTIONS`): `none` (ratio clipped against the behaviour logprobs), `token_truncate`
-and `token_mask` (`vllm_importance_sampling_correction: true`, i.e. decoupled PPO with a truncated or masked
-weight; with `num_iterations: 1` the proximal policy is the current one, so this is also exactly truncated/masked
-IS policy gradient: docs/losses.md). Every cell also reports the step metrics of docs/losses.md: their mean over
-steps, and for the `.../max` ones their maximum.
-
-Measured once as a smoke (4 cells: max_staleness 0 and 2 x none and token_truncate, one seed, 4 steps of 64
-completions, TRAINER_DELAY_S 0.3): 149 s in all, the max_staleness 2 cells trained at mean staleness 1.25 (the
-first steps cannot be stale), so the delay does make the producer run ahead.
-
-The full grid (4 stalenesses x 3 corrections x 3 seeds at 60 steps) took 41 minutes on 2 cores (shared with
-other work); its table, plot and reading are in docs/losses.md ("Measured"), its JSON is docs/staleness.json.
+The toy task trained at each `max_staleness` with each correction (`CORRECTIONS`) and several seeds against one vLLM
+CPU server; `TRAINER_DELAY_S` of sleep after each step lets the producer run ahead, as on a trainer-bound cluster.
+How staleness is made to occur: docs/benchmarks.md ("`bench staleness`"); the measured grid: docs/losses.md.
 """
 
 from __future__ import annotations

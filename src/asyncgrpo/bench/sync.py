@@ -1,26 +1,9 @@
-"""`asyncgrpo bench sync --backend {ddp,fsdp1,fsdp2,zero2,zero3} [--servers N] --json`: what one weight sync costs.
+"""`asyncgrpo bench sync --backend {ddp,fsdp1,fsdp2,zero2,zero3,all} [--servers N] --json`: what one weight sync costs.
 
-The parent builds (once, cached) a model whose base weights dwarf the adapter (Qwen2, hidden 512, 4 layers, 8 heads
-of 64, random init: 52 MB of fp32 weights against a 0.5 MB rank-8 LoRA on the attention projections), starts
-`--servers N` real vLLM servers on it (default 1; all at once) unless `--server URL[,URL...]` is given, and launches
-two CPU ranks of this module's worker under
-`accelerate launch` with the backend's config from launch/accelerate/. The worker builds the model exactly as the
-trainer does (`build_policy`, policy.py), and for each of a few rounds: one optimizer step on random tokens, then
-
-    gather (the trainer's LoRA-only gather) -> write (atomic PEFT directory) -> publish (load on the server)
-    -> the naive gather, for comparison: the whole state dict gathered to rank 0, then filtered to LoRA keys
-
-once per sync mode (`pause`, then `versioned`). Reported figures are medians over the rounds after the first
-(which pays for warm-up). Finally the served adapter's logprobs are compared with the trainer's own.
-
-`step_end_to_served_s` runs from the end of the optimizer step until every server serves the new version (the
-publisher syncs the servers concurrently), so it is the figure to compare between `--servers 1` and `--servers N`.
-`server_s` is that sync's wall-clock time on the servers, `server_sum_s` each server's own activation time summed
-(what one server after another would have cost at the same per-server speed); `load_s` and `pause_s` are the
-slowest server's.
-
-Output: one JSON object. Top-level figures are for `pause` mode; `modes` holds both; `servers` is how many servers
-each sync reached, `load_average` the host's load (1, 5, 15 min) at the end.
+The parent builds a bench model whose base dwarfs its adapter, starts vLLM CPU servers on it unless `--server` is
+given, and launches two CPU ranks of this module's worker under `accelerate launch`. Each round, the worker times
+gather -> write -> publish in both sync modes against a naive full-state gather, then compares the served logprobs
+with the trainer's. What each output figure means: docs/benchmarks.md ("`bench sync`").
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
-"""Does asynchrony pay off? The same toy workload and the same number of optimizer steps, trained with
-`max_staleness` 0 (synchronous), 1 and 2, one after another against one vLLM CPU server:
+"""`asyncgrpo bench throughput --json [--plot docs/throughput.png] [--max_steps 120]`: does asynchrony pay off?
 
-    asyncgrpo bench throughput --json [--plot docs/throughput.png] [--max_steps 120] [--key value ...]
-
-Per run: optimizer steps/s and the speedup over the synchronous run; the trainer's idle fraction (time waiting
-on the rollout queue / wall time); the inference idle fraction (time with no generation request in flight /
-wall time); mean and max staleness of the trained groups; generated and trained tokens/s; the held-out reward
-of the final adapter (mean of 4 samples per held-out prompt at the training temperature, and greedy accuracy),
-measured after the timed window. The timelines (trainer waiting, server busy) go to `<workdir>/timelines.json`;
-`--plot` draws them.
-
-Cores: on a machine with >= 2 cores the server is pinned to core 0 (its engine worker through
-`VLLM_CPU_OMP_THREADS_BIND`, the whole process tree through the affinity it inherits), and this process, which
-runs the single trainer (torch with `torch_num_threads: 1`) and the rollout producer's threads, to core 1; so
-generation and training can really run at once. The output says which core got what.
-
-Balance: the workload is `configs/demo.yaml` with the overrides in `BALANCE` (32 prompts x 8 completions per
-step on one trainer process, `sync_mode: versioned` so that activating a new adapter never pauses generation) and
-the balancing knob `num_iterations: 3` (with `weight_sync_steps: 3`: each generated batch is trained on for 3
-optimizer steps and published once). `BALANCE_NOTE` (also in the output as `balance`) says what was measured.
-Requests in flight are sized by the trainer (`max_inflight_requests` unset), the server gets `--max-num-seqs` for
-all of them. `cpu_s_per_step` shows the split per run in CPU seconds; `loadavg_*` says how busy the machine was
-(wall-clock figures need a quiet one). 120 steps per run: the first batch of every run is generated while the
-trainer waits (~0.5 s), which a short run would count as idle time.
+The same toy workload and number of optimizer steps trained with `max_staleness` 0, 1 and 2 against one vLLM CPU
+server, server and trainer pinned to separate cores; per run: steps/s, the idle fractions of trainer and server,
+staleness, held-out reward. The workload (`BALANCE`) and every figure: docs/benchmarks.md ("`bench throughput`").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """A one-token-per-character tokenizer for the toy world, loadable by HF and vLLM like any other.
 
-It is a byte-level BPE with an empty merge list, so every byte is its own token. Ids:
-
-    0            <|endoftext|>   (eos and pad)
-    1            <|im_start|>
-    2            <|im_end|>
-    3 + b        byte b, for b in 0..255      (so "0" is 3 + 48 = 51)
-
-That makes 259 ids; the model's vocabulary is padded to a multiple of 64 (320), and a model that has not learned
-much can sample the padding ids 259..319. `decode_completion` turns those into a character that no answer contains.
+A byte-level BPE with an empty merge list, so every byte is its own token. Ids: 0 `<|endoftext|>` (eos and pad),
+1 `<|im_start|>`, 2 `<|im_end|>`, 3 + b for byte b (so "0" is 51): 259 ids. The model's vocabulary is padded to 320,
+and a model that has not learned much can sample the padding ids 259..319: `decode_completion` turns those into a
+character that no answer contains.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """The toy world: a tiny Qwen2 base model, warmed up so that GRPO has a clear, quickly learnable signal.
 
 `build_toy_world()` returns a cached world or builds one (about half a minute on 2 CPU cores), offline and
-deterministic from `ToyWorldSpec.seed` on a given machine and thread count. A world is a directory:
-
-    toy-<key>/
-      model/          HF model (safetensors, fp32) + tokenizer; loads with Qwen2ForCausalLM and vLLM
-      train.jsonl     rows {"prompt": "07,45>", "answer": "45", "distractor": "07"}
-      heldout.jsonl   the held-out rows, same format
-      world.json      spec, key, base accuracies, warm-up steps and seconds; written last (the "complete" marker)
-
-The task (asyncgrpo.toy.task) asks for the larger of two 2-digit numbers. The supervised warm-up answers with the
-larger number only `warmup_correct_fraction` of the time and with the smaller one otherwise: the base model learns
-the format and that the answer is one of the two operands, but prefers the wrong one. Its sampled success rate
-starts near that fraction (well above 0, well below the ceiling; greedy ~0.19 for seed 0), and only the reward
-can tell it which operand is right. Measured in-process (seed 0): 20 GRPO steps of 32 prompts x 8 take the
-sampled success from 0.28 to 0.72; with the rewards shuffled across the batch it stays at 0.24-0.33 for 100
-steps. (Plain addition was measured first: on 2 CPU cores the tiny model needs far more warm-up and GRPO steps
-than a few-minute demo allows.)
+deterministic from `ToyWorldSpec.seed`: a directory `toy-<key>/` with `model/` (HF model + tokenizer), `train.jsonl`,
+`heldout.jsonl` and `world.json` (written last: the "complete" marker). Why the warm-up prefers the wrong operand,
+and what GRPO then gains: docs/design.md ("The toy world").
 
 Run `python -m asyncgrpo.toy.world [--seed N] [--cache-dir D]` to build or find a world and print its paths.
 """
