@@ -1,20 +1,8 @@
 """Checks of an inference server against a config, one small function each, returning a CheckResult (pass, fail
-with the fix, or skip with the reason). `asyncgrpo doctor` prints them; `train` runs them before its first step
-(asyncgrpo/doctor.py runs the list). Each failure names the flag or key to change.
+with the fix, or skip with the reason); each failure names the flag or key to change.
 
-- reachable (`/health`), vLLM version (`/version`, >= 0.10.2 for exact token ids);
-- LoRA enabled, `--max-lora-rank >= lora_r`, `--max-loras` enough for the sync mode (`/server_info`, dev mode);
-- runtime adapter updating allowed (`/v1/load_lora_adapter` exists: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True);
-- dev mode when `sync_mode: pause` (`/is_paused` exists: VLLM_SERVER_DEV_MODE=1);
-- the served base model is the trainer's (same directory, else equal config.json, else the same final name);
-- with `adapter_delivery: http`, the receiver beside the server answers and takes our API key;
-- the server reads what we write: a probe adapter from `lora_adapter_path` (uploaded through the receiver with
-  `http`) loads, reads back and unloads;
-- not paused (`GET /is_paused`): a run killed during a weight sync leaves the server paused;
-- logprobs mode: `processed_logprobs` (read from `/server_info`, else probed at two temperatures) whenever the
-  config's sampling (temperature, top_p, ...) makes it differ from raw.
-- no model sampling defaults: `--generation-config vllm` (read back), or a probe shows the model's
-  generation_config.json changes no logprobs of a request that leaves sampling fields out.
+`asyncgrpo doctor` prints them and `train` runs them before its first step (rollout/preflight.py runs the list,
+SERVER_CHECKS, in order). What each check reads: docs/running.md, "Checking the setup".
 """
 
 from __future__ import annotations
@@ -63,7 +51,7 @@ class ServerContext:
     client: object
     model_path: str
     probe_dir: Path | None = None  # a probe adapter written once for all servers (None: the directory is unusable)
-    delivery: object = None  # how adapters reach the server (sync/delivery.py); None: it reads probe_dir in place
+    delivery: object = None  # how adapters reach the server (rollout/delivery.py); None: it reads probe_dir in place
     cache: dict = field(default_factory=dict)
 
     def server_config(self) -> dict | None:

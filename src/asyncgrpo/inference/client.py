@@ -1,14 +1,9 @@
 """HTTP client for a vLLM inference node: completions with exact token ids and logprobs, LoRA adapter hot reload,
 pause/resume.
 
-Every answer is checked. A failure raises InferenceServerError naming the call, the URL, the HTTP status and
-quoting the server's body verbatim as text (vLLM answers a successful adapter call in plain text, everything else
-in JSON). A server that cannot be reached is retried with exponential backoff, then reported with the fix. HTTP
-errors are not retried, except 503 (vLLM's "not now": elastic scaling in progress; also /health of a dead engine).
-
-The server must run with the flags in `launch/vllm/serve.sh` (or be started by `VLLMServer`): LoRA enabled,
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` for the adapter calls, `VLLM_SERVER_DEV_MODE=1` for pause/resume and
-`--logprobs-mode processed_logprobs` so that logprobs are those of the distribution that was sampled.
+Every answer is checked: a failure raises InferenceServerError naming the call, the URL and the HTTP status, with the
+server's body verbatim. An unreachable server is retried with backoff, then reported with the fix. The server needs
+the flags of `launch/vllm/serve.sh` (or `VLLMServer`); docs/publish-internals.md says why each.
 """
 
 from __future__ import annotations

@@ -4,26 +4,8 @@
     ASYNCGRPO_VLLM_API_KEY=... python -m asyncgrpo.inference.receiver --dir /local/adapters --port 8001 \\
         --vllm-url http://127.0.0.1:8000
 
-vLLM has no upload endpoint: `/v1/load_lora_adapter` reads a local path. The receiver bridges that, and nothing else
-of vLLM's is touched (pause, resume, completions go to vLLM directly). Wire protocol (every route but /health needs
-`Authorization: Bearer <key>` when a key is set; JSON answers, errors as `{"error": "..."}`):
-
-- `PUT /adapters/{name}/{file}`, the body the file's bytes (Content-Length required): staged under
-  `--dir/.incoming-{name}/`, never where vLLM loads from.
-- `POST /adapters/{name}/commit`, the body the version's manifest `{file: {"size": N, "sha256": HEX}}` (the format of
-  `asyncgrpo_manifest.json`, sync/publish.py): each staged file is checked against it, and only if all match is the
-  staging directory fsynced and renamed to `--dir/{name}` (atomic). A mismatch answers 422 naming the file, and
-  removes the staging directory: nothing is written and nothing loaded. A version already committed with the same
-  manifest answers as the first time without writing (a retry is idempotent); with a different one, 409.
-- `POST /adapters/{name}/load`: load the committed `--dir/{name}` into vLLM as adapter `name` (nothing when vLLM
-  already serves it from there), and answer `{"path": P}`, the path vLLM reports for it (`GET /v1/models`).
-  404 when the version was never committed here (a new node): the trainer uploads it again.
-- `GET /adapters`: the committed versions (what the doctor uses to check the key); `GET /health`: 200, no key.
-
-Names and file names match `_NAME` (letters, digits, `.`, `_`, `-`, starting with a letter or digit: no `..`, no
-`/`), and every path is resolved and checked to lie inside `--dir` before use: the receiver never reads, writes or
-loads anything outside its directory. It keeps the directory bounded: after each load, committed versions vLLM no
-longer serves are deleted beyond the newest `--keep`.
+It never reads, writes or loads anything outside `--dir`, and keeps it bounded (`--keep`). Its routes, checks and
+refusals: docs/delivery.md.
 """
 
 from __future__ import annotations
@@ -46,7 +28,7 @@ from asyncgrpo.inference.client import InferenceClient
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME = "asyncgrpo_manifest.json"  # the same file name as sync/publish.py's (kept torch-free here)
+MANIFEST_NAME = "asyncgrpo_manifest.json"  # the same file name as store.py's (kept torch-free here)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHUNK = 1 << 20  # bytes read from the socket at a time
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a handful of files

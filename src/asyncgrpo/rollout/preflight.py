@@ -1,22 +1,10 @@
-"""`asyncgrpo doctor`: check every inference server and the adapter directory against a config, one line each.
+"""`asyncgrpo doctor`, and `train`'s check before its first step: every inference server and the adapter directory
+against a config, one line each.
 
     asyncgrpo doctor --config configs/demo.yaml --vllm_server_base_url http://10.0.0.5:8000
 
-The server checks live in inference/checks.py, one small function each returning a CheckResult (pass, fail with
-the fix, or skip with the reason); this module adds the adapter directory's and runs them all. `train` runs the same
-list on rank 0 before its first step (`require_healthy_setup`) and stops with every failure in one message:
-
-- reachable (`/health`), vLLM version (`/version`, >= 0.10.2 for exact token ids);
-- LoRA enabled, `--max-lora-rank >= lora_r`, `--max-loras` enough for the sync mode (`/server_info`, dev mode);
-- runtime adapter updating allowed (`/v1/load_lora_adapter` exists: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True);
-- dev mode when `sync_mode: pause` (`/is_paused` exists: VLLM_SERVER_DEV_MODE=1);
-- the served base model is the trainer's (same directory, else equal config.json, else the same name);
-- with `adapter_delivery: http`, each server's adapter receiver answers and accepts the API key;
-- the server reads what we write: a zero LoRA of rank `lora_r` with the served model's shapes is written under
-  `lora_adapter_path` (uploaded through the receiver with `http`), loaded under a unique name, read back, unloaded
-  and deleted;
-- not paused (`GET /is_paused`); `train` resumes a paused server itself and logs that it did.
-- the server applies no sampling defaults from the model's generation_config.json (`--generation-config vllm`).
+The server checks are in inference/checks.py; this module adds the adapter directory's and the probe adapter, runs
+them all, and for `train` (`require_healthy_setup`) first resumes a server left paused. docs/running.md lists them.
 """
 
 from __future__ import annotations
@@ -27,8 +15,17 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import torch
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import resolve_model_path
+from asyncgrpo.distributed import without_zero3_init
 from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.inference.checks import SERVER_CHECKS, CheckResult, ServerContext, check_receiver, paused_state, title
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.lora import with_lora
+from asyncgrpo.rollout.delivery import make_delivery
+from asyncgrpo.store import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +47,13 @@ def check_adapter_dir_writable(cfg) -> CheckResult:
 def write_probe_adapter(cfg, model_path: str, directory: Path) -> Path:
     """A zero LoRA (rank `lora_r`, `lora_target_modules`) with the shapes of `model_path`, built on the meta
     device (no weights read), written like a published version; returns its directory."""
-    import torch
+    # heavy: transformers and peft (seconds to import), needed only when a probe adapter is built
     from peft import get_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncgrpo.distributed import without_zero3_init
-    from asyncgrpo.lora import with_lora
-    from asyncgrpo.store import AdapterStore
-
     with torch.device("meta"), without_zero3_init():
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-        model, lora = with_lora(cfg, base)  # the trainer's own LoRA wrapping (policy.py)
+        model, lora = with_lora(cfg, base)  # the trainer's own LoRA wrapping (lora.py)
     tensors = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in get_peft_model_state_dict(model).items()}
     return AdapterStore(directory).write(0, tensors, lora, base_model=model_path)
 
@@ -74,8 +67,6 @@ def run_checks(cfg, clients, model_path: str) -> list[tuple[str, CheckResult]]:
     probe_root = None
     if results[0][1].ok:
         probe_root = Path(cfg.lora_adapter_path).resolve() / f"doctor-{uuid.uuid4().hex[:8]}"
-    from asyncgrpo.rollout.delivery import make_delivery
-
     delivery = make_delivery(cfg)  # http: the probe goes through each server's receiver, as versions will
     try:
         probe_dir = _probe(cfg, model_path, probe_root, results) if probe_root else None
@@ -157,10 +148,6 @@ def require_healthy_setup(cfg, clients, model_path: str) -> None:
 
 def run_doctor(args, overrides: list[str]) -> int:
     """`asyncgrpo doctor --config FILE [--key value ...]`: print one line per check; 1 if any failed."""
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.data import resolve_model_path
-    from asyncgrpo.inference.client import InferenceClient
-
     logging.basicConfig(level=logging.WARNING)
     cfg = AsyncGRPOConfig.load(args.config, overrides)
     clients = [InferenceClient(url, api_key=cfg.api_key, timeout_s=cfg.vllm_request_timeout, connect_retries=0)

@@ -1,4 +1,8 @@
-"""Rollout groups and the bounded, versioned queue between the producer and the trainer."""
+"""The bounded, versioned queue of scored rollout groups between the producer and the trainer.
+
+`take` hands the trainer a batch, oldest policy version first, never a group more than `max_staleness` versions behind
+it; it drops and counts those (and, with dynamic sampling, groups whose rewards are all equal).
+"""
 
 from __future__ import annotations
 

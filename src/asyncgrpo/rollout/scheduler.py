@@ -1,17 +1,10 @@
 """RolloutSchedule: what the producer may send, for which batch, at which policy version. One object, one lock.
 
-Why staleness stays bounded: batch k is first trained at step k * num_iterations, at trainer version
-V(k) = k * num_iterations // weight_sync_steps. A request whose group will land in batch b is only sent once the
-server serves a version >= V(b) - max_staleness (`version_needed`), and it is tagged with the version served when it
-was sent. So `max_staleness: 0` waits for every sync (synchronous on-policy GRPO) and `max_staleness: 1` generates
-batch k+1 while the trainer trains on batch k.
-
-Which batch a new request fills: every group sent and not yet taken by the trainer, dropped by the queue or lost with
-its request (`pending`: in flight or queued) fills the batches after the `batches_taken` already taken, in order; the
-new one comes after them. The queue reports what leaves it (`removed`), the producer what it sends (`claim`), what
-came back (`finished`) and what it lost (`lost`).
-
-Lock order: the queue calls `removed` with its own lock held; the schedule never calls the queue.
+A request whose group will land in batch b is sent only once the server serves a version close enough to the one
+batch b will be trained at (`version_needed`), and is tagged with the version served when it was sent. The queue
+reports what leaves it (`removed`), the producer what it sends (`claim`), what came back (`finished`) and what it
+lost (`lost`). Lock order: the queue calls `removed` with its own lock held; the schedule never calls the queue.
+Why this bounds staleness: docs/publish-internals.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Which inference server gets the next generation request: the one that is up with the fewest requests in flight;
 among equals, the next in round-robin order.
 
-What the rule guarantees (and what it does not):
-- A request never goes to a server with more requests in flight than another server that is up, so a server that is
-  up and has nothing in flight gets the next request (with k such servers, one of the next k). No server that answers
-  is starved: each answer lowers its count, and it gets new requests whenever it is the least loaded.
-- Equally loaded servers take turns, so equal servers share evenly.
-- A slower server holds its requests longer and so gets fewer new ones than a faster server; round robin would
-  instead pile requests on the slow one until it held nearly every slot the producer has. The rule does not promise
-  that a slow server finishes anything within a given time: a short run may end while it still holds its first
-  requests (what test_servers once wrongly asserted; it now checks that both servers received requests).
-- A server that is down (being recovered) gets nothing; if every server went down just now, the least loaded of
-  all gets the request, which is then lost and sent again (the producer waits for a server to be up before sending).
-
-Not thread-safe on its own: the producer calls it under the lock that guards its scheduling state.
+Not thread-safe on its own: the producer calls it under the lock that guards its scheduling state. What the rule
+guarantees (and what it does not): docs/running.md, "Several inference servers".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """What crosses the pipe between the trainer and its rollout process (rollout/process.py): batches in a compact
 binary form, and exceptions rebuilt with their type and message.
 
-A batch (`encode_groups`) is one `bytes`: a 4-byte length, a small pickled header (per group its prompt text, adapter
-name, finish reasons and reward-part names; the names, dtypes and lengths of the arrays), then flat little-endian
-numpy buffers: token ids as int32 with one length per sequence, the behaviour logprobs as float32 (what `collate`
-makes of them anyway), rewards, advantages and reward parts as float64 (a per-completion scalar costs nothing, and
-stays the exact Python float the scorer computed), versions and data indices as int64, masks as uint8. Nothing is
-pickled per token: a completion token costs 8 bytes (id + logprob), against ~13 in a pickled list of `Group`s of
-Python ints and floats (measured: 128 completions of 512 tokens, 536 KB against 873 KB; encoding ~3.5 ms in the
-rollout process, decoding ~3 ms in the trainer).
-
-An exception (`pack_exception`) travels as its class's module and qualified name, its args, its picklable
-attributes, its message and the child's formatted traceback. `rebuild_exception` gives back an instance of the same
-class with the same args, attributes and message, with the child's traceback as a note; where the class cannot be
-imported, or the rebuilt instance would not say the same thing, a `RolloutProcessError` carrying the original's type
-name, message and traceback instead.
+`encode_groups`/`decode_groups`: a small pickled header, then flat numpy buffers (nothing pickled per token).
+`pack_exception`/`rebuild_exception`: an instance of the same class with the same args and message, the child's
+traceback as a note, or a RolloutProcessError saying the same. The byte layout and its measured cost:
+docs/publish-internals.md.
 """
 
 from __future__ import annotations
