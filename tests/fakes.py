@@ -73,7 +73,7 @@ class FakeVLLM:
 
     Faults: `fail` maps a call ("load", or "load pol-v2" for one adapter) to the exception it raises once recorded;
     `misreport` is the path the read-back reports for every adapter; `on_load(server, name)` runs inside each load
-    (to hold it); the server is down (each call raises ServerUnreachableError, unrecorded) until `clock()` reaches
+    and `on_health(server)` inside each health check (to hold them); the server is down (each call raises ServerUnreachableError, unrecorded) until `clock()` reaches
     `back_at`, for good when `back_at` is None; `crash(back_at)` restarts it knowing no adapters; `restart_on` and
     `lose_answer_of` name the call ("load p-v2") at which it restarts (back `restart_s` later) or acts but loses the
     answer; `hold=True` keeps each generation request until `release()` lets it through. Like vLLM, a load of a name it
@@ -82,7 +82,8 @@ class FakeVLLM:
 
     def __init__(self, url: str = "http://fake:8000", *, clock: Callable[[], float] | None = None,
                  back_at: float | None = 0.0, fail: dict | None = None, misreport: str | None = None,
-                 on_load: Callable[[FakeVLLM, str], None] | None = None, strict: bool = True, hold: bool = False,
+                 on_load: Callable[[FakeVLLM, str], None] | None = None,
+                 on_health: Callable[[FakeVLLM], object] | None = None, strict: bool = True, hold: bool = False,
                  lora: dict | None = None, dev_mode: bool = True, lora_updating: bool = True,
                  vllm_version: str = "0.32.0", root: str = "/models/m", paused: bool = False,
                  logprobs_mode: str = "processed_logprobs", processed_scale: float = 2.0):
@@ -91,7 +92,7 @@ class FakeVLLM:
         self.back_at = back_at
         self.fail = fail or {}
         self.misreport = misreport
-        self.on_load = on_load
+        self.on_load, self.on_health = on_load, on_health
         self.strict = strict
         self.restart_on: str | None = None
         self.restart_s = 3.0
@@ -144,6 +145,8 @@ class FakeVLLM:
     # ---- what the publisher and the recovery call --------------------------------------------------------------------
     def health(self) -> bool:
         self.health_polls.append(self.clock())
+        if self.on_health is not None:
+            self.on_health(self)
         return self.up()
 
     def pause(self, mode="keep"):

@@ -1,27 +1,20 @@
 """One outage, many failed requests: two WARNING lines (down, back), the second with the count of failed calls, not
-one line per request. Fake servers (a real outage's request count is timing)."""
+one line per request. tests/fakes.py's `FakeVLLM` (a real outage's request count is timing)."""
 
 import logging
 import threading
 import time
 
-from asyncgrpo.errors import ServerUnreachableError, SyncError
+from fakes import FakeVLLM
+
+from asyncgrpo.errors import SyncError
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rollout.publish import AdapterPublisher
 
 
-class SlowToReturn:
-    base_url = "http://node:8000"
-
-    def __init__(self):
-        self.release = threading.Event()
-
-    def health(self):
-        return self.release.wait(30)
-
-
 def test_an_outage_is_logged_once_down_and_once_back_with_the_number_of_failed_calls(caplog):
-    server = SlowToReturn()
+    release = threading.Event()
+    server = FakeVLLM("http://node:8000", on_health=lambda s: release.wait(30))  # back once the test releases it
     recovery = ServerRecovery(60)
     threads = [threading.Thread(target=recovery.recover, args=(server, 0, OSError("refused"))) for _ in range(5)]
     with caplog.at_level(logging.WARNING, logger="asyncgrpo"):
@@ -31,7 +24,7 @@ def test_an_outage_is_logged_once_down_and_once_back_with_the_number_of_failed_c
         while recovery._failed_calls.get(server.base_url, 0) < 5:  # every request has reported its failure
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        server.release.set()
+        release.set()
         for t in threads:
             t.join(30)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -41,16 +34,7 @@ def test_an_outage_is_logged_once_down_and_once_back_with_the_number_of_failed_c
 
 
 def test_a_sync_that_failed_on_a_dead_server_does_not_claim_it_still_serves(tmp_path):
-    class Dead:
-        base_url = "http://dead:8000"
-
-        def load_adapter(self, name, path, inplace=False):
-            raise ServerUnreachableError("load_adapter: cannot reach http://dead:8000")
-
-        def unload_adapter(self, name):
-            raise ServerUnreachableError("unload_adapter: cannot reach http://dead:8000")
-
-    publisher = AdapterPublisher([Dead()], "run")
+    publisher = AdapterPublisher([FakeVLLM("http://dead:8000", back_at=None)], "run")  # down for good
     try:
         publisher.publish(1, tmp_path)
     except SyncError as exc:
