@@ -235,7 +235,7 @@ class InferenceClient:
         """Sample `n` completions of one tokenized prompt with `model` (base model or adapter name).
 
         Returns them in choice order, each with its exact token ids and one logprob per token.
-        A per-request `seed` can crash the CPU engine under chunked prefill: see NOTES.md before using it.
+        A per-request `seed` can crash the CPU engine under chunked prefill: see docs/cpu-hosts.md, "Seeded requests".
         """
         body: dict[str, Any] = {
             "model": model,

@@ -129,7 +129,7 @@ class VLLMServer:
         ]  # fmt: skip
         if self.max_num_batched_tokens is not None:
             # Requests that carry their own seed crash the CPU engine when their prompt is chunk-prefilled:
-            # keep this >= (requests in flight) x (prompt + completion tokens) when seeding (NOTES.md).
+            # keep this >= (requests in flight) x (prompt + completion tokens) when seeding (docs/cpu-hosts.md).
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.max_num_seqs is not None:  # None: vLLM's own default (see MAX_NUM_SEQS)
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
