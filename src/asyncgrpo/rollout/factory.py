@@ -1,5 +1,7 @@
-"""Where rank 0's rollout side runs: in this process, in a child it spawns, or in an `asyncgrpo rollout-serve` it
-connects to. `open_rollout_side` is the one call the trainer makes; all three forms implement RolloutInterface."""
+"""Where rank 0's rollout side runs: in this process (RolloutSide), in a child it spawns, or in an
+`asyncgrpo rollout-serve` it connects to (both RolloutProcess, with a ChildPeer or a RemotePeer).
+`open_rollout_side` is the one call the trainer makes; every form implements RolloutInterface.
+"""
 
 from __future__ import annotations
 

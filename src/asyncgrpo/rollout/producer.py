@@ -1,24 +1,9 @@
 """RolloutProducer: on rank 0, in the background, keeps generation requests in flight and fills the queue.
 
-Scheduling: what may be sent, for which batch, at which version is the `RolloutSchedule` (rollout/scheduler.py, its
-own lock); the producer asks it for each request (`claim`) and tells it what came back. The queue drops whatever
-still arrives too old (e.g. after an aborted request), and the producer refills.
-
-Servers: each request goes to the server that is up with the fewest requests in flight, ties in round-robin order
-(rollout/servers.py says what that guarantees), counted here under the producer's lock.
-
-Faults: a request whose server stops answering loses its generation (counted in `lost_groups`); its prompt is sent
-again, before any new one, to a server that is up (counted in `resent_groups`), so no prompt of the data order is
-skipped. The server is recovered in the background (inference/recovery.py: wait up to `vllm_server_timeout`,
-re-register the current adapter) and gets no request until it is back. One that never returns fails the run with
-the server's name. A request aborted by a sync (`sync_pause_mode: abort`) is lost and sent again the same way.
-A server that answers that the request's adapter does not exist has restarted (a restarted vLLM knows no adapters
-until recovery registers them; a request's connection retries can reach it before that, or it restarted between two
-requests): the same, unless it says so again right after its recovery registered the adapter (`_adapter_missing`).
-
-Stopping: the first failure stops the producer on the spot (no request is sent after it) and hands the error to the
-trainer through the queue. `stop()` does not wait for requests still in flight: each runs on a daemon thread of
-its own, whose answer is discarded, so a failed run exits at once instead of after up to `vllm_request_timeout`.
+What may be sent, for which batch, at which version is the RolloutSchedule's (rollout/scheduler.py); each request
+goes to the least-loaded server that is up (rollout/servers.py). A request lost to a server fault or a sync's abort
+is counted and its prompt sent again before any new one, while inference/recovery.py brings the server back. The
+first failure stops the producer and reaches the trainer through the queue. Fault rules: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
