@@ -12,47 +12,18 @@ from __future__ import annotations
 import threading
 
 import pytest
+from fakes import FakeVLLM
 
 from asyncgrpo.errors import InferenceServerError, SyncError
 from asyncgrpo.rollout.publish import AdapterPublisher
 
 
-class Server:
-    """Records every call in order; `fail` maps a call name to the exception it raises; `misreport` makes the
-    read-back report this path for every adapter."""
+class Server(FakeVLLM):
+    """The fake vLLM of tests/fakes.py at http://a:8000: records every call in order, `fail` maps a call name to the
+    exception it raises, `misreport` makes the read-back report this path for every adapter."""
 
-    def __init__(self, url: str = "http://a:8000", fail: dict | None = None, misreport: str | None = None):
-        self.base_url = url
-        self.calls: list[tuple] = []
-        self.served: dict[str, str] = {}
-        self.fail = fail or {}
-        self.misreport = misreport
-
-    def _call(self, *call):
-        self.calls.append(call)
-        if call[0] in self.fail:
-            raise self.fail[call[0]]
-
-    def pause(self, mode="keep"):
-        self._call("pause", mode)
-
-    def resume(self):
-        self._call("resume")
-
-    def reset_prefix_cache(self):
-        self._call("reset")
-
-    def load_adapter(self, name, path, inplace=False):
-        self._call("load", name)
-        self.served[name] = path
-
-    def unload_adapter(self, name):
-        self._call("unload", name)
-        self.served.pop(name, None)
-
-    def adapter_paths(self):
-        self.calls.append(("read",))
-        return {n: (self.misreport or p) for n, p in self.served.items()}
+    def __init__(self, url: str = "http://a:8000", **faults):
+        super().__init__(url, **faults)
 
 
 def versions(tmp_path, n: int):
@@ -60,6 +31,28 @@ def versions(tmp_path, n: int):
     for p in paths:
         p.mkdir()
     return paths
+
+
+def serving_v1(tmp_path, *servers, **options):
+    """An AdapterPublisher ("pol") for `servers` that has published version 1, the servers' calls cleared since;
+    returns it with the directories of versions 1 and 2."""
+    v1, v2 = versions(tmp_path, 2)
+    publisher = AdapterPublisher(list(servers), "pol", adapter_root=tmp_path, **options)
+    publisher.publish(1, v1)
+    for server in servers:
+        server.calls.clear()
+    return publisher, v1, v2
+
+
+def failed_sync(tmp_path, call: str, error: Exception):
+    """Version 2's sync on one Server serving version 1, with its `call` ("load", "reset", ...) raising `error`:
+    (the server, the publisher, what the SyncError says)."""
+    server = Server()
+    publisher, _, v2 = serving_v1(tmp_path, server)
+    server.fail[call] = error
+    with pytest.raises(SyncError) as err:
+        publisher.publish(2, v2)
+    return server, publisher, str(err.value)
 
 
 def test_the_first_version_is_loaded_without_a_pause_then_read_back(tmp_path):
@@ -72,11 +65,8 @@ def test_the_first_version_is_loaded_without_a_pause_then_read_back(tmp_path):
 
 
 def test_a_new_version_is_loaded_between_pause_and_resume_with_the_cache_reset_then_read_back(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
     server = Server()
-    publisher = AdapterPublisher([server], "pol", pause_mode="abort", adapter_root=tmp_path)
-    publisher.publish(1, v1)
-    server.calls.clear()
+    publisher, _, v2 = serving_v1(tmp_path, server, pause_mode="abort")
     timing = publisher.publish(2, v2)
     assert server.calls == [("pause", "abort"), ("load", "pol-v2"), ("reset",), ("resume",), ("read",)]
     assert publisher.current_name == "pol-v2" and set(publisher.loaded) == {"pol-v1", "pol-v2"}
@@ -94,38 +84,22 @@ def test_versioned_mode_never_pauses(tmp_path):
 
 
 def test_a_failed_load_still_resumes_the_server_and_keeps_the_previous_version(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
-    server = Server()
-    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
-    publisher.publish(1, v1)
-    server.calls.clear()
-    server.fail["load"] = InferenceServerError("rank 64 > max_lora_rank", status=400)
-    with pytest.raises(SyncError) as err:
-        publisher.publish(2, v2)
+    refusal = InferenceServerError("rank 64 > max_lora_rank", status=400)
+    server, publisher, err = failed_sync(tmp_path, "load", refusal)
     assert server.calls == [("pause", "keep"), ("load", "pol-v2"), ("resume",)]
-    assert "http://a:8000" in str(err.value) and "still serves pol-v1" in str(err.value)
+    assert "http://a:8000" in err and "still serves pol-v1" in err
     assert publisher.current_name == "pol-v1" and set(publisher.loaded) == {"pol-v1"}
 
 
 def test_a_failed_cache_reset_unloads_the_new_version_and_still_resumes(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
-    server = Server()
-    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
-    publisher.publish(1, v1)
-    server.calls.clear()
-    server.fail["reset"] = InferenceServerError("reset failed", status=500)
-    with pytest.raises(SyncError):
-        publisher.publish(2, v2)
+    server, publisher, _ = failed_sync(tmp_path, "reset", InferenceServerError("reset failed", status=500))
     assert server.calls == [("pause", "keep"), ("load", "pol-v2"), ("reset",), ("unload", "pol-v2"), ("resume",)]
-    assert server.served == {"pol-v1": str(v1.resolve())} and publisher.current_name == "pol-v1"
+    assert server.served == {"pol-v1": str(publisher.loaded["pol-v1"])} and publisher.current_name == "pol-v1"
 
 
 def test_an_interrupt_between_pause_and_resume_still_resumes(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
     server = Server()
-    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
-    publisher.publish(1, v1)
-    server.calls.clear()
+    publisher, _, v2 = serving_v1(tmp_path, server)
     server.fail["load"] = KeyboardInterrupt()  # not an Exception: only `finally` catches it
     with pytest.raises(KeyboardInterrupt):
         publisher.publish(2, v2)
@@ -134,10 +108,8 @@ def test_an_interrupt_between_pause_and_resume_still_resumes(tmp_path):
 
 @pytest.mark.parametrize("mode", ["pause", "versioned"])
 def test_a_read_back_at_another_path_fails_the_sync_and_unloads_the_new_version(tmp_path, mode):
-    v1, v2 = versions(tmp_path, 2)
     server = Server()
-    publisher = AdapterPublisher([server], "pol", sync_mode=mode, adapter_root=tmp_path)
-    publisher.publish(1, v1)
+    publisher, v1, v2 = serving_v1(tmp_path, server, sync_mode=mode)
     server.misreport = str(v1.resolve())  # the server says the new name serves the old directory
     server.calls.clear()
     with pytest.raises(SyncError) as err:
@@ -201,10 +173,8 @@ def test_retire_keeps_the_current_version_and_every_version_a_request_still_uses
 
 
 def test_retire_stops_on_a_server_error_other_than_not_found(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
     server = Server()
-    publisher = AdapterPublisher([server], "pol", sync_mode="versioned", adapter_root=tmp_path)
-    publisher.publish(1, v1)
+    publisher, _, v2 = serving_v1(tmp_path, server, sync_mode="versioned")
     publisher.publish(2, v2)
     server.fail["unload"] = InferenceServerError("internal error", status=500)
     with pytest.raises(InferenceServerError):
@@ -266,10 +236,8 @@ def test_timings_are_the_slowest_server_s_and_the_sync_lasts_as_long_as_that_ser
 
 
 def test_a_read_back_failure_names_the_directory_that_was_loaded(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
     server = Server()
-    publisher = AdapterPublisher([server], "pol", sync_mode="versioned", adapter_root=tmp_path)
-    publisher.publish(1, v1)
+    publisher, v1, v2 = serving_v1(tmp_path, server, sync_mode="versioned")
     server.misreport = str(v1.resolve())
     with pytest.raises(SyncError) as err:
         publisher.publish(2, v2)
@@ -291,10 +259,8 @@ def test_a_corrupt_first_version_says_no_adapter_is_served(tmp_path):
 
 
 def test_a_sync_after_a_halt_is_not_started_and_says_why(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
     server = Server()
-    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
-    publisher.publish(1, v1)
+    publisher, _, v2 = serving_v1(tmp_path, server)
     publisher.halt()
     server.calls.clear()
     with pytest.raises(SyncError) as err:
@@ -304,14 +270,8 @@ def test_a_sync_after_a_halt_is_not_started_and_says_why(tmp_path):
 
 
 def test_a_pause_that_fails_is_undone_at_once_and_not_left_for_halt(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
-    server = Server()
-    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
-    publisher.publish(1, v1)
-    server.calls.clear()
-    server.fail["pause"] = InferenceServerError("pause timed out", status=None)  # it may have paused anyway
-    with pytest.raises(SyncError):
-        publisher.publish(2, v2)
+    timeout = InferenceServerError("pause timed out", status=None)  # it may have paused anyway
+    server, publisher, _ = failed_sync(tmp_path, "pause", timeout)
     assert server.calls == [("pause", "keep"), ("resume",)]
     assert publisher.halt() == []  # nothing is recorded as paused any more
 
@@ -322,13 +282,7 @@ def test_a_halt_after_syncs_that_ended_waits_for_no_pause_call(tmp_path, monkeyp
     from asyncgrpo.rollout import publish as publish_module
 
     monkeypatch.setattr(publish_module, "HALT_WAIT_S", 600.0)
-    v1, v2 = versions(tmp_path, 2)
-    server = Server()
-    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
-    publisher.publish(1, v1)
-    server.fail["pause"] = InferenceServerError("pause timed out", status=None)
-    with pytest.raises(SyncError):
-        publisher.publish(2, v2)
+    _, publisher, _ = failed_sync(tmp_path, "pause", InferenceServerError("pause timed out", status=None))
     halting = threading.Thread(target=publisher.halt, name="test-halt", daemon=True)
     halting.start()
     halting.join(15.0)  # a liveness bound: a pause counted as still on its way makes halt() wait its 600 s
@@ -336,15 +290,9 @@ def test_a_halt_after_syncs_that_ended_waits_for_no_pause_call(tmp_path, monkeyp
 
 
 def test_a_resume_that_fails_says_the_server_may_still_be_paused_and_how_to_resume_it(tmp_path):
-    v1, v2 = versions(tmp_path, 2)
-    server = Server()
-    publisher = AdapterPublisher([server], "pol", adapter_root=tmp_path)
-    publisher.publish(1, v1)
-    server.fail["resume"] = InferenceServerError("HTTP 500", status=500)
-    with pytest.raises(SyncError) as err:
-        publisher.publish(2, v2)
+    *_, err = failed_sync(tmp_path, "resume", InferenceServerError("HTTP 500", status=500))
     assert ("HTTP 500\n  The server http://a:8000 may still be paused: resume it by hand with "
-            "`curl -X POST http://a:8000/resume` (POST /resume)") in str(err.value)
+            "`curl -X POST http://a:8000/resume` (POST /resume)") in err
 
 
 def test_a_halt_during_a_load_resumes_the_server_and_the_sync_still_finishes(tmp_path):

@@ -10,57 +10,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from fakes import FakeVLLM
 
 from asyncgrpo.errors import InferenceServerError, SyncError
 from asyncgrpo.rollout.publish import AdapterPublisher
 
 WAIT_S = 10.0  # the longest any fake waits for the others; a sequential publisher fails after this, never hangs
-
-
-class Server:
-    """Records its calls; `on_load` runs inside each load (to block there); `fail` maps a call to its exception;
-    `misreport` makes the read-back report this path for every adapter. Tracks whether it is paused."""
-
-    def __init__(self, url: str, on_load=None, fail: dict | None = None, misreport: str | None = None):
-        self.base_url = url
-        self.on_load = on_load
-        self.fail = fail or {}
-        self.misreport = misreport
-        self.calls: list[tuple] = []
-        self.served: dict[str, str] = {}
-        self.paused = False
-        self.paused_event = threading.Event()
-
-    def _call(self, *call):
-        self.calls.append(call)
-        if call[0] in self.fail:
-            raise self.fail[call[0]]
-
-    def pause(self, mode="keep"):
-        self._call("pause", mode)
-        self.paused = True
-        self.paused_event.set()
-
-    def resume(self):
-        self._call("resume")
-        self.paused = False
-
-    def reset_prefix_cache(self):
-        self._call("reset")
-
-    def load_adapter(self, name, path, inplace=False):
-        self._call("load", name)
-        if self.on_load is not None:
-            self.on_load(self, name)
-        self.served[name] = path
-
-    def unload_adapter(self, name):
-        self._call("unload", name)
-        self.served.pop(name, None)
-
-    def adapter_paths(self):
-        self.calls.append(("read",))
-        return {n: (self.misreport or p) for n, p in self.served.items()}
 
 
 def versions(tmp_path, n: int):
@@ -79,7 +34,7 @@ def meet(barrier: threading.Barrier):
 def test_every_server_is_inside_its_load_at_the_same_time(tmp_path, mode):
     v1, v2 = versions(tmp_path, 2)
     barrier = threading.Barrier(3)
-    servers = [Server(f"http://{h}:8000", on_load=meet(barrier)) for h in "abc"]
+    servers = [FakeVLLM(f"http://{h}:8000", on_load=meet(barrier)) for h in "abc"]
     publisher = AdapterPublisher(servers, "pol", sync_mode=mode, adapter_root=tmp_path)
     publisher.publish(1, v1)  # the first version: loaded without a pause
     publisher.publish(2, v2)  # sequentially, the first server's load would wait for the others and time out
@@ -100,7 +55,7 @@ def test_one_failure_among_three_concurrent_servers_takes_the_version_off_the_ot
         if server.base_url == "http://b:8000" and name == "pol-v2":
             raise refusal
 
-    servers = [Server(f"http://{h}:8000", on_load=meet_then_refuse) for h in "abc"]
+    servers = [FakeVLLM(f"http://{h}:8000", on_load=meet_then_refuse) for h in "abc"]
     publisher = AdapterPublisher(servers, "pol", adapter_root=tmp_path)
     publisher.publish(1, v1)
     with pytest.raises(SyncError) as err:
@@ -120,9 +75,9 @@ def test_one_failure_among_three_concurrent_servers_takes_the_version_off_the_ot
 
 def test_two_failures_are_both_named(tmp_path):
     (v1,) = versions(tmp_path, 1)
-    servers = [Server("http://a:8000"),
-               Server("http://b:8000", fail={"load": InferenceServerError("no room at b", status=400)}),
-               Server("http://c:8000", fail={"load": InferenceServerError("no room at c", status=400)})]
+    servers = [FakeVLLM("http://a:8000"),
+               FakeVLLM("http://b:8000", fail={"load": InferenceServerError("no room at b", status=400)}),
+               FakeVLLM("http://c:8000", fail={"load": InferenceServerError("no room at c", status=400)})]
     with pytest.raises(SyncError) as err:
         AdapterPublisher(servers, "pol", adapter_root=tmp_path).publish(1, v1)
     message = str(err.value)
@@ -132,7 +87,7 @@ def test_two_failures_are_both_named(tmp_path):
 
 def test_a_read_back_failure_on_one_server_fails_the_sync_on_all(tmp_path):
     v1, v2 = versions(tmp_path, 2)
-    servers = [Server("http://a:8000"), Server("http://b:8000"), Server("http://c:8000")]
+    servers = [FakeVLLM("http://a:8000"), FakeVLLM("http://b:8000"), FakeVLLM("http://c:8000")]
     publisher = AdapterPublisher(servers, "pol", adapter_root=tmp_path)
     publisher.publish(1, v1)
     servers[2].misreport = str(v1.resolve())  # c says the new name serves the old directory
@@ -146,7 +101,7 @@ def test_a_read_back_failure_on_one_server_fails_the_sync_on_all(tmp_path):
 
 def test_an_interrupt_in_one_server_s_sync_propagates_after_the_others_drop_the_version(tmp_path):
     v1, v2 = versions(tmp_path, 2)
-    servers = [Server("http://a:8000"), Server("http://b:8000")]
+    servers = [FakeVLLM("http://a:8000"), FakeVLLM("http://b:8000")]
     publisher = AdapterPublisher(servers, "pol", adapter_root=tmp_path)
     publisher.publish(1, v1)
     servers[1].fail["load"] = KeyboardInterrupt()  # not an Exception: it is raised as it is, not wrapped
@@ -159,7 +114,7 @@ def test_an_interrupt_in_one_server_s_sync_propagates_after_the_others_drop_the_
 def test_halt_during_a_concurrent_sync_resumes_every_paused_server(tmp_path):
     v1, v2 = versions(tmp_path, 2)
     release = threading.Event()
-    servers = [Server(f"http://{h}:8000", on_load=lambda s, n: n == "pol-v1" or release.wait(WAIT_S))
+    servers = [FakeVLLM(f"http://{h}:8000", on_load=lambda s, n: n == "pol-v1" or release.wait(WAIT_S))
                for h in "ab"]
     publisher = AdapterPublisher(servers, "pol", adapter_root=tmp_path)
     publisher.publish(1, v1)
@@ -190,7 +145,7 @@ def test_servers_are_paused_at_the_same_time(tmp_path):
     v1, v2 = versions(tmp_path, 2)
     barrier = threading.Barrier(2)
 
-    class MeetingInPause(Server):
+    class MeetingInPause(FakeVLLM):
         def pause(self, mode="keep"):
             super().pause(mode)
             barrier.wait(WAIT_S)  # `wait` mode can hold a pause for as long as the requests it waits for
@@ -206,7 +161,7 @@ def test_a_halt_while_a_pause_is_on_its_way_resumes_after_the_pause_has_landed(t
     v1, v2 = versions(tmp_path, 2)
     land = threading.Event()
 
-    class SlowPause(Server):
+    class SlowPause(FakeVLLM):
         def __init__(self, url):
             super().__init__(url)
             self.entered = threading.Event()
