@@ -25,7 +25,7 @@ bench: setup
 	$(VENV)/bin/asyncgrpo bench throughput --json --plot docs/throughput.png
 	$(VENV)/bin/asyncgrpo bench memory --json
 
-# Mutation testing of loss.py, rollout/, sync/ and checkpoint.py against the unit tests; one JSON line
+# Mutation testing of the core rules (trainer/ loss, logprobs, gather, checkpoint, batching; rollout/; the store) against the unit tests; one JSON line
 # (docs/testing.md: the figure and every surviving mutant). About 20-30 minutes on 2 cores; not part of CI.
 mutate: setup
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[mutate]"

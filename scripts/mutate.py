@@ -1,4 +1,4 @@
-"""`make mutate`: mutation testing of the core rules (trainer/, rollout/, contracts, store) against the unit tests.
+"""`make mutate`: mutation testing of the core rules (pyproject.toml [tool.mutmut] lists the files) against the unit tests.
 
 Runs mutmut ([tool.mutmut] in pyproject.toml) and prints one JSON line: mutants killed, survived or timed out, per
 module, and the survivors by name (`mutmut show NAME` prints the diff). Not part of CI; docs/testing.md: the figure.
@@ -39,6 +39,7 @@ def run_mutmut(patterns: list[str], children: int) -> None:
 
 
 def summarise(wall_s: float | None) -> dict:
+    # optional extra: mutmut comes with `.[mutate]`, which `make mutate` installs just before running this
     from mutmut import __version__
     from mutmut.stats import status_by_exit_code
 
