@@ -1,12 +1,9 @@
 """The rollout side's interface as the trainer uses it: versions published in order on one background thread, a failed
 publish raised by the next call, `take` handing the trainer's version to the queue, `close` waiting for the publish in
 progress and unloading every version but the kept final one, `halt` reaching the publisher; and what it reports
-(`stats` against counters and a clock the test sets, `log`, each sync's timings).
-
-Generation goes to the in-process HTTP stub (tests/unit/rollout/conftest.py) with a real producer, queue and scorer.
-The adapter servers the publisher talks to are recording Python fakes (no HTTP), as in tests/unit/sync: a load held
-until the test lets it go, or failing on demand, is what a real vLLM server cannot be made to do. The whole side
-against a real server runs in every integration test that trains (tests/integration/test_servers.py and others).
+(`stats`, `log`, each sync's timings). Generation goes to the in-process HTTP stub (conftest.py) with a real producer,
+queue and scorer; the adapter servers are recording fakes (a load held or failing on demand, which a real vLLM server
+cannot be made to do). The whole side against a real server runs in every integration test that trains.
 """
 
 from __future__ import annotations
@@ -331,6 +328,15 @@ def test_publish_returns_the_seconds_it_waited_before_handing_over_and_logs_the_
     (timing,) = timings
     assert side.writer.scalars == [("sync/write_s", 0.25, 7), ("sync/server_s", timing.server_s, 7),
                                    ("sync/paused_s", timing.paused_s, 7), ("sync/load_s", timing.load_s, 7)]
+
+
+def test_the_sync_timings_go_through_the_sides_one_log_method(side_on_stub):
+    side, _ = side_on_stub()
+    logged = []
+    side.log = lambda values, step: logged.append((sorted(values), step))
+    side.publish(0, tensors(0), step=4, wait=True)
+    assert logged == [(["sync/load_s", "sync/paused_s", "sync/server_s", "sync/write_s"], 4)]
+    assert side.writer.scalars == []  # nothing written past it
 
 
 def test_a_published_version_names_the_resolved_model_path_as_its_base_model(side_on_stub, tmp_path):
