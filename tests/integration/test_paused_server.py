@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from integration.held_sync import REPO, held_sync, is_paused, train
+from integration.runs import REPO, held_sync, is_paused, run_adapters, train
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
@@ -54,9 +54,8 @@ def test_train_resumes_a_server_a_previous_run_left_paused_and_logs_it(vllm_serv
             f"this run resumed it (POST /resume) to use it") in log
     # Leftovers: of the versions it loaded, a finished run leaves only the final one (keep_final_adapter: true).
     summary = json.loads((tmp_path / "run_summary.json").read_text())
-    run_prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
     with InferenceClient(url) as client:
-        mine = {n for n in client.adapter_paths() if n.startswith(run_prefix)}
+        mine = set(run_adapters(client, summary))
     assert summary["adapter_left_loaded"] == summary["adapter_name"]
     assert mine == {summary["adapter_name"]} and summary["version"] == 2
     assert all(oct(p.stat().st_mode & 0o777) == "0o644" for p in Path(summary["adapter_path"]).iterdir())

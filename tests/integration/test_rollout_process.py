@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-from integration.held_sync import REPO, held_sync, is_paused, train
+from integration.runs import REPO, held_sync, is_paused, module_run, run_adapters, train
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.config import ROLLOUT_KEY_ENV
@@ -38,12 +37,8 @@ def _child_pid(log: str) -> int:
     return int(found[0])
 
 
-@pytest.fixture(scope="module")
-def two_process_run(world, train_two_processes, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rollout-process")
-    summary, proc = train_two_processes(out, "--rollout_process", "true", "--max_steps", "3",
-                                        "--per_device_train_batch_size", "32", "--learning_rate", "5e-3")
-    return out, summary, proc
+two_process_run = module_run("rollout-process", "--rollout_process", "true", "--max_steps", "3",
+                             "--per_device_train_batch_size", "32", "--learning_rate", "5e-3")
 
 
 def test_a_run_with_its_rollout_side_in_a_child_process_trains_and_publishes(two_process_run, client, tb_scalars):
@@ -55,10 +50,8 @@ def test_a_run_with_its_rollout_side_in_a_child_process_trains_and_publishes(two
     child = _child_pid(proc.stderr)  # rank 0 logs the pid it spawned; the child logs its own and its parent's
     assert re.search(rf"\[rollout\] .* rollout side started in process {child} \(parent \d+\)", proc.stderr)
     # close(keep_final=True) went through the pipe: the final version alone stays loaded.
-    served = client.adapter_paths()
-    assert served[summary["adapter_name"]] == summary["adapter_path"]
-    run_prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
-    assert [n for n in served if n.startswith(run_prefix)] == [summary["adapter_name"]]
+    assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
+    assert run_adapters(client, summary) == [summary["adapter_name"]]
 
 
 def test_no_rollout_process_outlives_the_run(two_process_run):
@@ -169,10 +162,8 @@ def test_a_run_trains_with_its_rollout_side_served_by_rollout_serve_which_exits_
     assert len(staleness) == 3 and all(0 <= s <= 1 for s in staleness)  # batches carried their versions back
     assert not (out / "tensorboard").exists()
     # close(keep_final=True) went over the connection: the final version alone stays loaded.
-    served = client.adapter_paths()
-    assert served[summary["adapter_name"]] == summary["adapter_path"]
-    run_prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
-    assert [n for n in served if n.startswith(run_prefix)] == [summary["adapter_name"]]
+    assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
+    assert run_adapters(client, summary) == [summary["adapter_name"]]
 
 
 def test_sigterm_on_the_trainer_reaches_rollout_serve_which_resumes_a_paused_server_and_exits_1(vllm_server,

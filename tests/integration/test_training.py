@@ -5,19 +5,15 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch
+from integration.runs import module_run
 from safetensors.torch import load_file
 
 PROMPT = [3 + b for b in b"23+19="]
 
 
-@pytest.fixture(scope="module")
-def two_process_run(world, train_two_processes, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    summary, proc = train_two_processes(out, "--max_steps", "4", "--per_device_train_batch_size", "32",
-                                        "--max_staleness", "1", "--learning_rate", "5e-3")
-    return out, summary, proc
+two_process_run = module_run("ddp", "--max_steps", "4", "--per_device_train_batch_size", "32",
+                             "--max_staleness", "1", "--learning_rate", "5e-3")
 
 
 def test_two_processes_train_and_publish_every_step(two_process_run, client, tb_scalars):
@@ -51,8 +47,8 @@ def test_reward_workers_score_a_two_process_run_and_stop_with_it(train_two_proce
     """`reward_workers: 2`: rank 0 scores in two spawned worker processes; the run trains, logs its rewards, and
     leaves no worker behind."""
     _, proc = train_two_processes(tmp_path, "--max_steps", "3", "--per_device_train_batch_size", "32",
-                                  "--reward_workers", "2", "--reward_funcs", "[asyncgrpo.toy.task:slow_larger_reward]",
-                                  "--reward_kwargs", "{slow_larger_reward: {ms_per_completion: 1}}")
+                             "--reward_workers", "2", "--reward_funcs", "[asyncgrpo.toy.task:slow_larger_reward]",
+                             "--reward_kwargs", "{slow_larger_reward: {ms_per_completion: 1}}")
     (pids,) = re.findall(r"reward scoring in 2 worker processes \(pids (\d+ \d+)\)", proc.stderr)  # rank 0 only
     rewards = [v for _, v in tb_scalars(tmp_path / "tensorboard", "reward/mean")]
     assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards) and max(rewards) > 0.0

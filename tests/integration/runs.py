@@ -1,11 +1,11 @@
-"""Holding a trainer's weight sync at a known point, for the tests that signal or kill it there, with no test hook
-in the product: `HoldingProxy` stands between the trainer and the session's vLLM server, and `held_sync` runs a
-trainer through it up to that point.
+"""Running the trainer in the integration tests: one 2-process run shared by a module's tests (`two_process_run`),
+a single process (`train`), and a weight sync held at a known point (`HoldingProxy`, `held_sync`), for the tests that
+signal or kill the trainer there with no test hook in the product.
 
-The proxy forwards every call unchanged, except the first `POST /v1/load_lora_adapter` sent while the server is
-paused (a `pause` sync's load): it holds that one, with the server really paused, until a `POST /resume` has gone
-through (the trainer's halt), `release()` or HOLD_MAX_S, then answers 500 without passing it on, so the held version
-is never loaded. Standard library only: a thread per connection, a fresh upstream connection per call.
+`HoldingProxy` forwards every call to the session's vLLM server unchanged, except the first
+`POST /v1/load_lora_adapter` sent while the server is paused (a `pause` sync's load): it holds that one, the server
+really paused, until a `POST /resume` has gone through (the trainer's halt), `release()` or HOLD_MAX_S, then answers
+500 without passing it on, so the held version is never loaded. Standard library only.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Self
+
+import pytest
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
@@ -134,6 +136,25 @@ def _handler(proxy: HoldingProxy) -> type[BaseHTTPRequestHandler]:
             """Quiet: the trainer's own log says what it sent."""
 
     return Handler
+
+
+def module_run(name: str, *overrides: str):
+    """A module-scoped fixture named `two_process_run`: one `train_two_processes(out, *overrides)` run, shared by the
+    module's tests as (out, run summary, finished process)."""
+
+    @pytest.fixture(scope="module", name="two_process_run")
+    def run(world, train_two_processes, tmp_path_factory):
+        out = tmp_path_factory.mktemp(name)
+        summary, proc = train_two_processes(out, *overrides)
+        return out, summary, proc
+
+    return run
+
+
+def run_adapters(client: InferenceClient, summary: dict) -> list[str]:
+    """The adapters of `summary`'s run that the server still serves."""
+    prefix = summary["adapter_name"].rsplit("-v", 1)[0] + "-v"
+    return [n for n in client.adapter_paths() if n.startswith(prefix)]
 
 
 def train(url: str, out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
