@@ -1,7 +1,7 @@
 """`asyncgrpo train | doctor | demo | bench | rollout-serve`: parse, build, run, clean up.
 
-Each subcommand imports its module only when chosen, so that `asyncgrpo --help` and `asyncgrpo doctor` do not
-load torch. Every `AsyncGRPOError` ends as one `asyncgrpo: error: ...` line and exit status 2.
+Subcommands whose modules import torch import them only when chosen, so that `asyncgrpo --help` answers at
+once. Every `AsyncGRPOError` ends as one `asyncgrpo: error: ...` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -10,13 +10,17 @@ import argparse
 import os
 import sys
 
+from asyncgrpo.bench import run_bench
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.demo import run_demo
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, PeerFailed
 from asyncgrpo.shutdown import exit_on_signal
 
 
 def cmd_train(args, overrides: list[str]) -> int:
     """Run under a launcher (`accelerate launch -m asyncgrpo train ...`) or as a single process."""
-    from asyncgrpo.config import AsyncGRPOConfig
+    # heavy: the recipe and distributed import torch, which `asyncgrpo --help` and the other commands do not need
+    from asyncgrpo.distributed import leave_launched_process
     from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     cfg = AsyncGRPOConfig.load(args.config, overrides)
@@ -28,27 +32,21 @@ def cmd_train(args, overrides: list[str]) -> int:
             trainer.train()
         finally:
             trainer.cleanup()
-    from asyncgrpo.distributed import leave_launched_process
-
     leave_launched_process(0)  # a finished rank of a launch skips interpreter finalization (distributed.py says why)
     return 0
 
 
 def cmd_demo(args, overrides: list[str]) -> int:
-    from asyncgrpo.demo import run_demo
-
     return run_demo(args, overrides)
 
 
 def cmd_doctor(args, overrides: list[str]) -> int:
-    from asyncgrpo.rollout.preflight import run_doctor
+    from asyncgrpo.rollout.preflight import run_doctor  # heavy: the rollout side imports torch, not needed by --help
 
     return run_doctor(args, overrides)
 
 
 def cmd_bench(args, overrides: list[str]) -> int:
-    from asyncgrpo.bench import run_bench
-
     return run_bench(args, overrides)
 
 

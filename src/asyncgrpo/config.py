@@ -7,8 +7,10 @@ Names follow TRL's GRPOConfig where TRL has one. Importable without torch, so a 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
 import math
 import os
 import types
@@ -704,9 +706,6 @@ def _coerce(key: str, value, hint):
 
 def field_docs() -> dict[str, str]:
     """Field name -> docstring, read from this module's source (for docs/configuration.md and `--help`)."""
-    import ast
-    import inspect
-
     tree = ast.parse(inspect.getsource(AsyncGRPOConfig))
     body = tree.body[0].body
     docs = {}

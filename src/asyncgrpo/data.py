@@ -96,6 +96,7 @@ def local_model_dir(path: str) -> str:
     (downloaded unless cached; weights as safetensors or .bin, never the `original/` or GGUF copies some repos add)."""
     if Path(path).is_dir():
         return path
+    # heavy: huggingface_hub's download machinery (~0.7 s), needed only for a hub model name
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -110,7 +111,8 @@ def local_model_dir(path: str) -> str:
 
 
 def toy_world(cfg):
-    from asyncgrpo.toy import ToyWorldSpec, build_toy_world
+    """The cached toy world of `cfg.toy_seed` (built on first use)."""
+    from asyncgrpo.toy import ToyWorldSpec, build_toy_world  # heavy: the toy world imports torch and transformers
 
     return build_toy_world(ToyWorldSpec(seed=cfg.toy_seed))
 
@@ -140,7 +142,7 @@ def read_records(cfg) -> tuple[list[dict], str]:
 
 def _load_split(cfg):
     """`datasets.load_dataset` (or `load_from_disk`) for the configured source; errors name the key to fix."""
-    import datasets
+    import datasets  # heavy: datasets, not needed for the toy split or by reward workers importing this module
 
     name, files = cfg.dataset_name, cfg.data_files
     path = Path(name)
@@ -178,7 +180,7 @@ def _load_split(cfg):
 
 
 def _split_from_disk(path: Path, split: str):
-    import datasets
+    import datasets  # heavy: see _load_split
 
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
@@ -319,7 +321,7 @@ def load_prompts(path: Path, tokenizer, prompt_column: str = "prompt") -> list[P
 def model_type_of(model_path: str | None) -> str | None:
     if model_path is None:
         return None
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: transformers, not needed by reward workers importing this module
 
     try:
         return AutoConfig.from_pretrained(model_path).model_type
@@ -334,7 +336,7 @@ def response_template_for(tokenizer, model_type: str | None = None) -> dict | No
     if own is not None or model_type is None:
         return own
     try:
-        from transformers.cli.serving.utils import get_response_template
+        from transformers.cli.serving.utils import get_response_template  # heavy: transformers (see model_type_of)
     except ImportError:  # the serving extras are not installed: no fallback
         return None
     return get_response_template(tokenizer, SimpleNamespace(config=SimpleNamespace(model_type=model_type)))

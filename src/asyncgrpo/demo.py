@@ -18,7 +18,12 @@ import time
 from pathlib import Path
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import load_prompts
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.evaluate import evaluate_served
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.rewards import RewardScorer
 
 log = logging.getLogger("asyncgrpo.demo")
 
@@ -51,11 +56,7 @@ def launch_environment() -> dict[str, str]:
 def heldout_rewards(cfg: AsyncGRPOConfig, client, model: str, world) -> dict[str, float]:
     """Held-out reward of `model` on the server: the mean over 4 samples per prompt at the training temperature
     (the quantity GRPO maximises), and greedy accuracy."""
-    from transformers import AutoTokenizer
-
-    from asyncgrpo.data import load_prompts
-    from asyncgrpo.evaluate import evaluate_served
-    from asyncgrpo.rewards import RewardScorer
+    from transformers import AutoTokenizer  # heavy: transformers, not needed by the CLI that imports this module
 
     tokenizer = AutoTokenizer.from_pretrained(world.model_dir)
     rows = load_prompts(world.heldout_file, tokenizer, cfg.prompt_column)
@@ -67,9 +68,7 @@ def heldout_rewards(cfg: AsyncGRPOConfig, client, model: str, world) -> dict[str
 
 
 def run_demo(args, overrides: list[str]) -> int:
-    from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
-    from asyncgrpo.toy import ToyWorldSpec, build_toy_world
+    from asyncgrpo.toy import ToyWorldSpec, build_toy_world  # heavy: the toy world imports torch and transformers
 
     logging.basicConfig(level=logging.INFO, format="[demo] %(asctime)s %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -7,39 +7,29 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import sys
 
 
 def run_bench(args, overrides: list[str]) -> int:
-    from asyncgrpo.bench import policy_equivalence, throughput
-
     # Libraries print banners to stdout on import (DeepSpeed's accelerator warning): keep stdout for the JSON.
     with contextlib.redirect_stdout(sys.stderr):
+        # heavy: each benchmark imports torch, transformers or vLLM's client side; import only the one asked for,
+        # inside the redirect so that its import banners stay off stdout
+        module = importlib.import_module(f"asyncgrpo.bench.{args.name}")
         if args.name == "sync":
-            from asyncgrpo.bench import sync
-
-            result = sync.run(args.backend, server_url=args.server, overrides=overrides, model=args.model,
-                              servers=args.servers)
+            result = module.run(args.backend, server_url=args.server, overrides=overrides, model=args.model,
+                                servers=args.servers)
         elif args.name == "memory":
-            from asyncgrpo.bench import memory
-
-            result = memory.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens)
-        elif args.name == "rank0":
-            from asyncgrpo.bench import rank0
-
-            result = rank0.run(server_url=args.server, overrides=overrides)
-        elif args.name == "throughput":
-            result = throughput.run(server_url=args.server, overrides=overrides, plot=args.plot)
+            result = module.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens)
+        elif args.name in ("rank0", "policy_equivalence"):
+            result = module.run(server_url=args.server, overrides=overrides)
+        elif args.name in ("throughput", "staleness"):
+            result = module.run(server_url=args.server, overrides=overrides, plot=args.plot)
         elif args.name == "producer":
-            from asyncgrpo.bench import producer
-
-            result = producer.run(overrides=overrides, duration_s=args.duration)
-        elif args.name == "staleness":
-            from asyncgrpo.bench import staleness
-
-            result = staleness.run(server_url=args.server, overrides=overrides, plot=args.plot)
+            result = module.run(overrides=overrides, duration_s=args.duration)
         else:
-            result = policy_equivalence.run(server_url=args.server, overrides=overrides)
+            raise ValueError(f"unknown benchmark {args.name!r}")
     print(json.dumps(result))
     return 0

@@ -19,6 +19,24 @@ import statistics
 import sys
 import time
 
+import accelerate
+import peft
+import torch
+import torch.distributed as dist
+import transformers
+from accelerate.utils import DistributedType
+from peft import LoraConfig, get_peft_model
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from asyncgrpo import distributed
+from asyncgrpo.distributed import dist_max, dist_sum
+from asyncgrpo.trainer.batching import to_device
+from asyncgrpo.trainer.gather import gather_lora_state, lora_parameters
+from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
+from asyncgrpo.trainer.loss import LossSpec, group_advantages, grpo_loss
+
 # Sizes: the default is the Qwen2.5-1.5B shape; --cpu-smoke takes the tiny one unless a flag says otherwise.
 QWEN25_1P5B = dict(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                    groups=8, generations=8, prompt_len=128, completion_len=256, micro_batch=16, steps=5)
@@ -52,8 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- recording the devices of collective inputs -----------------------------------------------------------
 
 def _tensors_in(values) -> list:
-    import torch
-
     found = []
     for v in values:
         if isinstance(v, torch.Tensor):
@@ -67,8 +83,6 @@ def _tensors_in(values) -> list:
 def record_collectives(records: list[dict]):
     """Within the block, each call that a module of the asyncgrpo package (this one excepted) makes to a
     torch.distributed collective appends {op, caller, devices} to `records`, then runs the collective."""
-    import torch.distributed as dist
-
     def recording(name, fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -121,9 +135,6 @@ def _free_port() -> int:
 
 def init_one_rank_group(device):
     """A process group of one rank on `device`: NCCL for CUDA, gloo for CPU."""
-    import torch
-    import torch.distributed as dist
-
     # A TCP rendezvous rather than MASTER_ADDR/RANK/WORLD_SIZE: nothing is left in os.environ for code run after it
     # in the same process (an Accelerator would take those variables for a launch).
     init = f"tcp://127.0.0.1:{_free_port()}"
@@ -139,8 +150,6 @@ class OneProcess:
     """What the gather functions read from an Accelerator, for one process that wrapped its model itself."""
 
     def __init__(self, device):
-        from accelerate.utils import DistributedType
-
         self.device = device
         self.distributed_type = DistributedType.FSDP
         self.is_fsdp2 = True
@@ -153,12 +162,6 @@ class OneProcess:
 def build_model(args, device):
     """Random-init Qwen2 of the requested shape on `device`, LoRA on every projection, FSDP2 per decoder layer and
     on the root."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
     config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=32768, rope_theta=1e6,
@@ -183,10 +186,6 @@ def build_model(args, device):
 def synthetic_micro_batches(args, vocab: int) -> list[dict]:
     """CPU tensors in the layout the trainer collates (trainer._collate): position t of behaviour/mask scores token
     t+1; completions of random length in [completion_len/2, completion_len], right-padded."""
-    import torch
-
-    from asyncgrpo.trainer.loss import group_advantages
-
     g = torch.Generator().manual_seed(args.seed)
     n_seq, length = args.groups * args.generations, args.prompt_len + args.completion_len
     input_ids = torch.randint(0, vocab, (n_seq, length), generator=g)
@@ -206,8 +205,6 @@ def synthetic_micro_batches(args, vocab: int) -> list[dict]:
 def policy_logprobs(model, batch: dict, *, naive: bool = False):
     """The trainer's own scoring path (logprobs.sequence_logprobs: the LM head on completion positions only, in
     chunks, no (B, T, V) fp32 tensor); `naive=True` takes full logits instead, for the comparison."""
-    from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
-
     head = None if naive else find_scoring_head(model)
     return sequence_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["mask"], 1.0)
 
@@ -216,12 +213,6 @@ def policy_logprobs(model, batch: dict, *, naive: bool = False):
 
 def train_steps(args, model, optimizer, micro_batches, device, use_dist_sum: bool = True) -> dict:
     """`args.steps` optimizer steps the way the trainer takes one; returns timings and the on-policy ratio."""
-    import torch
-
-    from asyncgrpo.distributed import dist_sum
-    from asyncgrpo.trainer.loss import LossSpec, grpo_loss
-    from asyncgrpo.trainer.batching import to_device
-
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():  # the behaviour policy: the model itself before the first step
         for b in micro_batches:
@@ -255,10 +246,6 @@ def train_steps(args, model, optimizer, micro_batches, device, use_dist_sum: boo
 
 def check_gather(model, device) -> str | None:
     """The LoRA gather returns every adapter tensor, on CPU, equal to the (full) parameter."""
-    import torch
-
-    from asyncgrpo.trainer.gather import gather_lora_state, lora_parameters
-
     stats: dict = {}
     state = gather_lora_state(OneProcess(device), model, stats)
     named = lora_parameters(model)
@@ -275,8 +262,6 @@ def check_gather(model, device) -> str | None:
 
 def collective_path_forced():
     """dist_sum/dist_max skip the collective with one rank; the check forces the path every multi-rank job takes."""
-    from asyncgrpo import distributed
-
     return _patched(distributed, "is_distributed", lambda: True)
 
 
@@ -291,11 +276,6 @@ def _patched(obj, name, value):
 
 
 def run(args) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from asyncgrpo.distributed import dist_max, dist_sum
-
     device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", 0)
     init_one_rank_group(device)
     expected = "cuda:0" if device.type == "cuda" else "cpu"
@@ -357,10 +337,6 @@ def run(args) -> dict:
 def compare_chunked_naive(model, batch: dict, device) -> float:
     """Max |chunked - naive| logprob over one micro-batch's completion tokens (bf16 base: both read the same
     bf16 hidden states; the head's matmul differs only in how the chunks are cut)."""
-    import torch
-
-    from asyncgrpo.trainer.batching import to_device
-
     moved = to_device(batch, device)
     with torch.no_grad():
         chunked = policy_logprobs(model, moved)
@@ -369,12 +345,6 @@ def compare_chunked_naive(model, batch: dict, device) -> float:
 
 
 def versions(device) -> dict:
-    import peft
-    import torch
-    import transformers
-
-    import accelerate
-
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     nccl = torch.cuda.nccl.version() if device.type == "cuda" else None  # (major, minor, patch)
     nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
@@ -385,7 +355,6 @@ def versions(device) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
 
     if not args.cpu_smoke and not torch.cuda.is_available():
         print(f"gpu_check: CUDA is not usable here (torch {torch.__version__}, built for CUDA "

@@ -14,6 +14,17 @@ import resource
 import subprocess
 import sys
 
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from asyncgrpo.trainer.logprobs import (
+    chunk_positions,
+    find_scoring_head,
+    sequence_logprobs,
+)
+from asyncgrpo.trainer.loss import LossSpec, grpo_loss
+
 PROMPT_TOKENS = 16  # per sequence: the naive path pays the logits of prompt positions too
 COMPLETION_PER_SEQ = 128
 
@@ -28,10 +39,6 @@ def _peak_rss_bytes() -> int:
 
 
 def _model(vocab_size: int, hidden: int):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
@@ -43,8 +50,6 @@ def _model(vocab_size: int, hidden: int):
 
 def _batch(vocab_size: int, completion_tokens: int):
     """Sequences of PROMPT_TOKENS + up to COMPLETION_PER_SEQ tokens, `completion_tokens` completion tokens in all."""
-    import torch
-
     n_seq = -(-completion_tokens // COMPLETION_PER_SEQ)
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, vocab_size, (n_seq, PROMPT_TOKENS + COMPLETION_PER_SEQ), generator=g)
@@ -59,11 +64,6 @@ def _batch(vocab_size: int, completion_tokens: int):
 
 def measure_variant(variant: str, vocab_size: int, completion_tokens: int, hidden: int, temperature: float) -> dict:
     """In this process: build, then one forward + loss + backward; the step's peak memory and the logprobs."""
-    import torch
-
-    from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
-    from asyncgrpo.trainer.loss import LossSpec, grpo_loss
-
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -102,8 +102,6 @@ def _run_variant(variant: str, vocab_size: int, completion_tokens: int, hidden: 
 
 def run(vocab_size: int = 151936, completion_tokens: int = 1024, hidden: int = 64, temperature: float = 0.7) -> dict:
     """Both variants, each in its own fresh process; the step peaks side by side."""
-    from asyncgrpo.trainer.logprobs import chunk_positions
-
     naive = _run_variant("naive", vocab_size, completion_tokens, hidden, temperature)
     chunked = _run_variant("chunked", vocab_size, completion_tokens, hidden, temperature)
     diff = max(abs(a - b) for a, b in zip(naive["logprobs"], chunked["logprobs"]))

@@ -13,6 +13,12 @@ import contextlib
 import tempfile
 from pathlib import Path
 
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import load_prompts, toy_world
+from asyncgrpo.demo import default_config_path
+from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+
 
 def _max_diff(a: list[list[float]], b: list[list[float | None]]) -> float:
     return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
@@ -45,12 +51,6 @@ def measure(trainer, prompts: list[list[int]], n: int = 4) -> dict:
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None) -> dict:
     """Build the toy world, start a vLLM server unless `server_url` is given, train 2 steps, measure."""
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.data import load_prompts, toy_world
-    from asyncgrpo.demo import default_config_path
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
-
     base = AsyncGRPOConfig.load(default_config_path(), overrides)
     world = toy_world(base)
     with contextlib.ExitStack() as stack:

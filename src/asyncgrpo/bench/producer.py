@@ -20,9 +20,17 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+from transformers import PreTrainedTokenizerFast
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import PromptRow
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout import build, scoring
+from asyncgrpo.rollout.build import build_producer
 from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.toy.tokenizer import build_tokenizer
 
 WORKERS = (0, 1, 2, 4)
 DEFAULT_DURATION_S = 5.0
@@ -61,8 +69,6 @@ def bench_completions(tokenizer, length: int, count: int = 8) -> list[dict]:
 
 def bench_rows(tokenizer, count: int = 512):
     """Prompts in the toy tokenizer (about 40 tokens each) with a GSM8K-style `answer` column ending in `#### 72`."""
-    from asyncgrpo.data import PromptRow
-
     rows = []
     for i in range(count):
         text = f"Question {i}: Natalia sold clips to {48 + i} of her friends in April. How many clips in total?"
@@ -223,7 +229,6 @@ def scoring_arguments(cfg, tokenizer, stages: Stages) -> dict:
     timed_tokenizer = TimedTokenizer(tokenizer, stages)
     if importlib.util.find_spec("asyncgrpo.rollout.scoring") is None:
         return {"tokenizer": timed_tokenizer, "scorer": scorer}
-    from asyncgrpo.rollout import build, scoring
 
     if getattr(cfg, "reward_workers", 0) == 0:
         return {"scorer": scoring.InThreadScoring(scorer, timed_tokenizer, None)}
@@ -232,15 +237,11 @@ def scoring_arguments(cfg, tokenizer, stages: Stages) -> dict:
 
 
 def reward_workers_supported() -> bool:
-    from asyncgrpo.config import AsyncGRPOConfig
-
     return "reward_workers" in {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
 
 
 def process_cpu_s(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by these processes (gone ones count 0)."""
-    import psutil
-
     total = 0.0
     for pid in pids:
         with contextlib.suppress(psutil.Error):
@@ -251,8 +252,6 @@ def process_cpu_s(pids: list[int]) -> float:
 
 def worker_pids(exclude: int) -> list[int]:
     """This process's child processes other than the load generator: the reward workers, where there are any."""
-    import psutil
-
     return [p.pid for p in psutil.Process().children(recursive=True) if p.pid != exclude]
 
 
@@ -272,8 +271,6 @@ def consume(queue: RolloutQueue, producer, groups: int, stop: threading.Event, e
 def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, warmup_s: float,
             loadgen_pid: int) -> dict:
     """One producer against the load generator: warm up, count what is queued during `duration_s`, stop."""
-    from asyncgrpo.rollout.build import build_producer
-
     stages = Stages()
     groups = cfg.groups_per_step(world_size=1)
     queue = CountingQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards, dynamic_sampling=cfg.dynamic_sampling,
@@ -323,11 +320,6 @@ def run_one(cfg, *, url: str, tokenizer, rows, workers: int, duration_s: float, 
 def run(overrides: list[str] | None = None, duration_s: float = DEFAULT_DURATION_S, warmup_s: float = WARMUP_S,
         workers: tuple[int, ...] = WORKERS) -> dict:
     """Start the load generator, then one timed producer run per entry of `workers`."""
-    from asyncgrpo.config import AsyncGRPOConfig
-    from transformers import PreTrainedTokenizerFast
-
-    from asyncgrpo.toy.tokenizer import build_tokenizer
-
     supported = reward_workers_supported()
     with tempfile.TemporaryDirectory(prefix="bench-producer-") as tmp:
         # Saved and loaded back, as a trainer loads its tokenizer: reward workers load it from that directory.

@@ -14,6 +14,13 @@ import statistics
 import time
 from pathlib import Path
 
+from asyncgrpo.bench.throughput import max_sequences
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import toy_world
+from asyncgrpo.demo import default_config_path
+from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+
 DEFAULT_WORKDIR = "runs/bench-rank0"
 WARMUP_STEPS = 4
 MS_PER_COMPLETION = 20.0  # slow_larger_reward's default: the CPU-heavy reward's cost per completion
@@ -63,8 +70,6 @@ class StepClock:
 
 def run_one(cfg) -> dict:
     """Train `cfg.max_steps` steps in this process (a single rank) and time rank 0's steps."""
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
-
     trainer = AsyncGRPOTrainer(cfg)
     clock = StepClock(trainer)
     try:
@@ -81,12 +86,6 @@ def run_one(cfg) -> dict:
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None) -> dict:
     """Build the toy world, start a vLLM server unless `server_url` is given, and run the three cases."""
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.data import toy_world
-    from asyncgrpo.demo import default_config_path
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
-    from asyncgrpo.bench.throughput import max_sequences
-
     base = AsyncGRPOConfig.load(default_config_path(), [*WORKLOAD, *overrides])
     world = toy_world(base)
     work = Path(workdir or DEFAULT_WORKDIR)

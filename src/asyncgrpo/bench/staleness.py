@@ -15,7 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from asyncgrpo.bench.throughput import save_figure
+from asyncgrpo.bench.throughput import save_figure, step_history
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import toy_world
+from asyncgrpo.demo import default_config_path, heldout_rewards
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 STALENESS = (0, 2, 4, 8)
 CORRECTIONS = ("none", "token_truncate", "token_mask")
@@ -61,9 +67,11 @@ def summarise(cells: list[dict]) -> list[dict]:
 
 def plot_cells(rows: list[dict], path: str | Path) -> Path:
     """Held-out reward (mean +- std over seeds) against max_staleness, one line per correction."""
+    # heavy: matplotlib, only with --plot
     import matplotlib
 
     matplotlib.use("Agg")
+    # heavy: matplotlib, only with --plot
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -79,10 +87,6 @@ def plot_cells(rows: list[dict], path: str | Path) -> Path:
 
 def run_cell(cfg, world, client) -> dict:
     """Train one cell with TRAINER_DELAY_S after every step, then measure its held-out reward."""
-    from asyncgrpo.demo import heldout_rewards
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
-    from asyncgrpo.bench.throughput import step_history
-
     trainer = AsyncGRPOTrainer(cfg)
     train_step = trainer.train_step
 
@@ -110,12 +114,6 @@ def run_cell(cfg, world, client) -> dict:
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
         stalenesses=STALENESS, corrections=CORRECTIONS, seeds=SEEDS) -> dict:
     """Build the toy world, start a vLLM server unless `server_url` is given, run every cell."""
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.data import toy_world
-    from asyncgrpo.demo import default_config_path
-    from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
-
     base = AsyncGRPOConfig.load(default_config_path(), [*WORKLOAD, *overrides])
     world = toy_world(base)
     groups_per_step = base.groups_per_step(world_size=1)

@@ -9,6 +9,7 @@ with the trainer's. What each output figure means: docs/benchmarks.md ("`bench s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -19,7 +20,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The environment each backend needs on a CPU host (shared/NOTES.md): accelerate needs ACCELERATE_USE_CPU for
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import toy_world
+from asyncgrpo.demo import default_config_path
+from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference.server import VLLMServer, find_free_port
+
+# The environment each backend needs on a CPU host (docs/cpu-hosts.md): accelerate needs ACCELERATE_USE_CPU for
 # DDP/FSDP but must not see it for DeepSpeed, which needs DS_ACCELERATOR=cpu instead.
 BACKEND_ENV = {"ddp": {"ACCELERATE_USE_CPU": "true"},
                "fsdp1": {"ACCELERATE_USE_CPU": "true", "ACCELERATE_TORCH_DEVICE": "cpu"},
@@ -43,8 +51,9 @@ ROUNDS = 4  # per sync mode; the first is warm-up
 
 def bench_model_dir(cache: Path, tokenizer_dir: str) -> Path:
     """A random-init Qwen2 (hidden 512, 4 layers) with the toy tokenizer, built once under `cache`."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    # heavy: torch and transformers, only to build the bench model once (then cached)
     import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     target = cache / "bench-sync-h512-l4"
     if (target / "config.json").exists():
@@ -68,8 +77,6 @@ def bench_model_dir(cache: Path, tokenizer_dir: str) -> Path:
 def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, overrides: list[str],
                   timeout_s: float = 900) -> dict:
     """Two CPU ranks of the worker under `accelerate launch` with the backend's config; returns its JSON."""
-    from asyncgrpo.inference.server import find_free_port
-
     repo = Path(__file__).resolve().parents[3]
     out.parent.mkdir(parents=True, exist_ok=True)
     env = cpu_launch_env(backend)
@@ -80,7 +87,6 @@ def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, ove
            "--lora_adapter_path", str(out.parent / "adapters"), "--lora_target_modules", LORA_TARGETS, *overrides]
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0 or not out.exists():
-        from asyncgrpo.errors import AsyncGRPOError
 
         raise AsyncGRPOError(f"bench sync worker for {backend} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -91,14 +97,8 @@ def run(backend: str, server_url: str | None, overrides: list[str], model: str |
     """Build the bench model, start `servers` vLLM servers on it unless `server_url` (one URL, or several joined by
     commas) is given, run the worker for `backend` (or for each backend, one after another against the same
     servers, with `all`). `sync_mode`: whose figures go at the top level of the JSON (both modes are measured)."""
-    import contextlib
-
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.data import toy_world
-    from asyncgrpo.demo import default_config_path
+    # heavy: the toy world's module imports torch (tests import cpu_launch_env from here)
     from asyncgrpo.toy.world import default_cache_dir
-
-    from asyncgrpo.errors import ConfigError
 
     backends = BACKENDS if backend == "all" else (backend,)
     if not set(backends) <= set(BACKENDS):
@@ -125,8 +125,6 @@ def run(backend: str, server_url: str | None, overrides: list[str], model: str |
 def _start_servers(stack, n: int, model_dir: Path, work: Path) -> list[str]:
     """Start `n` small vLLM CPU servers on free ports (1 GiB of KV cache each, ~2.5 GiB of memory), all at once,
     stopped when `stack` closes; returns their URLs once every one answers /health."""
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
-
     started = []
     for i in range(n):
         server = VLLMServer(model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
@@ -163,23 +161,27 @@ class Rig:
 def _naive_gather(backend: str, acc, model) -> tuple[dict | None, int]:
     """Collective: what a trainer without a LoRA-only path does: gather the whole state dict to rank 0 (every base
     weight included), then keep the LoRA keys. Returns ({parameter name: tensor} on rank 0, bytes gathered)."""
+    # heavy: torch and the trainer's modules, needed by the worker ranks only (tests import cpu_launch_env from here)
     import torch
 
     full: dict | None
     if backend == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     elif backend == "fsdp1":
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        # rank0_only/offload_to_cpu would be cheaper but segfault on CPU hosts (shared/NOTES.md).
+        # rank0_only/offload_to_cpu would be cheaper but segfault on CPU hosts (docs/cpu-hosts.md).
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
                                   FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
             full = model.state_dict()
     elif backend == "zero3":
-        import deepspeed
+        import deepspeed  # heavy: deepspeed, for the ZeRO-3 naive gather only
 
         params = dict(model.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
@@ -194,6 +196,7 @@ def _naive_gather(backend: str, acc, model) -> tuple[dict | None, int]:
 
 def _random_step(rig: Rig, generator) -> None:
     """Collective: one optimizer step on random tokens, so the LoRA weights (B included) are non-zero."""
+    # heavy: torch and the trainer's modules, needed by the worker ranks only (tests import cpu_launch_env from here)
     import torch
 
     ids = torch.randint(3, rig.policy.tokenizer.vocab_size, (4, 24), generator=generator)
@@ -207,6 +210,7 @@ def _random_step(rig: Rig, generator) -> None:
 
 def _same_tensors(gathered: dict, naive: dict, prefix_free) -> bool:
     """The LoRA-only gather and the naive one agree, key for key (naive names mapped to PEFT's)."""
+    # heavy: torch and the trainer's modules, needed by the worker ranks only (tests import cpu_launch_env from here)
     import torch
 
     naive = prefix_free(naive)
@@ -219,10 +223,15 @@ def _median(rows: list[dict], key: str) -> float:
 
 def _measure_mode(rig: Rig, backend: str, mode: str, version0, generator) -> dict:
     """Collective: ROUNDS x (step, gather, write, publish, naive gather) with a fresh publisher in `mode`."""
+    # heavy: torch and the trainer's modules, needed by the worker ranks only (tests import cpu_launch_env from here)
     import torch.distributed as dist
 
-    from asyncgrpo.trainer.gather import clean_fsdp_name, _to_peft_keys, gather_lora_state
     from asyncgrpo.rollout.publish import AdapterPublisher
+    from asyncgrpo.trainer.gather import (
+        _to_peft_keys,
+        clean_fsdp_name,
+        gather_lora_state,
+    )
 
     publisher = None
     if rig.main:
@@ -276,8 +285,9 @@ def _measure_mode(rig: Rig, backend: str, mode: str, version0, generator) -> dic
 
 def _score(rig: Rig, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
     """The policy's own fp32 logprob of every completion token, as the trainer computes it."""
-    from asyncgrpo.trainer.logprobs import sequence_logprobs
+    # heavy: torch and the trainer's modules, needed by the worker ranks only (tests import cpu_launch_env from here)
     from asyncgrpo.trainer.batching import score_completions
+    from asyncgrpo.trainer.logprobs import sequence_logprobs
 
     tokenizer, model, head = rig.policy.tokenizer, rig.policy.model, rig.policy.scoring_head
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -288,6 +298,7 @@ def _score(rig: Rig, prompt_ids: list[list[int]], completion_ids: list[list[int]
 
 def _policy_equivalence(rig: Rig, adapter: str | None) -> float:
     """Collective: max |served logprob - trainer logprob| over a few completions sampled from `adapter`."""
+    # heavy: torch and the trainer's modules, needed by the worker ranks only (tests import cpu_launch_env from here)
     from asyncgrpo.distributed import broadcast_object
 
     sequences = None
@@ -302,15 +313,13 @@ def _policy_equivalence(rig: Rig, adapter: str | None) -> float:
 
 def worker(argv: list[str]) -> None:
     """Every rank (under `accelerate launch`): build the trainer's model, measure both sync modes."""
+    # heavy: torch and the trainer's modules, needed by the worker ranks only (tests import cpu_launch_env from here)
     import torch
 
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.demo import default_config_path
     from asyncgrpo.distributed import make_accelerator
-    from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.trainer.policy import build_policy
-    from asyncgrpo.trainer.gather import backend_of, gather_lora_state
     from asyncgrpo.store import AdapterStore
+    from asyncgrpo.trainer.gather import backend_of, gather_lora_state
+    from asyncgrpo.trainer.policy import build_policy
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

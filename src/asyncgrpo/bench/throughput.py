@@ -15,7 +15,15 @@ import shutil
 import time
 from pathlib import Path
 
+import psutil
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data import toy_world
+from asyncgrpo.demo import default_config_path, heldout_rewards
+from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference.server import VLLMServer, find_free_port
 from asyncgrpo.timeline import complement, fraction
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 STALENESS = (0, 1, 2)
 DEFAULT_WORKDIR = "runs/bench-throughput"
@@ -77,9 +85,11 @@ def timeline_record(staleness: int, t0: float, t1: float, waits: list, busy: lis
 
 def plot_timelines(records: list[dict], path: str | Path, title: str = "") -> Path:
     """Draw trainer and server busy intervals of each run as a broken-bar timeline; writes a PNG at `path`."""
+    # heavy: matplotlib, only with --plot
     import matplotlib
 
     matplotlib.use("Agg")
+    # heavy: matplotlib, only with --plot
     import matplotlib.pyplot as plt
 
     rows = len(records)
@@ -103,6 +113,7 @@ def plot_timelines(records: list[dict], path: str | Path, title: str = "") -> Pa
 
 def save_figure(fig, path: str | Path) -> Path:
     """Lay out `fig`, write it as a PNG at `path` (its directory created), close it; the benches' plots end here."""
+    # heavy: matplotlib, only with --plot
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
@@ -115,6 +126,7 @@ def save_figure(fig, path: str | Path) -> Path:
 
 def step_history(tensorboard_dir: Path, tags=("staleness/mean", "staleness/max", "train/tokens")) -> list[dict]:
     """Per-step values of `tags` as the trainer logged them to TensorBoard (logging_steps 1), oldest step first."""
+    # heavy: tensorboard, only to read a finished run's event files
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
@@ -131,7 +143,6 @@ def process_tree_cpu_s(pid: int | None) -> float | None:
     """CPU seconds (user + system) used so far by process `pid` and all its descendants; None without a pid."""
     if pid is None:
         return None
-    import psutil
 
     total = 0.0
     with contextlib.suppress(psutil.Error):
@@ -147,9 +158,6 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
     """Train `cfg.max_steps` steps (timed), then measure the final adapter's held-out reward (not timed).
     CPU seconds are recorded too: unlike wall time they hardly change when other work shares the cores, so
     they show the generation/training balance even on a busy machine."""
-    from asyncgrpo.demo import heldout_rewards
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
-
     trainer = AsyncGRPOTrainer(cfg)
     try:
         trainer.setup()
@@ -179,13 +187,6 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
         stalenesses=STALENESS) -> dict:
     """Build the toy world, start a pinned vLLM server unless `server_url` is given, run each staleness."""
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.data import toy_world
-    from asyncgrpo.demo import default_config_path
-    from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
-
     base = AsyncGRPOConfig.load(default_config_path(), [*BALANCE, *overrides])
     world = toy_world(base)
     cores = split_cores() if server_url is None else {"note": f"external server {server_url}: nothing pinned"}

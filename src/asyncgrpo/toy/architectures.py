@@ -32,24 +32,28 @@ SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]  # Gemma's last laye
 
 
 def _qwen2():
+    # heavy: transformers' modeling code (and torch): each builder loads only its own architecture's
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     return Qwen2ForCausalLM(Qwen2Config(**COMMON))  # head_dim = hidden / heads = 32
 
 
 def _qwen3():
+    # heavy: transformers' modeling code (and torch): each builder loads only its own architecture's
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=HEAD_DIM))
 
 
 def _llama():
+    # heavy: transformers' modeling code (and torch): each builder loads only its own architecture's
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(**COMMON, head_dim=HEAD_DIM))
 
 
 def _gemma3():
+    # heavy: transformers' modeling code (and torch): each builder loads only its own architecture's
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     return Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
@@ -57,6 +61,7 @@ def _gemma3():
 
 
 def _gemma4_text_config():
+    # heavy: transformers' modeling code (and torch): each builder loads only its own architecture's
     from transformers import Gemma4TextConfig
 
     # Full-attention layers use their own head size (global_head_dim, 512 in real checkpoints: too big for the
@@ -67,13 +72,19 @@ def _gemma4_text_config():
 
 
 def _gemma4():
+    # heavy: transformers' modeling code (and torch): each builder loads only its own architecture's
     from transformers import Gemma4ForCausalLM
 
     return Gemma4ForCausalLM(_gemma4_text_config())
 
 
 def _gemma4_wrapper():
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+    # heavy: transformers' modeling code (and torch): each builder loads only its own architecture's
+    from transformers import (
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4VisionConfig,
+    )
 
     # What real Gemma 4 checkpoints are: the decoder under model.language_model (transformers; vLLM's multimodal
     # wrapper calls it language_model.model), beside a vision tower whose attention and MLP modules have the same
@@ -97,6 +108,7 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
 
 def build_tiny_model(architecture: str, directory: str | Path, seed: int = 0) -> Path:
     """Save a random `architecture` model (fp32 safetensors) and the toy tokenizer in `directory`; return it."""
+    # heavy: torch, only when a model is built (the builders' table imports without it)
     import torch
     from transformers import GenerationConfig
 

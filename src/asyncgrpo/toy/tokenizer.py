@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
@@ -67,8 +68,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
     Deterministic and offline; `save_pretrained` writes a `tokenizer.json` that vLLM loads as is.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     vocab = _byte_level_vocab()
     assert set(vocab) - set(SPECIAL_TOKENS) == set(pre_tokenizers.ByteLevel.alphabet())
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))

@@ -28,9 +28,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+try:
+    from filelock import FileLock
+except ImportError:  # filelock comes with huggingface_hub; without it, POSIX fcntl.flock does
+    import fcntl
+
+    FileLock = None
+
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.toy.task import PROMPT_LENGTH, larger_reward, make_split
-from asyncgrpo.toy.tokenizer import EOS_ID, TOKENIZER_SIZE, build_tokenizer, decode_completion
+from asyncgrpo.toy.tokenizer import (
+    EOS_ID,
+    TOKENIZER_SIZE,
+    build_tokenizer,
+    decode_completion,
+)
 
 FORMAT_VERSION = 2
 """Bump when the world's layout or building code changes, so old caches are not reused."""
@@ -161,8 +175,6 @@ class ToyWorld:
 
 def build_model(spec: ToyWorldSpec) -> torch.nn.Module:
     """A randomly initialised fp32 Qwen2ForCausalLM with the spec's shapes; seeds torch with `spec.seed` first."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
     config = Qwen2Config(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
@@ -333,11 +345,7 @@ def _build_into(directory: Path, spec: ToyWorldSpec, log: Log) -> None:
 @contextlib.contextmanager
 def _exclusive_lock(path: Path) -> Iterator[None]:
     """Hold an inter-process lock on `path` (filelock if installed, else fcntl.flock)."""
-    try:
-        from filelock import FileLock
-    except ImportError:
-        import fcntl
-
+    if FileLock is None:
         with open(path, "a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
