@@ -3,7 +3,7 @@
 #   docker build -t asyncgrpo:cpu .                            # CPU base (python:3.11-slim), CPU torch
 #   docker build -t asyncgrpo:cuda --build-arg DEVICE=cuda .   # CUDA 13.0 base, torch built for CUDA 13.0 (cu130)
 #
-#   docker run --rm -v /shared:/shared asyncgrpo:cuda asyncgrpo train --config /shared/my.yaml ...
+#   docker run --rm -v /nfs:/nfs asyncgrpo:cuda asyncgrpo train --config /nfs/my.yaml ...
 #
 # Installs the package and its pinned dependencies from pyproject.toml (with DeepSpeed), nothing else: no model,
 # tokenizer or dataset is downloaded at build time. Mount a cache at /cache (HF_HOME) and the shared adapter
