@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import logging
 import os
+import socket
+import sys
+import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
 
 from asyncgrpo.errors import AsyncGRPOError, PeerFailed
 
@@ -34,8 +41,6 @@ def leave_launched_process(code: int) -> None:
     closed explicitly before this point; nothing is left for atexit. A single process returns normally."""
     if launched_world_size() <= 1:
         return
-    import sys
-
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -61,17 +66,14 @@ def require_usable_device() -> bool:
 
 
 def make_accelerator(ddp_timeout_s: int, deepspeed_config: str | None = None):
-    """Build the Accelerator for whichever launcher started us. On CPU hosts accelerate needs help (measured in
-    shared/NOTES.md): gloo with an explicit timeout (a rank that skips a collective must not hang for 30 minutes),
+    """Build the Accelerator for whichever launcher started us. On CPU hosts accelerate needs help
+    (docs/cpu-hosts.md#backends-with-2-cpu-processes): gloo with an explicit timeout (a rank that skips a collective must not hang for 30 minutes),
     and an explicit backend for DeepSpeed, or every rank believes it is rank 0. On GPU hosts the process group is
     NCCL, and every tensor a collective here receives is moved to `collective_device()` first.
 
     `deepspeed_config` (config key `deepspeed`) is for the `deepspeed` launcher and `torchrun`, which set only the
     rank variables: the DeepSpeed plugin is then built here. Under `accelerate launch` with a DeepSpeed config file,
     accelerate's own settings win."""
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
-
     timeout = datetime.timedelta(seconds=ddp_timeout_s)
     on_cpu = require_usable_device()
     by_accelerate = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
@@ -100,8 +102,6 @@ def configure_backend(accelerator, peft_model, *, max_grad_norm: float) -> None:
 
 
 def _fsdp_plugin(accelerator):
-    from accelerate.utils import DistributedType
-
     if accelerator.distributed_type != DistributedType.FSDP:
         return None
     return getattr(accelerator.state, "fsdp_plugin", None)
@@ -114,7 +114,7 @@ def _wrap_lora_separately(accelerator, peft_model) -> None:
     plugin = _fsdp_plugin(accelerator)
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 1:
         return
-    from peft.utils.other import fsdp_auto_wrap_policy
+    from peft.utils.other import fsdp_auto_wrap_policy  # heavy: peft, FSDP1 only
 
     plugin.auto_wrap_policy = fsdp_auto_wrap_policy(peft_model)
 
@@ -125,8 +125,6 @@ def _fp32_buffers_and_reduction(accelerator) -> None:
     gradients in bf16 on both FSDP versions. Keep the compute dtype, but reduce in fp32 and keep buffers fp32.
     DeepSpeed's bf16/fp16 modes cast the whole module, buffers included: refused (the base is bf16 through
     `torch_dtype` and the LoRA weights train in fp32 without them)."""
-    from accelerate.utils import DistributedType
-
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
         for mode in ("bf16", "fp16"):
@@ -143,12 +141,12 @@ def _fp32_buffers_and_reduction(accelerator) -> None:
     if policy is None:
         return
     if getattr(plugin, "fsdp_version", 1) == 1:
-        from torch.distributed.fsdp import MixedPrecision
+        from torch.distributed.fsdp import MixedPrecision  # heavy: torch's FSDP, FSDP only
 
         plugin.mixed_precision_policy = MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=torch.float32,
                                                        buffer_dtype=torch.float32)
     else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # heavy: torch's FSDP, FSDP only
 
         plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype,
                                                              reduce_dtype=torch.float32,
@@ -158,8 +156,6 @@ def _fp32_buffers_and_reduction(accelerator) -> None:
 def _deepspeed_clipping(accelerator, max_grad_norm: float) -> None:
     """DeepSpeed clips inside its engine with the json's `gradient_clipping`, which would silently override
     `max_grad_norm`: the json says "auto" (filled here) or must agree."""
-    from accelerate.utils import DistributedType
-
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -197,7 +193,7 @@ def without_zero3_init():
     """Once a ZeRO-3 run has configured DeepSpeed, transformers builds every model under `deepspeed.zero.Init`: a
     collective (rank 0 building something alone hangs), which also casts the weights to the DeepSpeed config's
     dtype (fp32 unless its `bf16` is on). Inside this block models are built plainly."""
-    from transformers.integrations import deepspeed as hf_deepspeed
+    from transformers.integrations import deepspeed as hf_deepspeed  # heavy: transformers, when models are built
 
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref
     hf_deepspeed._hf_deepspeed_config_weak_ref = None
@@ -214,9 +210,7 @@ def zero3_init_in(dtype: torch.dtype):
     keep `dtype`. zero.Init casts every weight to the DeepSpeed config's dtype (fp32 unless its `bf16`/`fp16` is on,
     and those follow accelerate's `mixed_precision`), so transformers sees, for this block only, a copy of the config
     whose `bf16`/`fp16` flags match `dtype`; the engine keeps its own config. A no-op without ZeRO-3."""
-    import copy
-
-    from transformers.integrations import deepspeed as hf_deepspeed
+    from transformers.integrations import deepspeed as hf_deepspeed  # heavy: transformers, when models are built
 
     if not hf_deepspeed.is_deepspeed_zero3_enabled():
         yield
@@ -235,7 +229,7 @@ def zero3_init_in(dtype: torch.dtype):
 
 def recompute_rotary_buffers(model) -> int:
     """zero.Init also casts the tensors a module computes in `__init__` (rotary `inv_freq`, which transformers keeps in
-    fp32) to its dtype, and bf16 angles drift by ~1 rad at position 1k (shared/NOTES.md). Rebuild each rotary module
+    fp32) to its dtype, and bf16 angles drift by ~1 rad at position 1k (docs/cpu-hosts.md#bf16-rotary-buffers). Rebuild each rotary module
     (they take the model config and hold no weights) outside zero.Init and take its fp32 buffers. Returns how many
     modules were rebuilt."""
     rebuilt = 0
@@ -327,10 +321,6 @@ def require_shared_dir(path, key: str) -> None:
     written by every rank (RNG states, DeepSpeed partitions) into one directory that rank 0 renames and every rank
     reads back on resume: on several nodes that is shared storage. Rank 0 leaves a probe file there and every rank
     looks for it; ranks that do not see it are named, on every rank, before any training happens."""
-    import socket
-    import uuid
-    from pathlib import Path
-
     path = Path(path)
 
     def leave_probe() -> str:

@@ -1,10 +1,7 @@
-"""The LoRA configuration, built in one place for the trainer and for doctor's probe adapter.
+"""The LoRA configuration and wrapping, in one place for the trainer and for doctor's probe adapter.
 
-`lora_target_modules` names modules by their last component (`q_proj`, ...). A multimodal checkpoint has modules of
-those names in its vision or audio tower too: real Gemma 4 checkpoints (`Gemma4ForConditionalGeneration`) have
-`model.vision_tower.encoder.layers.N.self_attn.q_proj`, a `Gemma4ClippableLinear` that PEFT cannot wrap ("Target
-module Gemma4ClippableLinear(...) is not supported"), and vLLM applies LoRA to the language model only. So when the
-model has such a tower, the towers are excluded and the adapter covers the language model alone.
+`lora_config` targets `lora_target_modules` inside the language model only: a multimodal checkpoint's vision or
+audio tower is excluded (docs/trainer-internals.md says why).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ def tower_exclusion(module_names: Iterable[str]) -> str | None:
 def lora_config(cfg, model):
     """PEFT's LoraConfig for `cfg` on `model` (a transformers model, possibly on the meta device): rank, alpha,
     dropout and `lora_target_modules`, inside the language model only."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # heavy: peft (and transformers), only once an adapter is built
 
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none",
@@ -41,9 +38,7 @@ def lora_config(cfg, model):
 def with_lora(cfg, base) -> tuple[torch.nn.Module, object]:
     """`base` wrapped with the LoRA adapter `cfg` asks for (lora_target_modules, in the language model only:
     lora.py); returns (PEFT model, its LoraConfig)."""
-    from peft import get_peft_model
-
-    from asyncgrpo.lora import lora_config
+    from peft import get_peft_model  # heavy: peft, only once an adapter is built
 
     peft_config = lora_config(cfg, base)
     return get_peft_model(base, peft_config), peft_config

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from asyncgrpo.errors import AsyncGRPOError, SyncError
 from asyncgrpo.files import fsync_path, sha256_file
@@ -61,8 +62,6 @@ class AdapterStore:
 
     def write(self, version: int, tensors: dict[str, torch.Tensor], peft_config, base_model: str) -> Path:
         """Atomically write version `version`; returns its directory. Refuses to overwrite an existing version."""
-        from safetensors.torch import save_file
-
         final = self.path(version)
         if final.exists():
             raise SyncError(f"adapter version directory {final} already exists; versions are immutable. "

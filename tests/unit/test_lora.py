@@ -9,6 +9,7 @@ import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.lora import TOWER_PATTERN, lora_config, tower_exclusion
+from asyncgrpo.toy.architectures import ARCHITECTURES
 
 
 def test_tower_exclusion_only_when_a_tower_exists():
@@ -22,7 +23,6 @@ def test_tower_exclusion_only_when_a_tower_exists():
 def test_the_adapter_covers_every_decoder_target_and_nothing_in_the_vision_tower(arch):
     from peft import get_peft_model
 
-    from asyncgrpo.toy.architectures import ARCHITECTURES
 
     cfg = AsyncGRPOConfig(use_lora=True, lora_adapter_path="/tmp/adapters")
     with torch.device("meta"):

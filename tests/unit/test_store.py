@@ -1,5 +1,6 @@
 """The adapter store: versions are complete or absent, never half-written."""
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -9,10 +10,13 @@ import threading
 import pytest
 import torch
 from peft import LoraConfig
+import safetensors.torch
 from safetensors.torch import load_file
 
-from asyncgrpo.errors import SyncError
-from asyncgrpo.store import AdapterStore
+from asyncgrpo import store as store_module
+from asyncgrpo.errors import AsyncGRPOError, SyncError
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.store import CONFIG_NAME, WEIGHTS_NAME, AdapterStore, verify_adapter_files
 
 CONFIG = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
 
@@ -51,7 +55,6 @@ def test_prune_keeps_the_newest_and_the_served_version(tmp_path):
 
 def _write_half_then_block(root, ready) -> None:
     """In a forked child: write version 2, but stop in the middle of the weights file and wait to be killed."""
-    import safetensors.torch
 
     def half_then_block(tensors, path, metadata=None):
         data = safetensors.torch.save(tensors, metadata=metadata)
@@ -61,7 +64,7 @@ def _write_half_then_block(root, ready) -> None:
         ready.set()
         threading.Event().wait()  # until SIGKILL
 
-    safetensors.torch.save_file = half_then_block
+    store_module.save_file = half_then_block  # the store's own name for it (a forked child: no undo needed)
     AdapterStore(root).write(2, {"a.lora_A.weight": torch.ones(64, 64)}, CONFIG, base_model="b")
 
 
@@ -91,9 +94,6 @@ def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_parti
 
 
 def test_a_same_size_corruption_is_caught_before_any_server_is_asked_to_load_it(tmp_path):
-    from asyncgrpo.rollout.publish import AdapterPublisher
-    from asyncgrpo.store import WEIGHTS_NAME
-
     store = AdapterStore(tmp_path)
     path = store.write(1, tensors(0.5), CONFIG, base_model="b")
     weights = path / WEIGHTS_NAME
@@ -115,8 +115,6 @@ def test_a_same_size_corruption_is_caught_before_any_server_is_asked_to_load_it(
 
 
 def test_a_truncated_file_is_named_with_both_sizes(tmp_path):
-    from asyncgrpo.store import WEIGHTS_NAME, verify_adapter_files
-
     path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
     weights = path / WEIGHTS_NAME
     size = weights.stat().st_size
@@ -164,12 +162,10 @@ def test_an_empty_adapter_is_refused_and_writes_nothing(tmp_path):
 
 
 def test_a_write_that_fails_leaves_no_directory_behind(tmp_path, monkeypatch):
-    import safetensors.torch
-
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(store_module, "save_file", full_disk)
     store = AdapterStore(tmp_path)
     with pytest.raises(OSError, match="No space"):
         store.write(1, tensors(0.5), CONFIG, base_model="b")
@@ -184,8 +180,6 @@ def test_config_lists_target_modules_sorted(tmp_path):
 
 
 def test_unreadable_root_is_a_user_error_naming_the_key(tmp_path):
-    from asyncgrpo.errors import AsyncGRPOError
-
     (tmp_path / "file").write_text("x")
     with pytest.raises(AsyncGRPOError, match="lora_adapter_path"):
         AdapterStore(tmp_path / "file" / "adapters")
@@ -199,8 +193,6 @@ def test_a_store_under_missing_directories_creates_them(tmp_path):
 
 
 def test_an_uncreatable_root_names_the_path_and_the_fix(tmp_path):
-    from asyncgrpo.errors import AsyncGRPOError
-
     (tmp_path / "file").write_text("x")
     root = tmp_path / "file" / "adapters"
     with pytest.raises(AsyncGRPOError) as err:
@@ -251,10 +243,6 @@ FIX = ("the adapter directory was changed after asyncgrpo wrote it (disk full, a
 
 
 def test_a_changed_adapter_file_is_named_with_both_digests_and_the_fix(tmp_path):
-    import hashlib
-
-    from asyncgrpo.store import WEIGHTS_NAME, verify_adapter_files
-
     path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
     weights = path / WEIGHTS_NAME
     written = hashlib.sha256(weights.read_bytes()).hexdigest()
@@ -269,8 +257,6 @@ def test_a_changed_adapter_file_is_named_with_both_digests_and_the_fix(tmp_path)
 
 
 def test_a_deleted_adapter_file_is_named_with_the_reason_and_the_fix(tmp_path):
-    from asyncgrpo.store import CONFIG_NAME, verify_adapter_files
-
     path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
     (path / CONFIG_NAME).unlink()
     with pytest.raises(SyncError) as err:

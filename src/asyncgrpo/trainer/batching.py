@@ -1,4 +1,5 @@
-"""A batch of groups into what the model sees: shares per rank, micro-batches by tokens, padded tensors on the device."""
+"""A batch of groups into what the model sees: shares per rank and micro-batches by tokens, padded tensors on the
+device, and scoring completions under the trainer's policy."""
 
 from __future__ import annotations
 

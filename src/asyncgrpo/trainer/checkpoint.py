@@ -1,30 +1,10 @@
 """Checkpoints: an atomic save every `save_steps` optimizer steps, and resuming with `resume_from_checkpoint`.
 
-A checkpoint is the directory `<output_dir>/checkpoint-<step>/`:
-
-    adapter/adapter_model.safetensors   the LoRA weights at that step (PEFT format, for `PeftModel.from_pretrained`)
-    adapter/adapter_config.json
-    scheduler.pt                        the learning-rate schedule's state (its step)
-    optimizer.pt                        the optimizer state (rank 0's: DDP replicates it, so one copy serves every rank;
-                                        FSDP: gathered whole)
-    deepspeed/                          ZeRO-2/3 only, instead of optimizer.pt: DeepSpeed's own checkpoint of the engine
-                                        (`save_checkpoint(exclude_frozen_parameters=True)`: the LoRA weights and each
-                                        rank's partition of their fp32 master weights and Adam state, no base weights)
-    rng-rank<r>.pt                      torch, python and numpy RNG states of rank r
-    manifest.json                       format version, step, policy version, data position, and every file's size
-                                        and sha256; written last
-
-Atomic: every file goes into a hidden `.tmp-checkpoint-<step>-<pid>` directory beside the target, is fsynced, and
-the directory is renamed into place, so a process killed mid-write never leaves a `checkpoint-<step>` behind (the
-temporary directory is removed by the next run). A checkpoint whose manifest is missing, or whose files differ from
-what the manifest lists (truncated, edited), is refused with a CheckpointError naming the path and the fix.
-
-Supported backends: DDP (also torchrun and a single process), FSDP1, FSDP2, ZeRO-2 and ZeRO-3. On FSDP the
-optimizer state of the LoRA parameters is gathered whole to rank 0 (torch.distributed.checkpoint's state-dict API:
-only trainable parameters have optimizer state, so this is adapter-sized) and every rank re-shards it on resume.
-ZeRO keeps it in DeepSpeed's partitions, which DeepSpeed writes and reads itself; such a checkpoint resumes only on
-the same ZeRO stage and number of ranks (checked, with the fix named).
-The learning-rate schedule: `scheduler.pt` (rank 0's; every rank's is the same), loaded on every rank.
+A checkpoint is `<output_dir>/checkpoint-<step>/`: the adapter, the optimizer state (or DeepSpeed's own partitioned
+checkpoint), the schedule, every rank's RNG states and, written last, a manifest of every file's size and sha256.
+It is written in a temporary directory and renamed into place; a checkpoint that does not match its manifest is
+refused. Backends: DDP, FSDP1, FSDP2, ZeRO-2, ZeRO-3. docs/trainer-internals.md has the layout and each backend's
+handling of the optimizer state; docs/checkpoints.md the user's view.
 """
 
 from __future__ import annotations
@@ -38,13 +18,16 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from asyncgrpo.distributed import broadcast_object
 from asyncgrpo.errors import CheckpointError
-from asyncgrpo.trainer.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
 from asyncgrpo.files import fsync_path, sha256_file
 from asyncgrpo.store import AdapterStore
+from asyncgrpo.trainer.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
+from asyncgrpo.trainer.schedule import restore_lr_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +156,10 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
 
 
 def _state_dict_options(backend: str, **kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # heavy: torch's DCP, FSDP only
 
-    # No CPU offload on FSDP1: a full gather with offload_to_cpu segfaults rank 0 on CPU hosts (shared/NOTES.md).
+    # No CPU offload on FSDP1: a full gather with offload_to_cpu segfaults rank 0 on CPU hosts
+    # (docs/cpu-hosts.md#fsdp1-no-cpu-offload-on-a-full-gather).
     return StateDictOptions(full_state_dict=True, cpu_offload=backend != "fsdp1", **kw)
 
 
@@ -186,7 +170,7 @@ def _optimizer_state(acc, model, optimizer, backend: str) -> dict | None:
         return None
     if backend not in SHARDED:
         return optimizer.state_dict() if acc.is_main_process else None
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # heavy: torch's DCP, FSDP only
 
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> the torch optimizer
     full = get_optimizer_state_dict(model, inner, options=_state_dict_options(backend))
@@ -249,8 +233,6 @@ def load_checkpoint(path: Path, acc, model, optimizer, lr_scheduler=None) -> Tra
     no longer draws numbers."""
     state = _load_weights_and_optimizer(path, acc, model, optimizer)
     if lr_scheduler is not None:
-        from asyncgrpo.trainer.schedule import restore_lr_scheduler
-
         file = path / SCHEDULER
         # A checkpoint from before schedules existed has none; the schedule is a function of the step alone.
         saved = torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else \
@@ -260,8 +242,6 @@ def load_checkpoint(path: Path, acc, model, optimizer, lr_scheduler=None) -> Tra
 
 
 def _load_weights_and_optimizer(path: Path, acc, model, optimizer) -> TrainerState:
-    from safetensors.torch import load_file
-
     manifest = read_manifest(path)
     state = TrainerState(**manifest["state"])
     peft_model = acc.unwrap_model(model)
@@ -308,7 +288,8 @@ def _layout(backend: str, world_size: int) -> tuple:
 
 def _load_sharded(acc, model, optimizer, backend: str, tensors, marker: str, optim_state: dict) -> None:
     """Collective: load LoRA weights and optimizer state saved whole into an FSDP-sharded model and optimizer."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (  # heavy: torch's DCP, FSDP only
+        set_model_state_dict, set_optimizer_state_dict)
 
     weights = {}
     for key, tensor in tensors.items():  # PEFT's saved keys -> the model's parameter names (adapter name back in)
@@ -320,8 +301,6 @@ def _load_sharded(acc, model, optimizer, backend: str, tensors, marker: str, opt
 
 
 def rng_state() -> dict:
-    import numpy as np
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -330,8 +309,6 @@ def rng_state() -> dict:
 
 def restore_rng(path: Path, rank: int) -> None:
     """This rank's RNG states as saved; a rank the checkpoint did not have (more ranks now) keeps its own."""
-    import numpy as np
-
     file = path / f"rng-rank{rank}.pt"
     if not file.is_file():
         log.warning("%s has no RNG state for rank %d (saved with fewer ranks); keeping this rank's own", path, rank)

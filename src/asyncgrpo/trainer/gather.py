@@ -1,8 +1,7 @@
-"""Gather only the LoRA tensors to rank 0, under PEFT's saved key names. One function per backend.
+"""Gather only the LoRA tensors to rank 0, under PEFT's saved key names: one function per backend.
 
-Every function here is a collective: every rank calls it, rank 0 gets {peft key: CPU tensor}, the others None.
-Tensors enter a collective on the process group's device (`to_collective`: a rank's GPU under NCCL, which has no
-CPU backend) and come back to the CPU after it (`to_host`), on rank 0 only.
+Every function here is a collective: every rank calls it, rank 0 gets {peft key: CPU tensor}, the others None. The
+base weights never move. docs/trainer-internals.md describes each backend's layout and how its gather cuts it.
 """
 
 from __future__ import annotations
@@ -10,6 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType
 
 from asyncgrpo.distributed import to_collective, to_host
 from asyncgrpo.errors import AsyncGRPOError
@@ -17,8 +18,6 @@ from asyncgrpo.errors import AsyncGRPOError
 
 def backend_of(accelerator) -> str:
     """Name of the sharding backend the accelerator runs: ddp (also single process), fsdp1, fsdp2, zero2, zero3."""
-    from accelerate.utils import DistributedType
-
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP:
         return "fsdp2" if getattr(accelerator, "is_fsdp2", False) else "fsdp1"
@@ -62,8 +61,6 @@ def gather_zero3(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
     parameter in `ds_tensor`. Concatenate this rank's LoRA partitions and gather them to rank 0 in one call (ZeRO's
     own GatheredParameters all-gathers parameter by parameter, to every rank); rank 0 cuts out each tensor. The base
     stays sharded."""
-    import torch.distributed as dist
-
     peft_model = accelerator.unwrap_model(model)
     named = lora_parameters(peft_model)
     if not all(hasattr(p, "ds_tensor") for _, p in named):  # not partitioned (e.g. one rank): a local copy
@@ -88,8 +85,6 @@ def gather_fsdp2(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
     LoRA shards into one flat buffer and gather those buffers to rank 0 in one call (a call per parameter would
     pay the collective's latency hundreds of times on a real model); rank 0 cuts them back into full tensors.
     The base weights never move."""
-    import torch.distributed as dist
-
     peft_model = accelerator.unwrap_model(model)
     named = lora_parameters(peft_model)
     if not all(_is_dim0_sharded(p) for _, p in named):  # another layout: let DTensor gather each one
@@ -123,7 +118,7 @@ def gather_fsdp2(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
 
 
 def _is_dim0_sharded(param) -> bool:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Shard  # heavy: torch.distributed.tensor (~1 s), FSDP2 only
 
     return isinstance(param, DTensor) and tuple(param.placements) == (Shard(0),)
 
@@ -144,7 +139,7 @@ def _fsdp1_local_slices(model, rank: int) -> list[tuple[str, tuple[int, ...], in
     """This rank's part of every LoRA parameter of an FSDP1 model: (name, full shape, start offset in the
     flattened parameter, the slice). FSDP1 splits each unit's flat buffer evenly over ranks, so a parameter may lie
     on one rank, or across two, or partly in padding; `_shard_param_infos` says which elements this rank holds."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # heavy: torch's FSDP, FSDP1 only
 
     names = {id(p): n for n, p in model.named_parameters()}
     slices = []
@@ -177,9 +172,7 @@ def gather_fsdp1(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
     only the slices of LoRA parameters it holds, with their offsets; rank 0 reassembles the full tensors. The base
     weights never move (summon_full_params would gather whole units, base included). The result is checked against
     the adapter's parameters (names, shapes, every element covered once), because PEFT's own save silently writes
-    zero tensors for FSDP1 models (shared/NOTES.md)."""
-    import torch.distributed as dist
-
+    zero tensors for FSDP1 models (docs/cpu-hosts.md#gathering-only-the-adapter)."""
     mine = _fsdp1_local_slices(model, accelerator.process_index)
     received = [None] * accelerator.num_processes if accelerator.is_main_process else None
     dist.gather_object(mine, received, dst=0)

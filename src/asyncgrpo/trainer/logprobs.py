@@ -1,17 +1,9 @@
 """The trainer's logprobs of the sampled tokens under a (possibly sharded) causal LM, without full-vocabulary logits.
 
-The LM head runs inside the model's own forward, because that is where every backend has its weight whole: DDP and
-ZeRO-2 hold it whole; FSDP1/FSDP2 unshard the root unit (which holds the head) for its forward and again for its
-backward; ZeRO-3 gathers each module's weights around that module's forward and re-gathers them for its backward.
-For the duration of one call the head's `forward` is replaced by a function that keeps the hidden states at the
-completion positions only and takes the log-softmax of the sampled tokens chunk by chunk
-(`loss.chunked_token_logprobs`); the model then hands back those (B, T-1) logprobs as its `logits`. Its weight is
-read inside the head's own forward and saved by reference for the backward, exactly as `nn.Linear` does, so every
-backend's materialisation hooks apply unchanged.
-
-A head this cannot model exactly falls back to the model's full logits (`token_logprobs`, the naive path), with a
-warning: a head that is not a plain `nn.Linear` (e.g. LoRA on `lm_head`), or a model that rescales its logits after
-the head (`logits_scaling`, `logit_scale`). Gemma's `final_logit_softcapping` is applied here instead of in the model.
+`sequence_logprobs` runs the model with its LM head swapped, for one call, for a chunked log-softmax at the
+completion positions only (`chunked_token_logprobs`, its own autograd function); a head it cannot reproduce exactly
+falls back to the full logits (`token_logprobs`), with a warning. docs/trainer-internals.md says why the head runs
+inside the model's forward on every backend and how the chunks keep memory flat.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The policy a run trains, built in one place for the trainer and the benchmarks: the base model with its LoRA
-adapter, the optimizer over the adapter alone, prepared for the backend the launcher chose (`build_policy`), and the
-LoRA wrapping itself (`with_lora`), which `asyncgrpo doctor` also uses for its probe adapter."""
+"""The policy a run trains, built in one place for the trainer and the benchmarks (`build_policy`): the base model
+with its LoRA adapter (lora.py), AdamW over the adapter alone, prepared for the backend the launcher chose, and the
+LM head the chunked logprob path runs.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from typing import NamedTuple
 
 import torch
 
+from asyncgrpo.data import local_model_dir
+from asyncgrpo.distributed import configure_backend, fp32_buffer_check, recompute_rotary_buffers, zero3_init_in
 from asyncgrpo.lora import with_lora
+from asyncgrpo.trainer.gather import lora_parameters
+from asyncgrpo.trainer.logprobs import find_scoring_head
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +33,7 @@ def build_policy(cfg, acc, model_path: str) -> Policy:
     """Collective (under FSDP/ZeRO `prepare` shards the model): the tokenizer and base model of `model_path` in
     `torch_dtype`, the LoRA adapter (the same initialisation on every rank: seeded), AdamW over the LoRA parameters
     only, prepared by `acc`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from asyncgrpo.data import local_model_dir
-    from asyncgrpo.distributed import configure_backend, fp32_buffer_check, recompute_rotary_buffers, zero3_init_in
-    from asyncgrpo.trainer.logprobs import find_scoring_head
-    from asyncgrpo.trainer.gather import lora_parameters
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers, only when a model is built
 
     torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
     with acc.local_main_process_first():  # a hub model is downloaded once per node; the others read the cache

@@ -144,7 +144,7 @@ class AsyncGRPOTrainer:
         if self._batch is None or self.step % self.cfg.num_iterations == 0:
             self._batch = self._next_batch(metrics)  # rank 0 waits on the queue; all ranks get their share
         elif self.main:
-            self._batch_metrics(self._batch.groups, metrics, waited_s=0.0)
+            metrics.batch(self._batch.groups, self.version, self.cfg.num_generations, waited_s=0.0)
         self._optimise(self._batch.micro_batches, metrics)
         self.step += 1
         return metrics
@@ -158,7 +158,7 @@ class AsyncGRPOTrainer:
                 groups = self.rollout.take(self.groups_per_step, self.version,
                                            timeout_s=self.cfg.vllm_request_timeout * 4 + self.cfg.vllm_server_timeout)
             assert max(self.version - g.version for g in groups) <= self.cfg.max_staleness
-            self._batch_metrics(groups, metrics, waited_s=time.perf_counter() - t0)
+            metrics.batch(groups, self.version, self.cfg.num_generations, waited_s=time.perf_counter() - t0)
             self.data_position = max(self.data_position, 1 + max(g.index for g in groups))
             return groups
 
@@ -185,10 +185,6 @@ class AsyncGRPOTrainer:
             packed = pack_by_tokens(lengths, budget, count=int(dist_max(len(packed))))
             parts = [[singles[i] for i in sorted(b)] for b in packed]
         return [to_device(collate(part, self.pad_id), self.acc.device) for part in parts]
-
-    def _batch_metrics(self, groups: list[Group], metrics: StepMetrics, waited_s: float) -> None:
-        """Rank 0: what this step's batch holds, staleness against the trainer's version now."""
-        metrics.batch(groups, self.version, self.cfg.num_generations, waited_s)
 
     def policy_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32, zero where

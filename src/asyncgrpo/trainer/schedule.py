@@ -1,12 +1,7 @@
 """Learning-rate schedules (`lr_scheduler_type`, `warmup_ratio`/`warmup_steps`), with transformers' formulas.
 
 The schedule is a torch `LambdaLR` over the innermost torch optimizer, stepped by the trainer exactly once per
-optimizer step, after it. It is deliberately not passed through `accelerate.prepare`: accelerate's
-`AcceleratedScheduler` steps the wrapped scheduler `num_processes` times per call (it assumes each rank's batch
-adds to the epoch) and, with DeepSpeed, prepare may hand it to the engine, which then steps it inside
-`engine.step()`; either way the number of steps per trainer step would depend on the backend. Changing `lr` in the
-torch optimizer's param groups works on every backend: DDP/FSDP step that optimizer, and ZeRO steps it too (its
-partitioned groups are the same dicts).
+optimizer step on every backend; docs/trainer-internals.md says why it does not go through `accelerate.prepare`.
 """
 
 from __future__ import annotations

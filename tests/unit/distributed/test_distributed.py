@@ -8,10 +8,8 @@ import pytest
 import torch
 from gloo import two_ranks
 
-from asyncgrpo.contracts import Group
 from asyncgrpo.distributed import on_main, require_shared_dir, require_usable_device
 from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.trainer.batching import collate, to_device
 
 
 def _outcome(rank: int, work) -> dict:
@@ -91,27 +89,3 @@ def test_checkpoints_need_an_output_dir_every_rank_sees(ranks, tmp_path):
         assert report["error"] == "AsyncGRPOError"
         assert "is not shared: rank 1 on" in report["message"] and "rank 0 on" not in report["message"]
         assert "Fix: set output_dir to a directory on storage every trainer node mounts" in report["message"]
-
-
-def _group(prompt, completions, behaviour, advantages):
-    return Group(prompt="", prompt_ids=prompt, completion_ids=completions, behaviour_logprobs=behaviour,
-                 rewards=[0.0] * len(completions), reward_parts={}, advantages=advantages, version=0, adapter="")
-
-
-def test_collate_aligns_behaviour_and_mask_with_the_completion_tokens():
-    batch = collate([_group([5, 6, 7], [[8, 9], [10]], [[-0.5, -1.5], [-2.0]], [1.0, -1.0])], pad_id=0)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
-    # Position t scores token t+1: the completion starts after prompt position 2.
-    assert batch["mask"].tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
-    assert batch["behaviour"].tolist() == [[0, 0, -0.5, -1.5], [0, 0, -2.0, 0]]
-    assert batch["advantages"].tolist() == [1.0, -1.0]
-
-
-def test_every_tensor_of_a_batch_moves_to_the_training_device():
-    batch = collate([_group([5, 6], [[8, 9]], [[-0.5, -1.5]], [1.0])], pad_id=0)
-    moved = to_device(batch, torch.device("meta"))  # not the CPU, as a GPU is
-    assert set(moved) == set(batch) == {"input_ids", "attention_mask", "behaviour", "mask", "advantages"}
-    assert {t.device.type for t in moved.values()} == {"meta"}
-    assert {k: t.dtype for k, t in moved.items()} == {k: t.dtype for k, t in batch.items()}
-    assert to_device(batch, "cpu")["mask"] is batch["mask"]  # no copy where the batch already is

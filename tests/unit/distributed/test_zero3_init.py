@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from asyncgrpo.inference.server import find_free_port
+
 SCRIPT = r'''
 import json, os, sys
 import torch
@@ -38,8 +40,6 @@ print(json.dumps(out))
 
 
 def test_zero3_init_keeps_a_bf16_base_partitioned_and_rotary_buffers_fp32(tmp_path):
-    from asyncgrpo.inference.server import find_free_port
-
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(find_free_port()), str(tmp_path)], capture_output=True,
                           text=True,
                           timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})

@@ -1,17 +1,27 @@
 """Checkpoints on one process: atomic save, exact round trip, refusal of incomplete or corrupt checkpoints."""
 
+import hashlib
 import json
 import math
+import multiprocessing
+import os
 import random
+import signal
+import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from accelerate.utils import DistributedType
 
+from asyncgrpo.contracts import Group
+from asyncgrpo.rollout.producer import request_seed
+from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.trainer import checkpoint as ckpt
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import CheckpointError, ConfigError
+from asyncgrpo.trainer.schedule import build_lr_scheduler
 
 
 class Tiny(torch.nn.Module):
@@ -189,24 +199,8 @@ def test_save_steps_must_be_a_multiple_of_weight_sync_steps():
     assert (cfg.resume_from_checkpoint, cfg.save_steps, cfg.save_total_limit) == ("latest", 4, 2)
 
 
-@pytest.mark.parametrize("step,expected", [(2, False), (3, True), (6, True), (7, True), (5, False)])
-def test_saves_every_save_steps_and_at_the_last_step(step, expected):
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
-
-    cfg = SimpleNamespace(save_steps=3, max_steps=7, weight_sync_steps=1, num_iterations=1)
-    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=step)) is expected
-    cfg.weight_sync_steps, cfg.save_steps = 2, 4  # the last step (7) published nothing: no checkpoint there
-    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
-    cfg.weight_sync_steps, cfg.num_iterations, cfg.save_steps = 1, 2, 4  # step 7 is mid-batch: none there either
-    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
-
-
 def test_a_batch_is_in_data_order_whatever_request_finished_first():
     """A resumed run must train the same batches: the queue orders by (version, stream position), not arrival."""
-    from asyncgrpo.rollout.producer import request_seed
-    from asyncgrpo.contracts import Group
-    from asyncgrpo.rollout.queue import RolloutQueue
-
     queue = RolloutQueue(max_staleness=1)
     for index, version in [(5, 1), (2, 1), (9, 0), (4, 1)]:
         queue.put(Group(prompt="", prompt_ids=[1], completion_ids=[[2]], behaviour_logprobs=[[0.0]], rewards=[0.0],
@@ -217,8 +211,6 @@ def test_a_batch_is_in_data_order_whatever_request_finished_first():
 
 
 def test_checkpoint_restores_the_schedule_where_it_stopped(tmp_path):
-    from asyncgrpo.trainer.schedule import build_lr_scheduler
-
     config = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "max_steps": 10,
                                         "lr_scheduler_type": "cosine", "warmup_steps": 2})
     model, optimizer, peft_config = make_model()
@@ -279,8 +271,6 @@ def test_a_file_the_manifest_lists_but_that_is_gone_is_named(tmp_path):
 
 
 def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
-    import hashlib
-
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
@@ -296,8 +286,6 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
 
 
 def test_python_numpy_and_torch_rng_states_are_all_restored(tmp_path):
-    import numpy as np
-
     model, optimizer, config = make_model()
     cuda = torch.cuda.is_available()  # on a GPU host the CUDA generators too
 
@@ -314,8 +302,6 @@ def test_python_numpy_and_torch_rng_states_are_all_restored(tmp_path):
 
 
 def test_a_rank_the_checkpoint_did_not_have_keeps_its_own_rng(tmp_path):
-    import numpy as np
-
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
@@ -365,8 +351,6 @@ def test_a_checkpoint_of_another_layout_is_refused_with_both_named(tmp_path):
 
 def _save_half_then_block(out, ready) -> None:
     """In a forked child: save checkpoint-6, but stop in the middle of the optimizer file and wait to be killed."""
-    import threading
-
     real_write = ckpt._write_file
 
     def half_then_block(path, write):
@@ -386,10 +370,6 @@ def _save_half_then_block(out, ready) -> None:
 def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_path):
     """A real kill: a child process (forked, so it runs this very code) saves checkpoint-6 and is SIGKILLed while
     writing the optimizer state."""
-    import multiprocessing
-    import os
-    import signal
-
     model, optimizer, config = make_model()
     save(model, optimizer, config, tmp_path, step=3)
     fork = multiprocessing.get_context("fork")
@@ -513,8 +493,6 @@ def test_an_unsupported_backend_names_the_supported_ones_and_the_fix():
 
 def test_a_stale_temporary_directory_of_the_same_name_is_replaced_not_merged(tmp_path):
     """A killed save of this step by a process with this pid (pids are reused) left its temporary directory."""
-    import os
-
     stale = tmp_path / f".tmp-checkpoint-3-{os.getpid()}"
     stale.mkdir()
     (stale / "optimizer.pt").write_bytes(b"half")

@@ -16,6 +16,7 @@ every LoRA parameter and of its Adam moments) must equal what the first model he
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -221,8 +222,6 @@ def serve(init_file: str, rank: int, conn) -> None:
 # ---- the tests (rank 0) ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import multiprocessing
-
     init_file = str(tmp_path_factory.mktemp("checkpoint-ranks") / "init")
     mine, theirs = multiprocessing.Pipe()
     child = multiprocessing.get_context("fork").Process(target=serve, args=(init_file, 1, theirs), daemon=True)

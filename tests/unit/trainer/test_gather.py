@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import datetime
 import math
+import multiprocessing
 import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from asyncgrpo.trainer.gather import gather_lora_state
+from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.trainer.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
 
 WORLD = 2
 COLLECTIVE_TIMEOUT_S = 30  # a rank that skips a collective fails the other one after this, never hangs it
@@ -243,8 +245,6 @@ def serve(init_file: str, rank: int, conn) -> None:
 # ---- the tests (rank 0) ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import multiprocessing
-
     import torch.distributed as dist
 
     init_file = str(tmp_path_factory.mktemp("gather") / "init")
@@ -346,8 +346,6 @@ def test_zero3_without_partitioned_parameters_copies_them_like_ddp():
 
 
 def test_an_unsupported_backend_is_refused_with_the_launch_configs_named():
-    from asyncgrpo.errors import AsyncGRPOError
-
     acc = accelerator(0, "deepspeed", state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=0)))
     with pytest.raises(AsyncGRPOError, match="the zero0 backend is not supported.*launch/accelerate/"):
         gather_lora_state(acc, peft_model())
@@ -383,8 +381,6 @@ def test_fsdp1_without_use_orig_params_is_refused_with_the_launch_config_named(r
 
 # ---- one process: no collective involved -----------------------------------------------------------------------------
 def test_an_fsdp_accelerator_without_is_fsdp2_runs_fsdp1():
-    from asyncgrpo.trainer.gather import backend_of
-
     # accelerate releases before FSDP2 support have no `is_fsdp2` attribute at all
     assert backend_of(accelerator(0, "fsdp")) == "fsdp1"
     assert backend_of(accelerator(0, "fsdp", is_fsdp2=False)) == "fsdp1"
@@ -392,8 +388,6 @@ def test_an_fsdp_accelerator_without_is_fsdp2_runs_fsdp1():
 
 
 def test_the_adapter_is_the_lora_parameters_that_train():
-    from asyncgrpo.trainer.gather import lora_parameters
-
     model = peft_model()
     model.base_model.model.q_proj.base_layer.bias.requires_grad_(True)  # trains, but is no LoRA weight
     model.base_model.model.v_proj.lora_B.default.weight.requires_grad_(False)  # a LoRA weight frozen
@@ -428,8 +422,6 @@ def test_fsdp2_parameters_left_whole_are_copied_as_they_are():
 
 
 def test_fsdp_wrapper_names_are_removed_from_parameter_names():
-    from asyncgrpo.trainer.gather import clean_fsdp_name
-
     wrapped = ("_fsdp_wrapped_module.base_model.model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module."
                "q_proj.lora_A.default.weight")
     assert clean_fsdp_name(wrapped) == "base_model.model.layers.0.q_proj.lora_A.default.weight"

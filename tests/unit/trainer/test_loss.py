@@ -293,7 +293,8 @@ def test_a_ratio_exactly_on_a_bound_is_not_clipped_and_keeps_its_gradient():
     # epsilon 0 puts both bounds at ratio 1, where an on-policy token sits exactly
     logp = torch.tensor([[-1.0], [-1.0]], dtype=torch.float64, requires_grad=True)
     terms = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64),
-                      torch.ones(2, 1, dtype=torch.float64), LossSpec(epsilon_low=0.0, epsilon_high=0.0), normaliser=2.0)
+                      torch.ones(2, 1, dtype=torch.float64), LossSpec(epsilon_low=0.0, epsilon_high=0.0),
+                      normaliser=2.0)
     terms.loss.backward()
     assert terms.clipped_tokens.item() == 0.0
     assert logp.grad[:, 0].tolist() == [-0.5, 0.5]

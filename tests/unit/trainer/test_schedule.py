@@ -1,6 +1,5 @@
 """Learning-rate schedules: transformers' formulas worked out by hand, one step per optimizer step, exact resume."""
 
-import math
 from types import SimpleNamespace
 
 import pytest

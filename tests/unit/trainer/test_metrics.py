@@ -1,0 +1,105 @@
+"""A step's metrics: each StepMetrics method against numbers worked out by hand, LossTotals over micro-batches, the run
+summary's counters, and every name docs/metrics.md promises still written by the code."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncgrpo.contracts import Group
+from asyncgrpo.trainer.loss import LossTerms
+from asyncgrpo.trainer.metrics import SUMMARY_COUNTERS, LossTotals, StepMetrics, summary_counters
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _group(rewards, version, lengths, finish_reasons, parts=None):
+    return Group(prompt="p", prompt_ids=[1], completion_ids=[[2] * n for n in lengths],
+                 behaviour_logprobs=[[-1.0] * n for n in lengths], rewards=rewards, reward_parts=parts or {},
+                 advantages=[0.0] * len(rewards), version=version, adapter="a", finish_reasons=finish_reasons)
+
+
+def test_batch_metrics_by_hand():
+    # Two groups of 2 at trainer version 5: versions 5 and 3 (staleness 0 and 2); rewards [1, 0] and [2, 2] (the
+    # second all equal); completion lengths 3, 1, 4, 4 (mean 3); one of four hit the length limit.
+    groups = [_group([1.0, 0.0], 5, [3, 1], ["stop", "length"], {"fmt": [1.0, None]}),
+              _group([2.0, 2.0], 3, [4, 4], ["stop", "stop"], {"fmt": [0.0, 1.0], "never": [None, None]})]
+    metrics = StepMetrics()
+    metrics.batch(groups, version=5, num_generations=2, waited_s=1.5)
+    v = metrics.values
+    assert v["reward/mean"] == 1.25 and v["reward/std"] == pytest.approx(torch.tensor([1.0, 0, 2, 2]).std().item())
+    assert (v["staleness/mean"], v["staleness/max"], v["time/wait_for_data_s"]) == (1.0, 2.0, 1.5)
+    assert v["reward/frac_reward_zero_std"] == 0.5
+    assert (v["completion/mean_length"], v["completion/truncated_fraction"]) == (3.0, 0.25)
+    assert v["reward/fmt"] == pytest.approx(2 / 3)  # over the three completions it applied to
+    assert "reward/never" not in v  # a function that applied to nothing is not logged
+    assert all(type(x) is float for x in v.values())
+
+
+def _terms(loss, clipped, kl, ratio, max_abs, is_ratio=0.0, is_max=0.0, capped=0.0, kl_b=0.0):
+    t = torch.tensor
+    return LossTerms(loss=t(loss, requires_grad=True), n_tokens=t(0.0), clipped_tokens=t(clipped), kl_sum=t(kl),
+                     ratio_sum=t(ratio), max_abs_log_ratio=t(max_abs), is_ratio_sum=t(is_ratio),
+                     is_ratio_max=t(is_max), is_capped_tokens=t(capped), behaviour_kl_sum=t(kl_b))
+
+
+def test_loss_totals_sum_and_max_over_micro_batches_and_divide_the_loss_by_the_ranks():
+    totals = LossTotals(world=2)
+    totals.add(_terms(1.0, 2.0, 0.5, 3.0, 0.1, is_ratio=4.0, is_max=1.5, capped=1.0, kl_b=0.25))
+    totals.add(_terms(3.0, 1.0, 0.25, 2.0, 0.3, is_ratio=1.0, is_max=1.2, capped=0.0, kl_b=0.5))
+    sums, maxima = totals.reduced()  # one process: the reduction over ranks is the identity
+    assert sums == {"loss": 2.0, "clipped": 3.0, "kl": 0.75, "ratio": 5.0, "is_ratio": 5.0, "is_capped": 1.0,
+                    "kl_behaviour": 0.75}
+    assert maxima == {"max_abs_log_ratio": pytest.approx(0.3), "is_ratio_max": pytest.approx(1.5)}
+
+
+def test_optimiser_metrics_are_per_token_of_the_global_batch():
+    metrics = StepMetrics()
+    sums = {"loss": -0.5, "clipped": 2.0, "kl": 1.0, "ratio": 8.0, "is_ratio": 6.0, "is_capped": 1.0,
+            "kl_behaviour": 0.4}
+    metrics.optimiser(sums, {"max_abs_log_ratio": 0.2, "is_ratio_max": 3.0}, n_tokens=8.0, lr=1e-5)
+    v = metrics.values
+    assert (v["train/loss"], v["train/clip_fraction"], v["train/kl"], v["train/ratio_mean"]) == (-0.5, 0.25, 0.125, 1.0)
+    assert (v["train/tokens"], v["train/learning_rate"], v["train/max_abs_log_ratio"]) == (8.0, 1e-5, 0.2)
+    assert v["sampling/importance_sampling_ratio/mean"] == 0.75 and v["sampling/importance_sampling_ratio/max"] == 3.0
+    assert (v["sampling/is_capped_fraction"], v["sampling/kl_behaviour"]) == (0.125, 0.05)
+    empty = StepMetrics()  # every token masked: statistics of nothing are 0, not a division by zero
+    empty.optimiser(dict.fromkeys(sums, 0.0), {"max_abs_log_ratio": 0.0, "is_ratio_max": 0.0}, n_tokens=0.0, lr=0.1)
+    assert empty.values["train/clip_fraction"] == 0.0 and empty.values["train/tokens"] == 0.0
+
+
+def test_sync_rollout_micro_batch_and_grad_norm_metrics_keep_their_names():
+    metrics = StepMetrics()
+    metrics.micro_batches(3)
+    metrics.grad_norm(0.5)
+    metrics.sync(0.1, 0.2, 4096)
+    metrics.rollout({"queue/depth": 7}, version=4)
+    assert metrics.values == {"train/micro_batches": 3.0, "train/grad_norm": 0.5, "sync/gather_s": 0.1,
+                              "sync/wait_previous_publish_s": 0.2, "sync/gathered_bytes": 4096.0,
+                              "queue/depth": 7.0, "policy/version": 4.0}
+
+
+def test_log_hands_every_value_to_the_logger_at_the_step():
+    seen = []
+    metrics = StepMetrics()
+    metrics.micro_batches(2)
+    metrics.log(type("Logger", (), {"log": lambda self, values, step: seen.append((values, step))})(), 9)
+    assert seen == [({"train/micro_batches": 2.0}, 9)]
+
+
+def test_the_run_summary_reads_its_four_counters():
+    counters = {"queue/dropped_stale_total": 1, "queue/dropped_zero_std_total": 2, "rollout/lost_groups_total": 3,
+                "rollout/resent_groups_total": 4, "queue/depth": 9}
+    assert summary_counters(counters) == {"dropped_stale": 1, "dropped_zero_std": 2, "lost_groups": 3,
+                                          "resent_groups": 4}
+    assert set(SUMMARY_COUNTERS) == {"dropped_stale", "dropped_zero_std", "lost_groups", "resent_groups"}
+
+
+def test_every_name_docs_metrics_promises_is_written_somewhere_in_the_code():
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    names = set(re.findall(r"`([a-z_]+/[a-z_/]+)`", doc)) | {"sampling/importance_sampling_ratio/max"}  # "`/max`"
+    assert {"train/loss", "policy/version", "sync/write_s"} <= names  # the pattern finds the names
+    code = "\n".join(p.read_text() for p in (ROOT / "src" / "asyncgrpo").rglob("*.py"))
+    missing = sorted(n for n in names if f'"{n}"' not in code)
+    assert not missing, f"docs/metrics.md names no code writes: {missing}"

@@ -1,0 +1,130 @@
+"""The recipe's parts that need no launch: when it saves, how it assembles and logs a step's metrics with the
+rollout side's counters, what the run summary records, and how a rank's share becomes micro-batches."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fakes import cfg as make_cfg
+
+from asyncgrpo.contracts import Group
+from asyncgrpo.trainer.loss import LossSpec
+from asyncgrpo.trainer.metrics import StepMetrics
+from asyncgrpo.trainer import recipe
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+
+
+# ---- when a checkpoint is written -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("step,expected", [(2, False), (3, True), (6, True), (7, True), (5, False)])
+def test_saves_every_save_steps_and_at_the_last_step(step, expected):
+    cfg = SimpleNamespace(save_steps=3, max_steps=7, weight_sync_steps=1, num_iterations=1)
+    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=step)) is expected
+    cfg.weight_sync_steps, cfg.save_steps = 2, 4  # the last step (7) published nothing: no checkpoint there
+    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
+    cfg.weight_sync_steps, cfg.num_iterations, cfg.save_steps = 1, 2, 4  # step 7 is mid-batch: none there either
+    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
+
+
+def test_no_save_steps_means_no_checkpoint_even_at_the_last_step():
+    cfg = SimpleNamespace(save_steps=0, max_steps=4, weight_sync_steps=1, num_iterations=1)
+    assert not any(AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=s)) for s in range(1, 5))
+
+
+# ---- the loss spec ---------------------------------------------------------------------------------------------------
+def test_the_trainer_holds_the_loss_spec_of_its_config():
+    cfg = make_cfg(loss_type="grpo", beta=0.04, epsilon=0.1)
+    trainer = AsyncGRPOTrainer(cfg)
+    assert trainer.loss_spec == LossSpec.from_config(cfg)
+    assert trainer.loss_spec.counts_sequences and trainer.loss_spec.needs_reference
+
+
+# ---- logging a step --------------------------------------------------------------------------------------------------
+class FakeRollout:
+    """The rollout side as `_log` and `_finish` use it: counters, a log, where it put things."""
+
+    adapter_name, adapter_path = "lora-run-v3", "/adapters/run/v000003"
+
+    def __init__(self, tmp_path):
+        self.logged: list[tuple[int, dict]] = []
+        self.tensorboard_dir = tmp_path / "tensorboard"
+
+    def stats(self) -> dict[str, float]:
+        return {"rollout/generated_tokens_per_s": 12.5, "rollout/lost_groups_total": 1,
+                "rollout/resent_groups_total": 2, "reward/fallbacks_total": 0, "queue/dropped_stale_total": 3,
+                "queue/depth": 4, "queue/dropped_zero_std_total": 5, "queue/inflight_requests": 6}
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.logged.append((step, dict(values)))
+
+
+class FakeBar:
+    def __init__(self):
+        self.postfix, self.updates = None, 0
+
+    def set_postfix(self, **kw):
+        self.postfix = kw
+
+    def update(self, n):
+        self.updates += n
+
+
+def _trainer(tmp_path, **cfg_values):
+    values = {"logging_steps": 2, "max_steps": 5, "output_dir": str(tmp_path), **cfg_values}
+    return SimpleNamespace(cfg=SimpleNamespace(**values), rollout=FakeRollout(tmp_path), version=3, step=0)
+
+
+def test_a_step_is_logged_with_the_rollout_counters_and_the_version_every_logging_steps_and_at_the_end(tmp_path):
+    trainer, bar = _trainer(tmp_path), FakeBar()
+    for step in range(1, 6):
+        trainer.step = step
+        metrics = StepMetrics()
+        metrics.batch([_group([1.0, 0.0], version=3)], version=3, num_generations=2, waited_s=0.25)
+        AsyncGRPOTrainer._log(trainer, metrics, bar)
+    assert [step for step, _ in trainer.rollout.logged] == [2, 4, 5]  # every 2 steps, and the last (5)
+    values = trainer.rollout.logged[0][1]
+    assert values["policy/version"] == 3.0 and values["queue/dropped_stale_total"] == 3.0
+    assert values["reward/mean"] == 0.5 and values["time/wait_for_data_s"] == 0.25
+    assert bar.postfix == {"reward": "0.500", "v": 3, "refresh": False} and bar.updates == 5
+
+
+def test_the_run_summary_keeps_its_keys_and_reads_the_rollout_counters(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, keep_final_adapter=False)
+    trainer.main, trainer.step, trainer.model_path, trainer.world, trainer.start_step = True, 5, "/models/toy", 2, 0
+    trainer.resumed_from, trainer.acc, trainer._base_dtype = None, None, lambda: "float32"
+    trainer.finished = False
+    monkeypatch.setattr(recipe, "backend_of", lambda acc: "ddp")
+    summary = AsyncGRPOTrainer._finish(trainer, 12.0)
+    assert set(summary) == {"steps", "version", "adapter_name", "adapter_path", "model_path", "train_seconds",
+                            "dropped_stale", "dropped_zero_std", "lost_groups", "resent_groups", "tensorboard",
+                            "backend", "world_size", "base_dtype", "start_step", "resumed_from",
+                            "adapter_left_loaded"}
+    assert (summary["dropped_stale"], summary["dropped_zero_std"], summary["lost_groups"],
+            summary["resent_groups"]) == (3, 5, 1, 2)
+    assert json.loads((tmp_path / "run_summary.json").read_text()) == summary and trainer.finished
+
+
+# ---- micro-batches ---------------------------------------------------------------------------------------------------
+def _group(rewards, version=0, lengths=None, prompt=(1, 2)):
+    lengths = lengths or [2] * len(rewards)
+    return Group(prompt="p", prompt_ids=list(prompt), completion_ids=[[3] * n for n in lengths],
+                 behaviour_logprobs=[[-1.0] * n for n in lengths], rewards=list(rewards), reward_parts={},
+                 advantages=[0.0] * len(rewards), version=version, adapter="a", finish_reasons=["stop"] * len(rewards))
+
+
+def test_without_a_token_budget_a_share_is_cut_into_whole_groups_of_the_per_device_batch():
+    cfg = SimpleNamespace(max_tokens_per_microbatch=None, per_device_train_batch_size=4, num_generations=2)
+    trainer = SimpleNamespace(cfg=cfg, pad_id=0, acc=SimpleNamespace(device=torch.device("cpu")))
+    share = [_group([1.0, 0.0], lengths=[2, 3]) for _ in range(3)]
+    micro = AsyncGRPOTrainer._micro_batches(trainer, share)
+    assert [b["input_ids"].shape[0] for b in micro] == [4, 2]  # 2 groups of 2 completions, then the last group
+    assert all(b["mask"].sum(dim=1).tolist() == [2.0, 3.0] * (b["input_ids"].shape[0] // 2) for b in micro)
+
+
+def test_with_a_token_budget_completions_are_packed_by_length_within_it():
+    cfg = SimpleNamespace(max_tokens_per_microbatch=12, per_device_train_batch_size=4, num_generations=2)
+    trainer = SimpleNamespace(cfg=cfg, pad_id=0, acc=SimpleNamespace(device=torch.device("cpu")))
+    share = [_group([1.0, 0.0], lengths=[4, 1]), _group([0.0, 1.0], lengths=[4, 2])]  # sequences of 6, 3, 6, 4
+    micro = AsyncGRPOTrainer._micro_batches(trainer, share)  # one process: the count needs no other rank
+    assert [tuple(b["input_ids"].shape) for b in micro] == [(2, 6), (2, 4)]  # 2 x 6 = 12 and 2 x 4 within 12
+    assert sum(float(b["mask"].sum()) for b in micro) == 4 + 1 + 4 + 2
