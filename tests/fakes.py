@@ -20,7 +20,7 @@ from asyncgrpo.errors import InferenceServerError, ServerUnreachableError
 
 
 def cfg(**values) -> AsyncGRPOConfig:
-    """A validated config: `lora_adapter_path` (the one field every config needs) set to /tmp/adapters, then `values`."""
+    """A validated config: `lora_adapter_path` (the one field every config needs) at /tmp/adapters, then `values`."""
     return AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", **values})
 
 
@@ -73,11 +73,12 @@ class FakeVLLM:
 
     Faults: `fail` maps a call ("load", or "load pol-v2" for one adapter) to the exception it raises once recorded;
     `misreport` is the path the read-back reports for every adapter; `on_load(server, name)` runs inside each load
-    and `on_health(server)` inside each health check (to hold them); the server is down (each call raises ServerUnreachableError, unrecorded) until `clock()` reaches
-    `back_at`, for good when `back_at` is None; `crash(back_at)` restarts it knowing no adapters; `restart_on` and
-    `lose_answer_of` name the call ("load p-v2") at which it restarts (back `restart_s` later) or acts but loses the
-    answer; `hold=True` keeps each generation request until `release()` lets it through. Like vLLM, a load of a name it
-    serves answers 400 and an unload of a name it does not serve 404 (`strict=False`: both just succeed).
+    and `on_health(server)` inside each health check (to hold them); the server is down (each call raises
+    ServerUnreachableError, unrecorded) until `clock()` reaches `back_at`, for good when `back_at` is None;
+    `crash(back_at)` restarts it knowing no adapters; `restart_on` and `lose_answer_of` name the call ("load p-v2")
+    at which it restarts (back `restart_s` later) or acts but loses the answer; `hold=True` keeps each generation
+    request until `release()` lets it through. Like vLLM, a load of a name it serves answers 400 and an unload of a
+    name it does not serve 404 (`strict=False`: both just succeed).
     """
 
     def __init__(self, url: str = "http://fake:8000", *, clock: Callable[[], float] | None = None,
@@ -228,7 +229,7 @@ class FakeVLLM:
             self._cond.notify_all()
 
 
-# ---- vLLM over HTTP ---------------------------------------------------------------------------------------------------
+# ---- vLLM over HTTP -------------------------------------------------------------------------------------------------
 # A route answers (status, content type, body), or None to drop the connection without answering.
 Route = Callable[["StubServer", BaseHTTPRequestHandler], "tuple[int, str, str] | None"]
 

@@ -30,7 +30,7 @@ def init_process_group(init_file: Path | str, rank: int, world: int = WORLD) -> 
 
 
 def _serve(init_file: str, scenarios: dict[str, Scenario], conn) -> None:
-    """Rank 1: run each (name, args) received on `conn` until None, answering ("ok", result) or ("failed", traceback)."""
+    """Rank 1: run each (name, args) received on `conn` until None; answer ("ok", result) or ("failed", traceback)."""
     init_process_group(init_file, 1)
     while (request := conn.recv()) is not None:
         name, args = request

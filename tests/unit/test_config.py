@@ -1,9 +1,10 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
 from fakes import cfg
 
-from asyncgrpo.config import AsyncGRPOConfig, field_docs
+from asyncgrpo.config import AsyncGRPOConfig, field_docs, reference_markdown
 from asyncgrpo.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +80,6 @@ def test_api_key_comes_from_the_environment_and_is_never_saved(tmp_path, monkeyp
 
 def test_every_field_is_documented():
     docs = field_docs()
-    import dataclasses
     names = [f.name for f in dataclasses.fields(AsyncGRPOConfig)]
     assert sorted(docs) == sorted(names)
     assert all(len(d) > 10 for d in docs.values())
@@ -92,8 +92,6 @@ def test_shipped_configs_validate():
 
 
 def test_configuration_page_documents_every_config_key():
-    from asyncgrpo.config import reference_markdown
-
     page = (REPO / "docs" / "configuration.md").read_text()
     assert reference_markdown() in page  # regenerate: python scripts/update_readme_config.py
     assert "(docs/configuration.md)" in (REPO / "README.md").read_text()  # the front door links it

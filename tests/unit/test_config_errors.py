@@ -3,6 +3,7 @@
 
 import pytest
 
+from asyncgrpo.cli import main
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
 
@@ -25,8 +26,6 @@ def test_an_override_that_is_not_yaml_names_the_key_and_how_to_quote_it(tmp_path
 
 
 def test_the_cli_prints_one_line_and_exits_2(tmp_path, capsys):
-    from asyncgrpo.cli import main
-
     path = tmp_path / "broken.yaml"
     path.write_text("max_steps: [1\n")
     assert main(["train", "--config", str(path)]) == 2

@@ -54,7 +54,7 @@ def tokenizer():
 def chat_tokenizer(tmp_path_factory):
     """A tokenizer built here with its own chat template and response template, saved and loaded back like a
     model's tokenizer would be."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: transformers, only for the tokenizer tests
 
     tok = build_tokenizer()
     tok.chat_template = THINKING_TEMPLATE
@@ -87,7 +87,7 @@ def test_gsm8k_jsonl_prompts_are_tokenised_once_and_other_columns_reach_rewards(
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "parquet", "csv", "arrow", "save_to_disk", "save_to_disk_dict"])
 def test_every_local_format_loads_through_datasets(tmp_path, tokenizer, fmt):
-    import datasets
+    import datasets  # heavy: datasets, only for the file-format tests
 
     ds = datasets.Dataset.from_list(GSM8K_ROWS)
     if fmt.startswith("save_to_disk"):
@@ -236,7 +236,7 @@ def test_prompt_format_mismatches_are_errors_that_name_the_fix(tmp_path, chat_to
 
 
 def test_a_tokenizer_without_chat_template_is_an_error_for_chat_prompts(tokenizer):
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # heavy: transformers, only for this test
 
     plain = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>")
     assert plain.chat_template is None

@@ -1,7 +1,8 @@
+import numpy as np
 import pytest
 
 from asyncgrpo.errors import ConfigError, RewardFunctionError
-from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rewards import RewardScorer, reward_means
 
 
 def length_reward(prompts, completions, **kw):
@@ -70,8 +71,6 @@ def nan_reward(prompts, completions, **kw):
 
 
 def numpy_reward(prompts, completions, **kw):
-    import numpy as np
-
     return [np.float32(0.5)] * len(completions)
 
 
@@ -83,8 +82,6 @@ def test_none_means_not_applicable_total_is_the_weighted_sum_over_applicable_fun
 
 
 def test_per_function_means_skip_none():
-    from asyncgrpo.rewards import reward_means
-
     parts = [{"a": [1.0, None], "b": [None, None]}, {"a": [0.0, None], "b": [None, None]}]
     assert reward_means(parts) == {"a": 0.5, "b": None}  # b applied to nothing: no mean, not 0
 

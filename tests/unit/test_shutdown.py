@@ -10,6 +10,7 @@ import pytest
 from fakes import FakeVLLM
 
 from asyncgrpo.errors import SyncError
+from asyncgrpo.cli import main
 from asyncgrpo.shutdown import exit_on_signal
 from asyncgrpo.rollout.publish import AdapterPublisher
 
@@ -94,8 +95,6 @@ def _publish(publisher, path, errors):
 
 
 def test_a_config_error_is_printed_by_rank_0_only_and_exits_2(monkeypatch, capsys):
-    from asyncgrpo.cli import main
-
     argv = ["doctor", "--config", "configs/demo.yaml", "--no_such_key", "1"]
     monkeypatch.setenv("RANK", "1")
     assert main(argv) == 2

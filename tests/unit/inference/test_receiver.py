@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -153,7 +154,6 @@ def test_the_directory_keeps_the_newest_versions_and_every_one_vllm_serves(tmp_p
         d = tmp_path / f"v{i}"
         d.mkdir()
         (d / MANIFEST_NAME).write_text("{}")
-        import os
         os.utime(d, (i, i))
     rec._prune(in_use={str(tmp_path / "v1")})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v4", "v5"]

@@ -7,6 +7,7 @@ deadline) and the ordering (current adapter back before the new version) are pin
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -165,8 +166,6 @@ def test_concurrent_failures_on_one_server_recover_it_once():
 
 def test_a_server_that_dies_while_answering_counts_as_unreachable():
     """The answer's body is cut short (the process was killed mid-response): a fault to recover from, not a bug."""
-    import socket
-
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)

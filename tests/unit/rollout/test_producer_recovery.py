@@ -10,6 +10,7 @@ import time
 import pytest
 from fakes import generation
 
+from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import AdapterNotLoadedError, InferenceServerError, ServerUnreachableError
 from asyncgrpo.inference.recovery import ServerRecovery
 
@@ -108,8 +109,6 @@ class UnreadableRows(list):
 
 
 def test_a_failure_of_the_producer_thread_itself_reaches_the_trainer_and_nothing_is_sent(rollout_on_stub):
-    from asyncgrpo.data import PromptRow
-
     rows = UnreadableRows(PromptRow(prompt="p", prompt_ids=[1], columns={}) for _ in range(4))
     rollout = rollout_on_stub(rows=rows)
     with pytest.raises(OSError, match="could not be read") as err:

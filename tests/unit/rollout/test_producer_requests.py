@@ -9,6 +9,8 @@ import time
 import pytest
 from fakes import generation
 
+from asyncgrpo.data import PromptRow
+
 DEADLINE_S = 15.0
 
 
@@ -44,8 +46,6 @@ def test_a_group_carries_finish_reasons_reward_parts_and_the_token_count(rollout
     @generation
     def route(body):
         return rollout_on_stub.answer(body, [[4, 2], [7, 7, 7]], ["stop", "length"])
-
-    from asyncgrpo.data import PromptRow
 
     rows = [PromptRow(prompt=f"p{i}", prompt_ids=[i], columns={"answer": "42"}) for i in range(4)]
     rollout = rollout_on_stub(route, rows=rows, reward=reward, groups_per_step=2, num_generations=2)

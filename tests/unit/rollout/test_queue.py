@@ -1,10 +1,13 @@
 import dataclasses
+import math
 import threading
 
 import pytest
+import torch
 
 from asyncgrpo.contracts import Group, centred_advantages, scale_by_batch_std
 from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.trainer.loss import group_advantages
 
 
 def group(version: int, tag: str = "") -> Group:
@@ -136,10 +139,6 @@ def test_batch_scaling_uses_the_sample_std_of_every_reward_plus_eps(rewards, adv
                                      [1.0] * 8])
 @pytest.mark.parametrize("scale", ["group", "none"])
 def test_centred_advantages_are_the_loss_group_advantages_in_plain_python(rewards, scale):
-    import torch
-
-    from asyncgrpo.trainer.loss import group_advantages
-
     expected = group_advantages(torch.tensor([rewards], dtype=torch.float64), scale=scale)[0].tolist()
     assert centred_advantages(rewards, scale) == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert centred_advantages([1.0, 0.0, 0.0, 0.0], "group") == pytest.approx([0.75 / 0.5001, -0.25 / 0.5001] +
@@ -147,12 +146,6 @@ def test_centred_advantages_are_the_loss_group_advantages_in_plain_python(reward
 
 
 def test_a_group_of_one_has_no_spread_so_its_scaled_advantage_is_nan_as_in_the_loss():
-    import math
-
-    import torch
-
-    from asyncgrpo.trainer.loss import group_advantages
-
     with pytest.warns(UserWarning, match="degrees of freedom"):  # torch says so too (config refuses groups of one)
         assert math.isnan(group_advantages(torch.tensor([[0.7]], dtype=torch.float64), scale="group")[0, 0].item())
     assert math.isnan(centred_advantages([0.7], "group")[0])  # not a ZeroDivisionError

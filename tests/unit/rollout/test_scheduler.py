@@ -90,7 +90,8 @@ class Harness:
             self.cond.notify_all()
         self.wait_until(self.cond.parked.is_set, "the producer never parked")
         # requests just sent are on their way to the server
-        self.wait_until(lambda: self.server.held == self.producer.inflight, "requests in flight never reached the server")
+        self.wait_until(lambda: self.server.held == self.producer.inflight,
+                        "requests in flight never reached the server")
         with self.cond:
             inflight, sent = self.producer.inflight, len(self.server.requests)
         return inflight, len(self.queue), sent

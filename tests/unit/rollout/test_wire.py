@@ -11,6 +11,7 @@ import errno
 import signal
 import struct
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -117,8 +118,6 @@ def _through_the_pipe(exc: BaseException) -> BaseException:
     try:
         raise exc
     except BaseException as raised:  # noqa: BLE001
-        import traceback
-
         payload = pack_exception(raised, traceback.format_exc())
     return rebuild_exception(pickle.loads(pickle.dumps(payload)))
 

@@ -64,7 +64,7 @@ def test_chat_template_without_generation_prompt_ends_after_last_message(tokeniz
 
 
 def test_saved_tokenizer_loads_back_with_same_ids_and_template(tokenizer, tmp_path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: transformers, only for the save-and-load test
 
     tokenizer.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
