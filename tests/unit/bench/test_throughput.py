@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+from fakes import Clock
 
 from asyncgrpo.bench.throughput import plot_timelines, run_summary, step_history, timeline_record
 from asyncgrpo.timeline import Timeline, complement, covered_seconds, fraction, merge, span
@@ -21,8 +22,7 @@ def test_fractions_count_overlaps_once_and_only_inside_the_window():
     assert complement([], 0.0, 2.0) == [(0.0, 2.0)]
 
 
-class FakeClock:
-    def __init__(self):
+def __init__(self):
         self.now = 0.0
 
     def __call__(self):
@@ -30,7 +30,7 @@ class FakeClock:
 
 
 def test_timeline_is_busy_while_any_request_is_in_flight():
-    clock = FakeClock()
+    clock = Clock()
     t = Timeline(clock)
     clock.now = 1.0
     t.enter()  # request A
@@ -49,7 +49,7 @@ def test_timeline_is_busy_while_any_request_is_in_flight():
 
 
 def test_timeline_keeps_only_the_newest_intervals():
-    clock = FakeClock()
+    clock = Clock()
     t = Timeline(clock, max_intervals=2)
     for start in (1.0, 3.0, 5.0):
         t.add(start, start + 1.0)
