@@ -22,13 +22,6 @@ def test_fractions_count_overlaps_once_and_only_inside_the_window():
     assert complement([], 0.0, 2.0) == [(0.0, 2.0)]
 
 
-def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_timeline_is_busy_while_any_request_is_in_flight():
     clock = Clock()
     t = Timeline(clock)
