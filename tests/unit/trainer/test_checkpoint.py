@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from models import Tiny, tiny_lora
 from accelerate.utils import DistributedType
 
 from asyncgrpo.contracts import Group
@@ -24,24 +25,10 @@ from asyncgrpo.errors import CheckpointError, ConfigError
 from asyncgrpo.trainer.schedule import build_lr_scheduler
 
 
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q_proj = torch.nn.Linear(8, 8)
-        self.v_proj = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.v_proj(self.q_proj(x))
-
-
 def make_model(seed=0):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model = get_peft_model(Tiny(), config)
+    model = tiny_lora(8, 8, r=2, seed=seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    return model, optimizer, config
+    return model, optimizer, model.peft_config["default"]
 
 
 def train_one_step(model, optimizer):
@@ -155,7 +142,7 @@ def test_adapter_of_another_shape_is_refused(tmp_path):
 
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
-    other = get_peft_model(Tiny(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    other = get_peft_model(Tiny(8, 8), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     other_opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad])
     with pytest.raises(CheckpointError, match="does not fit this model"):
         ckpt.load_checkpoint(path, ACC, other, other_opt)
@@ -461,7 +448,7 @@ def test_an_adapter_that_does_not_fit_names_the_checkpoint_and_its_config(tmp_pa
 
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
-    other = get_peft_model(Tiny(), LoraConfig(r=2, target_modules=["q_proj"]))  # v_proj has no LoRA here
+    other = get_peft_model(Tiny(8, 8), LoraConfig(r=2, target_modules=["q_proj"]))  # v_proj has no LoRA here
     with pytest.raises(CheckpointError) as err:
         ckpt.load_checkpoint(path, ACC, other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad]))
     assert str(err.value) == (f"the adapter in {str(path)!r} does not fit this model (different lora_r, "

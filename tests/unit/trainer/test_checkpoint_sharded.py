@@ -15,17 +15,16 @@ every LoRA parameter and of its Adam moments) must equal what the first model he
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from gloo import WORLD, two_ranks
+from models import tiny_lora
 from accelerate.utils import DistributedType
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -36,31 +35,12 @@ from asyncgrpo.errors import CheckpointError
 
 # Imported at the top, not in the scenarios: collection imports them once, before rank 1 is forked (and before a
 # mutation tool forks its workers), instead of in every run (transformers' import alone takes seconds here).
-WORLD = 2
-COLLECTIVE_TIMEOUT_S = 30  # a rank that skips a collective fails the other one after this, never hangs it
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q_proj = torch.nn.Linear(6, 11)  # not test_gather's shapes: DTensor caches by shape, not by rank
-        self.v_proj = torch.nn.Linear(11, 6)
-
-    def forward(self, x):
-        return self.v_proj(self.q_proj(x))
 
 
 def peft_model(seed: int):
-    """LoRA r=3 on q (6 -> 11) and v (11 -> 6), random non-zero A and B, the same on every rank for one seed."""
-    torch.manual_seed(0)  # the base weights: the same for every seed
-    model = get_peft_model(Tiny(), LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"],
-                                              init_lora_weights=False))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn_like(param))
-    return model
+    """LoRA r=3 on q (6 -> 11) and v (11 -> 6), random non-zero A and B, the same on every rank for one seed. Not
+    test_gather's shapes: DTensor caches by shape, not by rank."""
+    return tiny_lora(6, 11, lora_seed=seed)
 
 
 def shard(model, kind: str):
@@ -201,55 +181,16 @@ SHAPES = {"q_proj.lora_A": (3, 6), "q_proj.lora_B": (11, 3), "v_proj.lora_A": (3
 SCENARIOS = {f.__name__: f for f in (fsdp1, fsdp2, fsdp1_into_fsdp2, corrupt_shard_refused)}
 
 
-def init_process_group(init_file: str, rank: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-
-
-def serve(init_file: str, rank: int, conn) -> None:
-    """The child rank: run each scenario named on `conn` until it gets None, answer on it."""
-    init_process_group(init_file, rank)
-    while (request := conn.recv()) is not None:
-        name, out = request
-        try:
-            assert SCENARIOS[name](rank, Path(out)) is None, "only rank 0 returns anything"
-            conn.send(f"ok {name}")
-        except BaseException:
-            conn.send(f"failed {name}:\n{traceback.format_exc()}")
-            raise  # the child ends: rank 0, if it waits in a collective, fails at once instead of at the timeout
-
-
 # ---- the tests (rank 0) ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    init_file = str(tmp_path_factory.mktemp("checkpoint-ranks") / "init")
-    mine, theirs = multiprocessing.Pipe()
-    child = multiprocessing.get_context("fork").Process(target=serve, args=(init_file, 1, theirs), daemon=True)
-    child.start()
-    theirs.close()
-    init_process_group(init_file, 0)
+    with two_ranks(tmp_path_factory.mktemp("checkpoint-ranks"), SCENARIOS) as run:
+        def rank_0s(name: str, out: Path):
+            result, rank1 = run(name, out)
+            assert rank1 is None, "only rank 0 returns anything"
+            return result
 
-    def run(name: str, out: Path):
-        mine.send((name, str(out)))
-        try:
-            result = SCENARIOS[name](0, out)
-            assert mine.poll(COLLECTIVE_TIMEOUT_S), f"rank 1 did not finish {name}"
-            answer = mine.recv()
-        except BaseException:
-            child.kill()  # it may wait in a collective rank 0 never reached: fail now, not at the timeout
-            raise
-        assert answer == f"ok {name}", answer
-        return result
-
-    try:
-        yield run
-    finally:
-        if child.is_alive():
-            mine.send(None)  # done
-        child.join(timeout=10)
-        if child.is_alive():
-            child.kill()
-        dist.destroy_process_group()
+        yield rank_0s
 
 
 def read_optimizer_file(path: Path) -> dict:

@@ -10,7 +10,6 @@ first engine of a machine (~20 s to 2 minutes, cached under TORCH_EXTENSIONS_DIR
 
 from __future__ import annotations
 
-import datetime
 import json
 from types import SimpleNamespace
 
@@ -18,7 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
-from peft import LoraConfig, get_peft_model
+import gloo
+from models import tiny_lora
+from peft import LoraConfig
 
 from asyncgrpo.trainer import checkpoint as ckpt
 from asyncgrpo.errors import CheckpointError
@@ -27,16 +28,6 @@ from asyncgrpo.trainer.gather import gather_lora_state
 deepspeed = pytest.importorskip("deepspeed")
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q_proj = torch.nn.Linear(5, 9)
-        self.v_proj = torch.nn.Linear(9, 5)
-
-    def forward(self, x):
-        return self.v_proj(self.q_proj(x))
 
 
 def forget_deepspeed_groups() -> None:
@@ -61,26 +52,16 @@ def one_rank(tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LOCAL_RANK", "0")
         env.setenv("DS_ACCELERATOR", "cpu")
-        init = tmp_path_factory.mktemp("zero") / "init"
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=30))
-        forget_deepspeed_groups()
-        try:
-            yield
-        finally:
+        with gloo.one_rank(tmp_path_factory.mktemp("zero")):
             forget_deepspeed_groups()
-            dist.destroy_process_group()
+            try:
+                yield
+            finally:
+                forget_deepspeed_groups()
 
 
 def engine(stage: int, seed: int):
-    torch.manual_seed(0)  # the base: the same for every seed
-    model = get_peft_model(Tiny(), LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"],
-                                              init_lora_weights=False))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn_like(param))
+    model = tiny_lora(lora_seed=seed)  # the base: the same for every seed
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}

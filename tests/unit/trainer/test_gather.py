@@ -13,41 +13,23 @@ JIT-built extension and a launch (tests/integration/test_backends.py runs that o
 
 from __future__ import annotations
 
-import datetime
 import math
-import multiprocessing
-import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
+from gloo import WORLD, two_ranks
+from models import tiny_lora
 
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.trainer.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
-
-WORLD = 2
-COLLECTIVE_TIMEOUT_S = 30  # a rank that skips a collective fails the other one after this, never hangs it
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q_proj = torch.nn.Linear(5, 9)
-        self.v_proj = torch.nn.Linear(9, 5)
-
-    def forward(self, x):
-        return self.v_proj(self.q_proj(x))
 
 
 def peft_model(r: int = 3, dtype: torch.dtype = torch.float32):
     """LoRA r=3 on q (5 -> 9) and v (9 -> 5): A is (3, 5) / (3, 9), B (9, 3) / (5, 3); every dim 0 is odd, so no
     2-way dim-0 split is even. Random non-zero A and B, the same on every rank; `dtype`: the whole model's (a bf16
     base trains bf16 LoRA weights)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    return get_peft_model(Tiny(), LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
-                                             init_lora_weights=False)).to(dtype)
+    return tiny_lora(5, 9, r=r, dtype=dtype)
 
 
 def expected_state(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -221,60 +203,16 @@ NOT_RESHARDED = "FSDP1 flat parameter is not resharded at sync time"
 NO_ORIG_PARAMS = "FSDP1 needs use_orig_params=True (see launch/accelerate/fsdp1.yaml)"
 
 
-
-def init_process_group(init_file: str, rank: int) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-
-
-def serve(init_file: str, rank: int, conn) -> None:
-    """The child rank: run each scenario named on `conn` until it gets None, answer on it."""
-    init_process_group(init_file, rank)
-    while (name := conn.recv()) is not None:
-        try:
-            state, stats = SCENARIOS[name](rank)
-            assert state is None and stats == {"gathered_bytes": 0}, "only rank 0 gets the tensors and counts bytes"
-            conn.send(f"ok {name}")
-        except BaseException:
-            conn.send(f"failed {name}:\n{traceback.format_exc()}")
-            raise
-
-
 # ---- the tests (rank 0) ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import torch.distributed as dist
+    with two_ranks(tmp_path_factory.mktemp("gather"), SCENARIOS) as run:
+        def rank_0s(name: str):
+            result, rank1 = run(name)
+            assert rank1 == (None, {"gathered_bytes": 0}), "only rank 0 gets the tensors and counts bytes"
+            return result
 
-    init_file = str(tmp_path_factory.mktemp("gather") / "init")
-    mine, theirs = multiprocessing.Pipe()
-    child = multiprocessing.get_context("fork").Process(target=serve, args=(init_file, 1, theirs), daemon=True)
-    child.start()
-    theirs.close()
-    init_process_group(init_file, 0)
-
-    def run(name: str):
-        mine.send(name)
-        try:
-            result = SCENARIOS[name](0)
-            assert mine.poll(COLLECTIVE_TIMEOUT_S), f"rank 1 did not finish {name}"
-            answer = mine.recv()
-        except BaseException:
-            child.kill()  # it may wait in a collective rank 0 never reached: fail now, not at the timeout
-            raise
-        assert answer == f"ok {name}", answer
-        return result
-
-    try:
-        yield run
-    finally:
-        if child.is_alive():
-            mine.send(None)  # done
-        child.join(timeout=10)
-        if child.is_alive():
-            child.kill()
-        dist.destroy_process_group()
+        yield rank_0s
 
 
 def assert_exact(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
