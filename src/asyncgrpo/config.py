@@ -324,8 +324,9 @@ it at the same path; with `http` it stays on the trainer's side."""
     Ignored, with a warning, when `accelerate launch` already configured DeepSpeed."""
     ddp_timeout: int = 1800
     """Seconds a collective may wait for the other ranks before the run fails (lower in tests). With several ranks it
-    must exceed one server outage: vllm_server_timeout + vllm_request_timeout + 45.5 s of connection retries (checked
-    at start)."""
+    must exceed rank 0's longest wait (checked at start): a batch (4 x vllm_request_timeout + vllm_server_timeout),
+    or a sync through a server outage (vllm_server_timeout + vllm_request_timeout + 45.5 s of connection retries,
+    plus twice 1460 s of adapter uploads with `adapter_delivery: http`)."""
     torch_num_threads: int = 0
     """Intra-op threads per training process; 0 = leave torch's default."""
 

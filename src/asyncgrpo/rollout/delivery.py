@@ -17,13 +17,15 @@ import requests
 
 from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
+from asyncgrpo.inference.recovery import (RECEIVER_ADMIN_TIMEOUT_S, RECEIVER_CONNECT_TIMEOUT_S,
+                                          RECEIVER_UPLOAD_TIMEOUT_S)
 from asyncgrpo.store import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 5.0  # a reachable receiver accepts a connection in milliseconds
-UPLOAD_TIMEOUT_S = 600.0  # one file's upload: a ~1 GB adapter over a slow (~20 MB/s) link, with margin
-ADMIN_TIMEOUT_S = 120.0  # commit (sha256 of the files, fsync) and load (vLLM's own load: seconds on NFS-less disk)
+# Set in inference/recovery.py, whose check of ddp_timeout counts them.
+CONNECT_TIMEOUT_S, UPLOAD_TIMEOUT_S, ADMIN_TIMEOUT_S = (RECEIVER_CONNECT_TIMEOUT_S, RECEIVER_UPLOAD_TIMEOUT_S,
+                                                        RECEIVER_ADMIN_TIMEOUT_S)
 
 
 class SharedFsDelivery:
