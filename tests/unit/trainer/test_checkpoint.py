@@ -100,12 +100,10 @@ def test_a_save_killed_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         save(model, optimizer, config, tmp_path)
     assert ckpt.list_checkpoints(tmp_path) == []
-    leftovers = [p.name for p in tmp_path.iterdir()]
-    assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-checkpoint-3-")
+    assert list(tmp_path.iterdir()) == []  # the failed save removed its temporary directory
     with pytest.raises(CheckpointError, match="holds no checkpoint-<step>"):
         ckpt.resolve_checkpoint("latest", tmp_path)
-    assert [p.name for p in ckpt.clean_partial(tmp_path)] == leftovers
-    assert list(tmp_path.iterdir()) == []
+    assert ckpt.clean_partial(tmp_path) == []
 
 
 def test_missing_manifest_is_an_incomplete_checkpoint(tmp_path):
