@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import threading
 from multiprocessing import Pipe
@@ -20,7 +21,7 @@ from asyncgrpo.cli import main
 from asyncgrpo.config import ROLLOUT_KEY_ENV, AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError, RolloutProcessError
 from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.rollout import remote
+from asyncgrpo.rollout import link, remote
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.process import ChildPeer, RolloutProcess
 from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
@@ -247,9 +248,46 @@ def test_both_ends_turn_on_tcp_keepalive_so_that_a_vanished_host_is_seen_within_
     proxy.peer.stop(0)
 
 
-def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_the_request():
+def _tls_pair() -> tuple[link.Link, link.Link]:
+    """Two Links over a socketpair with TLS between them (the trainer's end first)."""
+    theirs, ours = socket.socketpair()
+    context, _ = link.server_tls()
+    server = context.wrap_socket(theirs, server_side=True, do_handshake_on_connect=False)
+    client = link.client_tls().wrap_socket(ours, do_handshake_on_connect=False)
+    shaking = threading.Thread(target=server.do_handshake, daemon=True)
+    shaking.start()
+    client.do_handshake()
+    shaking.join(5)
+    return link.Link(client), link.Link(server)
+
+
+def test_a_link_carries_values_both_ways_and_polls_bytes_tls_already_decrypted():
+    trainer_end, side_end = _tls_pair()
+    big = os.urandom(200_000)  # framed past one TLS record (16 KiB)
+    trainer_end.send(("publish", (3, big)))
+    assert side_end.poll(5) and side_end.recv() == ("publish", (3, big))
+    # Two messages in one TLS record: after the first is read, the second is decrypted and held by TLS, while the
+    # descriptor shows nothing more: poll must still see it.
+    frames = b"".join(len(p).to_bytes(8, "big") + p for p in (pickle.dumps("first"), pickle.dumps("second")))
+    side_end._sock.sendall(frames)
+    assert trainer_end.recv() == "first"
+    assert trainer_end.poll(0) and trainer_end.recv() == "second"
+    assert not trainer_end.poll(0)
+    side_end.close()
+    assert trainer_end.poll(5)  # EOF reads as ready, as on a Connection
+    with pytest.raises(EOFError):
+        trainer_end.recv()
+    trainer_end.close()
+    assert trainer_end.closed
+    with pytest.raises(OSError):
+        trainer_end.fileno()
+
+
+@pytest.mark.parametrize("transport", ["pipe", "tls"])
+def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_the_request(transport):
     """The serve loop both forms share: a request may wait for a sync that holds a server paused (as publish waits
-    for the previous version); the trainer's end closing must resume that server now, not when the request ends."""
+    for the previous version); the trainer's end closing must resume that server now, not when the request ends.
+    Over TLS the watcher looks beneath it, at the socket."""
     class Side:
         halted = threading.Event()
 
@@ -259,7 +297,7 @@ def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_t
         def wait_published(self):
             assert self.halted.wait(120), "never halted"  # held until halt, like a sync held paused
 
-    trainer_end, side_end = Pipe()
+    trainer_end, side_end = Pipe() if transport == "pipe" else _tls_pair()
     side, ended = Side(), []
     serving = threading.Thread(target=lambda: ended.append(_answer_requests(side_end, side)), daemon=True)
     serving.start()
