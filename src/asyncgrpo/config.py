@@ -274,8 +274,9 @@ it at the same path; with `http` it stays on the trainer's side."""
     """`host:port` of a rollout side already running on its own (`asyncgrpo rollout-serve --listen HOST:PORT`, e.g.
     on another host): rank 0 connects to it over TCP instead of running or spawning one, with `rollout_process`'s
     interface and failure reports. Both ends take the connection key from the environment variable
-    `ASYNCGRPO_ROLLOUT_KEY` (required unless the address is loopback). That side uses this config, which rank 0 sends
-    it, except the paths it resolves itself (docs/running.md). None: the rollout side is rank 0's."""
+    `ASYNCGRPO_ROLLOUT_KEY` (required, at least 32 characters, e.g. `openssl rand -hex 32`), over TLS. That side uses
+    this config, which rank 0 sends it, except the paths it resolves itself (docs/running.md). None: the rollout side
+    is rank 0's."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
     keep_final_adapter: bool = True
@@ -701,8 +702,7 @@ def split_address(address, *, any_port: bool = False) -> tuple[str, int]:
     if not sep or not host:
         raise ValueError("is not of the form HOST:PORT")
     if ":" in host or host.startswith("["):
-        raise ValueError("is an IPv6 address; the rollout connection (multiprocessing's TCP listener) takes IPv4 "
-                         "addresses and host names only")
+        raise ValueError("is an IPv6 address; the rollout connection takes IPv4 addresses and host names only")
     if not port.isdigit() or not (0 if any_port else 1) <= int(port) <= 65535:
         raise ValueError(f"has port {port!r}, not a number from {0 if any_port else 1} to 65535")
     return host, int(port)
