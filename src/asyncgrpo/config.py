@@ -123,9 +123,9 @@ it at the same path; with `http` it stays on the trainer's side."""
     processes, each loading the reward functions and the tokenizer itself; use them for CPU-heavy pure-Python
     rewards (each worker costs a Python process with the tokenizer and your reward modules loaded)."""
     reward_timeout: float = 60.0
-    """Seconds one scoring call (decoding + every reward function, one group) may take in a reward worker
-    (`reward_workers` > 0). A call past it stops the run naming the function that was running and the prompt; its
-    worker is killed and replaced. Not applied in-thread (`reward_workers: 0`): a thread cannot be stopped."""
+    """Seconds one scoring call (decoding + every reward function, one group) may take. A call past it stops the run
+    naming the function that was running and the prompt. In a reward worker (`reward_workers` > 0) the worker is
+    killed and replaced; in-thread (`reward_workers: 0`) the call's thread cannot be stopped and is left running."""
 
     # ---- generation -----------------------------------------------------------------------------
     num_generations: int = 8

@@ -29,14 +29,13 @@ from asyncgrpo.config import SECRET_ENV_VARS
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.scoring import score_group
+from asyncgrpo.rollout.scoring import DECODING, score_group
 
 log = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 120.0  # a spawned worker imports Python, the tokenizer and the user's reward modules
 WORKER_NICE = 10  # workers yield the CPU to the training process when both want it (os.nice; see _worker_main)
 WORKER_STOP_TIMEOUT_S = 5.0  # close(): a worker between calls exits at once on the stop message
-DECODING = "decoding (tokenizer, chat form, response template)"  # the stage before the first reward function
 
 
 @dataclass(frozen=True)
