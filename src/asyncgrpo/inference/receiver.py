@@ -24,6 +24,7 @@ import socket
 import stat
 import threading
 import time
+from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -53,6 +54,11 @@ SOCKET_TIMEOUT_S = 60.0
 # a time), the doctor one more: 32 leaves room for several runs on one inference node. The next one is answered 503
 # and closed at once, without a thread.
 MAX_CONNECTIONS = 32
+# A turned-away connection stays open this long after its 503 (sending nothing more), so that the request its client
+# sends meanwhile is read and dropped: closing a socket with unread bytes resets the connection, and the client would
+# see a reset instead of the 503. At most MAX_LINGERING such sockets (a file descriptor each, no thread).
+LINGER_S = 1.0
+MAX_LINGERING = 256
 # A staging directory untouched this long belongs to an upload nobody will commit (a trainer that died between its
 # files and the commit): six times the trainer's per-file upload timeout (rollout/delivery.py, 600 s).
 STAGE_MAX_AGE_S = 3600.0
@@ -154,11 +160,12 @@ class AdapterReceiver:
         try:
             # O_EXCL | O_NOFOLLOW: never through anything already there, a planted symlink included
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+            read = getattr(body, "read1", body.read)  # read1: what has arrived, so a stall loses no counted bytes
             with os.fdopen(fd, "wb") as f:
                 left = length
                 while left:
                     try:
-                        block = body.read(min(CHUNK, left))
+                        block = read(min(CHUNK, left))
                     except TimeoutError as exc:
                         raise Refused(408, f"{filename}: the upload stalled after {length - left} of {length} bytes "
                                            f"(nothing arrived within the receiver's socket timeout)") from exc
@@ -299,6 +306,10 @@ def make_handler(receiver: AdapterReceiver, api_key: str | None, timeout_s: floa
         def send_error(self, code, message=None, explain=None):
             """What http.server refuses itself (a malformed request line or header, an unknown method): JSON, as
             every other answer, and the connection closed."""
+            if self.request_version == "HTTP/0.9":  # set for a request line it could not parse: answer with a
+                self.request_version = "HTTP/1.1"    # status line and headers all the same
+            if code == 501:  # http.server's answer to a method it has no do_X for: the client's mistake, a 4xx
+                code, message = 405, f"method {self.command!r} is not accepted (GET, PUT, POST)"
             self._answer(code, {"error": message or self.responses.get(code, ("error",))[0]}, close=True)
 
         def _answer(self, status: int, body: dict, close: bool = False) -> None:
@@ -408,21 +419,25 @@ class ReceiverServer(ThreadingHTTPServer):
     from the accepting thread, so no client can make the receiver start unbounded threads."""
 
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5 makes a burst of connects wait on SYN retries)
     block_on_close = False  # server_close does not wait for stalled connections: each ends at its socket timeout
 
     def __init__(self, address, handler, max_connections: int = MAX_CONNECTIONS):
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
         self._turned_away = 0
+        self._lingering: deque[tuple[float, socket.socket]] = deque()  # (when to close, turned-away socket)
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
             self._turn_away(request)
-            self.shutdown_request(request)
             return
+        # ThreadingMixIn's thread, named after the receiver's port and the peer (thread dumps, and tests count them)
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address), daemon=True,
+                                  name=f"receiver:{self.server_address[1]} {client_address[0]}:{client_address[1]}")
         try:
-            super().process_request(request, client_address)  # starts the connection's thread
+            thread.start()
         except BaseException:
             self._slots.release()
             raise
@@ -445,9 +460,36 @@ class ReceiverServer(ThreadingHTTPServer):
         try:
             request.setblocking(False)  # never wait on this client: a fresh socket's buffer takes the answer at once
             request.send(head + body)
-            request.recv(1 << 16)  # what it sent already: closing with unread bytes resets, losing the answer
+            request.shutdown(socket.SHUT_WR)
         except OSError:
-            pass
+            _drain_and_close(request)
+            return
+        self._lingering.append((time.monotonic() + LINGER_S, request))
+        while len(self._lingering) > MAX_LINGERING:
+            _drain_and_close(self._lingering.popleft()[1])
+
+    def service_actions(self):
+        """Each turn of serve_forever's loop: close the turned-away sockets whose linger is over."""
+        super().service_actions()
+        now = time.monotonic()
+        while self._lingering and self._lingering[0][0] <= now:
+            _drain_and_close(self._lingering.popleft()[1])
+
+    def server_close(self):
+        super().server_close()
+        while self._lingering:
+            _drain_and_close(self._lingering.popleft()[1])
+
+
+def _drain_and_close(sock: socket.socket) -> None:
+    """Read what the client sent (non-blocking, a bounded amount), then close: no reset for a well-behaved client."""
+    try:
+        for _ in range(16):
+            if not sock.recv(1 << 16):
+                break
+    except OSError:
+        pass  # nothing more to read now (or the client is gone)
+    sock.close()
 
 
 def serve(receiver: AdapterReceiver, host: str, port: int, api_key: str | None, *,
