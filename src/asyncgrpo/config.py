@@ -686,10 +686,10 @@ def _url_problem(url: str) -> tuple[str, str] | None:
         return f"{url!r} is not an http(s) URL", "write e.g. http://10.0.0.5:8000"
     if parts.username is not None or parts.password is not None:
         shown = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}").geturl()
-        return (f"{shown!r} carries a user name or password in the URL, which would be saved in config.yaml and "
-                f"logged", f"drop the `user:password@` part and give the key in the environment: {API_KEY_ENV} for "
-                f"the vLLM servers and the adapter receivers (the servers get it as VLLM_API_KEY); the rollout link's "
-                f"key is {ROLLOUT_KEY_ENV}")
+        problem = f"{shown!r} carries a user name or password, which would be saved in config.yaml and logged"
+        return problem, (f"drop the `user:password@` part and give the key in the environment: {API_KEY_ENV} for the "
+                         f"vLLM servers and the adapter receivers (the servers get it as VLLM_API_KEY); the rollout "
+                         f"link's key is {ROLLOUT_KEY_ENV}")
     return None
 
 

@@ -25,7 +25,7 @@ MAX_BACKOFF_S = 5.0  # polls never get further apart than this, so a returning s
 # check counts them (docs/design.md's import order).
 RECEIVER_CONNECT_TIMEOUT_S = 5.0  # a reachable receiver accepts a connection in milliseconds
 RECEIVER_UPLOAD_TIMEOUT_S = 600.0  # one file's upload: a ~1 GB adapter over a slow (~20 MB/s) link, with margin
-RECEIVER_ADMIN_TIMEOUT_S = 120.0  # commit (sha256 of the files, fsync) and load (vLLM's own load: seconds on NFS-less disk)
+RECEIVER_ADMIN_TIMEOUT_S = 120.0  # commit (sha256 of the files, fsync) and load (vLLM's own: seconds from local disk)
 ADAPTER_FILES = 2  # uploaded per version: the weights and adapter_config.json (store.py's manifest lists both)
 
 

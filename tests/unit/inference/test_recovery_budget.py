@@ -7,8 +7,14 @@ from fakes import cfg
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.inference.recovery import (batch_wait_s, check_outage_fits_ddp_timeout, connect_retry_s, delivery_s,
-                                          outage_s, sync_wait_s)
+from asyncgrpo.inference.recovery import (
+    batch_wait_s,
+    check_outage_fits_ddp_timeout,
+    connect_retry_s,
+    delivery_s,
+    outage_s,
+    sync_wait_s,
+)
 from asyncgrpo.rollout import delivery
 
 HTTP = {"adapter_delivery": "http", "adapter_receiver_url": "http://10.0.0.5:8001"}
