@@ -325,8 +325,11 @@ def _load_weights_and_optimizer(path: Path, manifest: dict, acc, model, optimize
     # Full shapes (FSDP2's DTensors report them, ZeRO-3 keeps them in ds_shape); an FSDP1 parameter is a flat view of
     # this rank's slice: names only.
     shapes = {k: None if current == "fsdp1" else getattr(p, "ds_shape", p.shape) for k, p in params.items()}
-    with _open_listed(path, manifest, f"{ADAPTER_DIR}/adapter_model.safetensors") as f:
-        tensors = safetensors.torch.load(f.read())
+    adapter = f"{ADAPTER_DIR}/adapter_model.safetensors"
+    # Checked, then read by name: safetensors holds tensors only, and its own reader's tensors are what FSDP2's
+    # scatter expects (tensors made by safetensors.torch.load from the checked bytes broke its collectives).
+    _open_listed(path, manifest, adapter).close()
+    tensors = safetensors.torch.load_file(str(path / adapter))
     if set(tensors) != set(params) or any(shape is not None and tensors[k].shape != shape for k, shape in shapes.items()):
         raise CheckpointError(f"the adapter in {str(path)!r} does not fit this model (different lora_r, "
                               f"lora_target_modules or base model). Fix: resume with the config the checkpoint was "
