@@ -286,6 +286,7 @@ class SlowLoris:
 
     def __init__(self, address: str, every: float = 0.05):
         host, port = address.rsplit(":", 1)
+        self._started = time.monotonic()  # before the connect: the server's deadline starts after it
         self.sock = socket.create_connection((host, int(port)))
         self.sock.settimeout(every)  # the pace: each read waits this long for the server's close
         self.closed_after: float | None = None
@@ -294,7 +295,6 @@ class SlowLoris:
         self.thread.start()
 
     def _trickle(self):
-        start = time.monotonic()
         stream = b"\x16\x03\x01\x02\x00" + bytes(512)  # a handshake record announcing 512 bytes, never complete
         try:
             for i in range(len(stream)):
@@ -308,7 +308,7 @@ class SlowLoris:
                     continue
         except OSError:
             pass  # reset by the server: closed too
-        self.closed_after = time.monotonic() - start
+        self.closed_after = time.monotonic() - self._started
 
     def ended(self) -> float:
         returns_within(lambda: self.thread.join(BOUND_S), BOUND_S + 1, "the slow client's end")
@@ -326,7 +326,7 @@ def test_a_slow_client_is_dropped_at_the_handshake_deadline_however_it_trickles(
     with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
         loris = SlowLoris(server.address)  # a byte every 50 ms: no single read ever waits long
         closed_after = loris.ended()
-        assert closed_after is not None and 0.45 <= closed_after < 3.0, closed_after
+        assert closed_after is not None and 0.5 <= closed_after < 3.0, closed_after
         drops = [r.getMessage() for r in caplog.records if "no rollout handshake within" in r.getMessage()]
         assert len(drops) == 1 and "TimeoutError" in drops[0], drops
     proxy = _proxy(tmp_path, server.address)
@@ -341,9 +341,8 @@ def test_slow_clients_do_not_keep_the_real_trainer_from_being_served_at_once(tmp
     server = RolloutServer()
     lorises = [SlowLoris(server.address) for _ in range(3)]
     proxy = _proxy(tmp_path, server.address)
-    started = time.monotonic()
+    # Within BOUND_S (10 s), a third of the slow clients' deadline: served without waiting for any of them.
     returns_within(proxy.start, BOUND_S, "the real trainer's start beside slow clients")
-    assert time.monotonic() - started < 5.0  # served without waiting for any slow client's deadline
     assert proxy.stats() == {"queue/depth": 1.0}
     # The run is taken: the slow clients' handshakes are cut at once, not left to their deadline.
     assert all(loris.ended() < 10.0 for loris in lorises)

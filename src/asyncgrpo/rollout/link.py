@@ -32,7 +32,8 @@ from asyncgrpo.errors import ConfigError
 
 KEY_MIN_CHARS = 32  # `openssl rand -hex 16`'s length: 128 random bits at the least; `-hex 32` (64) is what we print
 KEY_MIN_DISTINCT = 8  # a key of few different characters ("aaaa...", "abab...") is no secret, whatever its length
-KEY_FIX = f"export {ROLLOUT_KEY_ENV}=$(openssl rand -hex 32) once, and the same value on both hosts"
+KEY_FIX = (f"export {ROLLOUT_KEY_ENV}=$(openssl rand -hex 32) on one host and the same value on the other (the "
+           f"trainer's and rollout-serve's), keeping it out of command lines")
 MAGIC = b"AGRPOL1\n"  # opens the server's challenge: a client talking to some other TLS server learns so at once
 NONCE_BYTES = 32
 MAC_BYTES = 32  # HMAC-SHA256
@@ -56,7 +57,8 @@ def rollout_key(role: str) -> bytes:
         raise ConfigError(role, f"{ROLLOUT_KEY_ENV} is not set: {why}", KEY_FIX)
     if len(key) < KEY_MIN_CHARS or len(set(key)) < KEY_MIN_DISTINCT:
         raise ConfigError(role, f"{ROLLOUT_KEY_ENV} is too weak ({len(key)} characters, {len(set(key))} different; "
-                          f"at least {KEY_MIN_CHARS} and {KEY_MIN_DISTINCT} are needed): {why}", KEY_FIX)
+                          f"at least {KEY_MIN_CHARS} characters and {KEY_MIN_DISTINCT} different ones are needed): "
+                          f"{why}", KEY_FIX)
     return key.encode()
 
 
@@ -109,16 +111,25 @@ def _proof(key: bytes, who: bytes, fingerprint: bytes, nonce_s: bytes, nonce_c: 
 
 
 def prove_server(sock: ssl.SSLSocket, key: bytes, fingerprint: bytes, deadline: float) -> None:
-    """The server's half: challenge the client, check its proof, prove ours. Raises KeyMismatch (the client was
-    told), TimeoutError once `deadline` (time.monotonic()) passes, OSError/EOFError for a broken connection."""
+    """The server's half: challenge the client, check its proof, prove ours. Raises KeyMismatch (then tell the
+    client with `refuse`), TimeoutError once `deadline` (time.monotonic()) passes, OSError/EOFError for a broken
+    connection."""
     nonce_s = secrets.token_bytes(NONCE_BYTES)
     _send_within(sock, MAGIC + nonce_s, deadline)
     answer = recv_exactly(sock, RESPONSE_BYTES, deadline)
     nonce_c, theirs = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
     if not hmac.compare_digest(theirs, _proof(key, b"trainer", fingerprint, nonce_s, nonce_c)):
-        _send_within(sock, b"N" + bytes(MAC_BYTES), deadline)
         raise KeyMismatch("the client's key proof does not match this server's key and certificate")
     _send_within(sock, b"Y" + _proof(key, b"server", fingerprint, nonce_s, nonce_c), deadline)
+
+
+def refuse(sock: ssl.SSLSocket, deadline: float) -> None:
+    """Tell a client whose proof failed (prove_server's KeyMismatch) that it was refused: its error then names the
+    key, not a closed connection. Best effort: it may be gone already."""
+    try:
+        _send_within(sock, b"N" + bytes(MAC_BYTES), deadline)
+    except OSError:
+        pass
 
 
 def prove_client(sock: ssl.SSLSocket, key: bytes, deadline: float) -> None:

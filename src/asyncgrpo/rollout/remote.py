@@ -21,7 +21,7 @@ from collections import OrderedDict
 from asyncgrpo import __version__
 from asyncgrpo.config import ROLLOUT_KEY_ENV, split_address
 from asyncgrpo.errors import RolloutProcessError
-from asyncgrpo.rollout.link import (KEY_FIX, KeyMismatch, Link, client_tls, prove_client, prove_server, rollout_key,
+from asyncgrpo.rollout.link import (KeyMismatch, Link, client_tls, prove_client, prove_server, refuse, rollout_key,
                                     server_tls, tls_handshake)
 from asyncgrpo.rollout.wire import pack_exception, rebuild_exception
 
@@ -87,8 +87,8 @@ class RemotePeer:
         except KeyMismatch as exc:
             tls.close()
             raise RolloutProcessError(f"{self.name} and this trainer have different connection keys ({exc}). Fix: "
-                                      f"set {ROLLOUT_KEY_ENV} to the same secret on both hosts, e.g. "
-                                      f"{KEY_FIX}") from None
+                                      f"set {ROLLOUT_KEY_ENV} to the same secret on both hosts (the value, not "
+                                      f"the command that made it, and no stray character)") from None
         except (OSError, EOFError, ValueError) as exc:  # ssl.SSLError and TimeoutError are OSErrors
             tls.close()
             raise RolloutProcessError(f"{self.name} accepted the connection but did not complete the handshake "
@@ -222,6 +222,7 @@ def _handshake(tls: ssl.SSLSocket, who: str, fingerprint: bytes, key: bytes) -> 
     except KeyMismatch:
         log.error("refused a connection from %s: it did not prove this server's key (%s must be the same on both "
                   "hosts); still listening", who, ROLLOUT_KEY_ENV)
+        refuse(tls, deadline)  # after the log: whoever sees the refusal finds it logged
         return None
     except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # TimeoutError, ssl.SSLError: OSErrors
         log.error("dropped a connection from %s: no rollout handshake within %.0f s (%s: %s); still listening", who,

@@ -1,9 +1,9 @@
 """The rollout process's main loop: build a RolloutSide and answer the trainer's requests on one connection.
 
 Both forms of a separate rollout process run it: the child rank 0 spawns (`serve`, over a pipe) and
-`asyncgrpo rollout-serve` (`serve_one_run`, over TLS on TCP). Every member of the rollout interface is answered the same way
-(`_handle`), a trainer that goes away is noticed even mid-request, and SIGTERM/SIGINT resume any paused server first.
-How the two ends talk and fail: docs/rollout-internals.md.
+`asyncgrpo rollout-serve` (`serve_one_run`, over TLS on TCP). Every member of the rollout interface is answered the
+same way (`_handle`), a trainer that goes away is noticed even mid-request, and SIGTERM/SIGINT resume any paused
+server first. How the two ends talk and fail: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
