@@ -146,7 +146,8 @@ def test_main_refuses_to_listen_beyond_loopback_without_a_key_before_making_anyt
 def test_the_loopback_check_and_the_ranges_of_the_flags():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("127.5.6.7")
     assert not any(is_loopback(h) for h in ("0.0.0.0", "", "10.0.0.5", "no-such-host.invalid"))
-    flags = dict(host="0.0.0.0", port=8001, keep=8, max_file_bytes=1 << 30, socket_timeout=60.0, max_connections=32)
+    flags = {"host": "0.0.0.0", "port": 8001, "keep": 8, "max_file_bytes": 1 << 30, "socket_timeout": 60.0,
+             "max_connections": 32}
     check_args(argparse.Namespace(**flags), api_key="k")  # with a key every interface is allowed
     for flag, bad in (("port", -1), ("keep", -2), ("max_file_bytes", 0), ("socket_timeout", 0.0),
                       ("max_connections", 0)):
@@ -336,20 +337,26 @@ def test_a_planted_file_symlink_in_staging_is_never_read_or_committed(start, tmp
     assert entries(s.rec.root) == [] and secret.read_bytes() == b"not yours"
 
 
-def test_a_planted_version_symlink_is_neither_loaded_nor_committed_over(start, tmp_path):
+@pytest.mark.parametrize("target", ["outside", "inside"])
+def test_a_planted_version_symlink_is_neither_loaded_nor_committed_over(start, tmp_path, target):
     vllm = FakeVLLM(strict=False)
     s = start(vllm)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (elsewhere / MANIFEST_NAME).write_text(json.dumps(manifest(FILES)))
-    (s.rec.root / "v9").symlink_to(elsewhere)
+    assert s.upload("v1", FILES).status_code == 200
+    if target == "outside":
+        pointed = tmp_path / "elsewhere"
+        pointed.mkdir()
+        (pointed / MANIFEST_NAME).write_text(json.dumps(manifest(FILES)))
+    else:  # another committed version: resolving alone would stay inside the directory and load v1's files as v9
+        pointed = s.rec.root / "v1"
+    (s.rec.root / "v9").symlink_to(pointed)
     load = s.session.post(f"{s.url}/adapters/v9/load", timeout=DEADLINE_S)
     assert load.status_code == 400 and "symlink" in load.json()["error"]
     assert vllm.served == {}
     put = s.session.put(f"{s.url}/adapters/v9/adapter_config.json", data=b"{}", timeout=DEADLINE_S)
     commit = s.session.post(f"{s.url}/adapters/v9/commit", json=manifest(FILES), timeout=DEADLINE_S)
     assert put.status_code == commit.status_code == 400 and "symlink" in commit.json()["error"]
-    assert sorted(p.name for p in elsewhere.iterdir()) == [MANIFEST_NAME]
+    assert sorted(p.name for p in pointed.iterdir()) == sorted([*(FILES if target == "inside" else []), MANIFEST_NAME])
+    assert s.session.get(f"{s.url}/adapters", timeout=DEADLINE_S).json() == {"committed": ["v1"]}
 
 
 # ---- disk space -----------------------------------------------------------------------------------------------------
