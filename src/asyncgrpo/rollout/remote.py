@@ -185,7 +185,10 @@ def accept_trainer(listener: socket.socket, key: bytes) -> tuple[Link, tuple]:
                 if won:
                     return won.pop(0)
             if listener in ready:
-                sock, (ip, port) = listener.accept()
+                try:
+                    sock, (ip, port) = listener.accept()
+                except ConnectionError:  # reset or aborted between the select and the accept: not ours to serve
+                    continue
                 who = f"{ip}:{port}"
                 tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
                 with lock:
