@@ -46,14 +46,17 @@ def _proxy(tmp_path, address: str) -> RolloutProcess:
 class StubSide:
     """What the serve loop calls on a rollout side: `start`, `stats` and `close` are answered and recorded."""
 
-    def __init__(self):
-        self.calls: list[str] = []
-
     def start(self):
         self.calls.append("start")
 
+    def __init__(self):
+        self.calls: list[str] = []
+        self.hold = threading.Event()  # cleared: `stats` waits until set (a request in progress)
+        self.hold.set()
+
     def stats(self):
         self.calls.append("stats")
+        self.hold.wait(BOUND_S)
         return {"queue/depth": 1.0}
 
     def close(self, keep_final):
@@ -225,14 +228,15 @@ class Relay:
         host, port = upstream.rsplit(":", 1)
         self.upstream_address = (host, int(port))
         self.server_side: socket.socket | None = None
+        self.trainer_side: socket.socket | None = None
         self.server_closed = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self):
-        trainer, _ = self.front.accept()
+        self.trainer_side, _ = self.front.accept()
         self.server_side = socket.create_connection(self.upstream_address)
-        threading.Thread(target=self._pump, args=(trainer, self.server_side, None), daemon=True).start()
-        self._pump(self.server_side, trainer, self.server_closed)
+        threading.Thread(target=self._pump, args=(self.trainer_side, self.server_side, None), daemon=True).start()
+        self._pump(self.server_side, self.trainer_side, self.server_closed)
 
     @staticmethod
     def _pump(source: socket.socket, sink: socket.socket, closed: threading.Event | None):
@@ -249,8 +253,8 @@ class Relay:
             except OSError:
                 pass
 
-    def inject(self, data: bytes):
-        self.server_side.sendall(data)
+    def inject(self, data: bytes, towards: str = "server"):
+        (self.server_side if towards == "server" else self.trainer_side).sendall(data)
 
 
 @pytest.mark.parametrize("wrapping", ["framed-pickle", "tls-record"])
@@ -277,6 +281,26 @@ def test_a_message_injected_after_the_handshake_is_never_unpickled_and_drops_the
     with pytest.raises(RolloutProcessError, match=f"the rollout server at {relay.address}"):
         returns_within(proxy.stats, BOUND_S, "the next call after the link was dropped")
     proxy.close(keep_final=False)
+
+
+def test_a_message_injected_towards_the_trainer_fails_its_integrity_check_and_the_call_raises(tmp_path):
+    marker = tmp_path / "injected-code-ran"
+    payload = pickle.dumps(("ok", CreatesFile(marker)))  # an answer, as the serve loop would frame it
+    server = RolloutServer()
+    relay = Relay(server.address)
+    proxy = _proxy(tmp_path, relay.address)
+    returns_within(proxy.start, BOUND_S, "a start through the relay")
+    server.side.hold.clear()  # the next `stats` waits: the trainer is reading when the forged answer comes
+    calling = threading.Thread(target=lambda: relay.inject(b"\x17\x03\x03" + struct.pack("!H", len(payload) + 8)
+                                                           + struct.pack("!Q", len(payload)) + payload, "trainer"))
+    with pytest.raises(RolloutProcessError) as failure:
+        returns_within(lambda: (calling.start(), proxy.stats()), BOUND_S, "a call answered by a forged record")
+    assert f"the rollout server at {relay.address} sent data that failed TLS's integrity check" in str(failure.value)
+    assert not marker.exists()
+    server.side.hold.set()
+    proxy.close(keep_final=False)  # sends nothing more: the connection is broken
+    server.join()
+    assert server.ended == [None] and server.side.calls[:2] == ["start", "stats"] and "close" not in server.side.calls
 
 
 # ---- slow and silent clients ----------------------------------------------------------------------------------

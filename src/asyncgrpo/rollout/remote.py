@@ -128,7 +128,7 @@ class RemotePeer:
         if isinstance(exc, (TimeoutError, BlockingIOError)):
             return (f"stopped answering at the network level (TCP keepalive gave up after {DEAD_PEER_S} s: the host "
                     f"is down or unreachable)")
-        if isinstance(exc, ssl.SSLError):
+        if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
             return (f"sent data that failed TLS's integrity check ({exc}): something on the network altered the "
                     f"stream, and the connection was dropped")
         return "closed the connection (it exited or was killed)"
