@@ -101,3 +101,61 @@ def test_unload_all_returns_what_it_unloaded_and_tries_every_server_after_a_dead
     assert servers[1].unloaded == ["run-v1", "run-v2"] and servers[2].unloaded == ["run-v2"]
     assert "run-v1 was not unloaded" not in caplog.text  # a 404 is no failure to report
     assert publisher.unload_all(keep=None) == []  # nothing loaded any more
+
+
+def test_temporaries_carry_host_and_pid_and_only_this_hosts_dead_writers_or_a_day_old_others_are_gone(tmp_path,
+                                                                                                      monkeypatch):
+    import time
+
+    from asyncgrpo import store
+
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "node-1")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def tmp(name, age_s=0.0):
+        path = tmp_path / name
+        path.mkdir()
+        then = time.time() - age_s
+        os.utime(path, (then, then))
+        return path
+
+    day = store.OTHER_HOST_TMP_AGE_S
+    assert day == 24 * 3600
+    gone = [tmp(f".tmp-v000001-node-1-{dead.pid}"), tmp(f".tmp-v000002-{dead.pid}"),  # this host's (old name too)
+            tmp(f".tmp-v000003-node-2-{os.getpid()}", age_s=day + 5)]  # another host's, a day old: pid ignored
+    kept = [tmp(f".tmp-v000004-node-1-{os.getpid()}", age_s=day + 5),  # alive here, however old
+            tmp(f".tmp-v000005-node-2-{dead.pid}", age_s=day - 5),  # another host's, not yet a day old: pid ignored
+            tmp(f".tmp-v000006-node-{dead.pid}", age_s=day - 5)]  # host "node" is another host, not "node-1"
+    assert [store.writer_is_gone(p) for p in gone] == [True, True, True]
+    assert [store.writer_is_gone(p) for p in kept] == [False, False, False]
+    assert store.writer_is_gone(tmp_path / ".tmp-v000007-node-2-1") is False  # gone meanwhile: nothing to remove
+    assert store.writer_is_gone(tmp(".tmp-x-1")) is False  # not a version temporary
+    assert store.AdapterStore(tmp_path).clean_partial() == []  # the store cleaned at construction already
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-v000004-node-1-" + str(os.getpid()),
+                                                          f".tmp-v000005-node-2-{dead.pid}",
+                                                          f".tmp-v000006-node-{dead.pid}", ".tmp-x-1"]
+
+
+def test_the_host_in_a_temporary_name_is_one_path_component(monkeypatch):
+    from asyncgrpo import store
+
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "gpu-7.cluster/a b")
+    assert store.host_name() == "gpu-7.cluster_a_b"
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "")
+    assert store.host_name() == "_"
+
+
+def test_a_write_names_its_temporary_after_this_host_and_pid(tmp_path, monkeypatch):
+    import torch
+    from peft import LoraConfig
+
+    from asyncgrpo import store
+
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "node-1")
+    made = []
+    real_mkdir = store.Path.mkdir
+    monkeypatch.setattr(store.Path, "mkdir", lambda self, *a, **k: made.append(self.name) or real_mkdir(self, *a, **k))
+    store.AdapterStore(tmp_path / "run").write(3, {"a.lora_A.weight": torch.ones(2, 2)}, LoraConfig(r=2),
+                                               base_model="b")
+    assert made[-1] == f".tmp-v000003-node-1-{os.getpid()}"
