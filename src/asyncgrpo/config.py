@@ -323,8 +323,9 @@ it at the same path; with `http` it stays on the trainer's side."""
     """A DeepSpeed JSON config (e.g. `launch/deepspeed/zero3.json`) for runs started by the `deepspeed` launcher
     (or `torchrun`), which, unlike `accelerate launch --config_file ...`, tell the trainer nothing about DeepSpeed.
     Ignored, with a warning, when `accelerate launch` already configured DeepSpeed."""
-    ddp_timeout: int = 1800
-    """Seconds a collective may wait for the other ranks before the run fails (lower in tests). With several ranks it
+    ddp_timeout: int = 3600
+    """Seconds a collective may wait for the other ranks before the run fails (lower in tests); the default covers
+    every wait below with the default timeouts, `adapter_delivery: http` included. With several ranks it
     must exceed rank 0's longest wait (checked at start): a batch (4 x vllm_request_timeout + vllm_server_timeout),
     or a sync through a server outage (vllm_server_timeout + vllm_request_timeout + 45.5 s of connection retries,
     plus twice 1460 s of adapter uploads with `adapter_delivery: http`)."""

@@ -75,3 +75,9 @@ def test_the_defaults_and_the_demo_config_leave_room_for_rank_0s_longest_wait():
     demo = AsyncGRPOConfig.load("configs/demo.yaml", [])
     assert demo.ddp_timeout > max(batch_wait_s(demo), outage_s(demo))
     check_outage_fits_ddp_timeout(demo, world_size=2)
+
+
+def test_the_default_ddp_timeout_covers_every_wait_with_the_default_timeouts_http_delivery_included():
+    check_outage_fits_ddp_timeout(cfg(**HTTP), world_size=16)  # a multi-node run that changes no timeout
+    with pytest.raises(ConfigError):
+        check_outage_fits_ddp_timeout(cfg(ddp_timeout=1800, **HTTP), world_size=16)  # the old default did not
