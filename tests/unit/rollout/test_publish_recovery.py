@@ -1,9 +1,9 @@
 """The publisher's hand-over to server recovery (ServerRecovery) in the middle of a sync: a load whose answer was
 lost, and a server that restarts during two syncs in a row.
 
-The server is tests/fakes.py's FakeVLLM with its fake clock: a connection that breaks after the server acted, or a restart at a
-chosen call, is what a real vLLM server cannot be made to do on demand (tests/integration/test_faults.py kills a real
-one, with no control over which call it hits). ServerRecovery itself is the real one.
+The server is tests/fakes.py's FakeVLLM on its fake Clock: a connection that breaks after the server acted, or a
+restart at a chosen call, is what a real vLLM server cannot be made to do on demand (tests/integration/test_faults.py
+kills a real one, with no control over which call it hits). ServerRecovery itself is the real one.
 """
 
 from __future__ import annotations
