@@ -15,10 +15,11 @@ import threading
 from multiprocessing import Pipe
 
 import pytest
+from fakes import cfg
 from liveness import returns_within
 
 from asyncgrpo.cli import main
-from asyncgrpo.config import ROLLOUT_KEY_ENV, AsyncGRPOConfig
+from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.errors import ConfigError, RolloutProcessError
 from asyncgrpo.inference.server import find_free_port
 from asyncgrpo.rollout import link, remote
@@ -36,7 +37,7 @@ def _key(monkeypatch):
 
 
 def _cfg(tmp_path, **values):
-    return AsyncGRPOConfig(lora_adapter_path=str(tmp_path), sync_mode="versioned", vllm_request_timeout=1.0, **values)
+    return cfg(lora_adapter_path=str(tmp_path), sync_mode="versioned", vllm_request_timeout=1.0, **values)
 
 
 def _proxy(tmp_path, address: str) -> RolloutProcess:
@@ -44,7 +45,7 @@ def _proxy(tmp_path, address: str) -> RolloutProcess:
                           peer=RemotePeer(address))
 
 
-class InTestServer:
+class InTestServer:  # not in fakes.py: the rollout link's listener (the real accept_trainer), no vLLM stand-in
     """A listener on a free loopback port whose thread runs `accept_trainer`, then `then(conn, hello)`."""
 
     def __init__(self, then, key: bytes = KEY, port: int = 0):
