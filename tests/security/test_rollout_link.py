@@ -66,7 +66,7 @@ class StubSide:
         self.calls.append("halt")
 
 
-class RolloutServer:
+class RolloutServer:  # not in fakes.py: the rollout link's listener (the real accept_trainer), no vLLM stand-in
     """A loopback listener whose thread runs `accept_trainer` with `key`, acknowledges the hello, then serves a
     StubSide with the real request loop; `ended` holds what the loop returned (the trainer's keep_final after its
     `close`, None when the connection dropped)."""
