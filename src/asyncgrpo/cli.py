@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("rollout-serve", help="run the rollout side for one trainer run, which connects to it "
                                                  "(`rollout_address`), e.g. on another host (docs/running.md)")
     serve.add_argument("--listen", required=True, metavar="HOST:PORT",
-                       help="address to listen on (port 0: a free one; the address is logged). Other than loopback "
-                            "needs the key in ASYNCGRPO_ROLLOUT_KEY, the same on the trainer's host")
+                       help="address to listen on (port 0: a free one; the address is logged). Needs the key in "
+                            "ASYNCGRPO_ROLLOUT_KEY (at least 32 characters, e.g. `openssl rand -hex 32`), the same "
+                            "on the trainer's host")
     for name, text in ROLLOUT_SERVE_PATHS.items():
         serve.add_argument(f"--{name}", nargs="+" if name == "data_files" else None, default=None, help=text)
     args, overrides = parser.parse_known_args(argv)

@@ -13,15 +13,17 @@ import difflib
 import inspect
 import math
 import os
+import re
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.errors import ConfigError, ConfigErrors
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)
@@ -121,9 +123,9 @@ it at the same path; with `http` it stays on the trainer's side."""
     processes, each loading the reward functions and the tokenizer itself; use them for CPU-heavy pure-Python
     rewards (each worker costs a Python process with the tokenizer and your reward modules loaded)."""
     reward_timeout: float = 60.0
-    """Seconds one scoring call (decoding + every reward function, one group) may take in a reward worker
-    (`reward_workers` > 0). A call past it stops the run naming the function that was running and the prompt; its
-    worker is killed and replaced. Not applied in-thread (`reward_workers: 0`): a thread cannot be stopped."""
+    """Seconds one scoring call (decoding + every reward function, one group) may take. A call past it stops the run
+    naming the function that was running and the prompt. In a reward worker (`reward_workers` > 0) the worker is
+    killed and replaced; in-thread (`reward_workers: 0`) the call's thread cannot be stopped and is left running."""
 
     # ---- generation -----------------------------------------------------------------------------
     num_generations: int = 8
@@ -272,8 +274,9 @@ it at the same path; with `http` it stays on the trainer's side."""
     """`host:port` of a rollout side already running on its own (`asyncgrpo rollout-serve --listen HOST:PORT`, e.g.
     on another host): rank 0 connects to it over TCP instead of running or spawning one, with `rollout_process`'s
     interface and failure reports. Both ends take the connection key from the environment variable
-    `ASYNCGRPO_ROLLOUT_KEY` (required unless the address is loopback). That side uses this config, which rank 0 sends
-    it, except the paths it resolves itself (docs/running.md). None: the rollout side is rank 0's."""
+    `ASYNCGRPO_ROLLOUT_KEY` (required, at least 32 characters, e.g. `openssl rand -hex 32`), over TLS. That side uses
+    this config, which rank 0 sends it, except the paths it resolves itself (docs/running.md). None: the rollout side
+    is rank 0's."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
     keep_final_adapter: bool = True
@@ -320,10 +323,12 @@ it at the same path; with `http` it stays on the trainer's side."""
     """A DeepSpeed JSON config (e.g. `launch/deepspeed/zero3.json`) for runs started by the `deepspeed` launcher
     (or `torchrun`), which, unlike `accelerate launch --config_file ...`, tell the trainer nothing about DeepSpeed.
     Ignored, with a warning, when `accelerate launch` already configured DeepSpeed."""
-    ddp_timeout: int = 1800
-    """Seconds a collective may wait for the other ranks before the run fails (lower in tests). With several ranks it
-    must exceed one server outage: vllm_server_timeout + vllm_request_timeout + 45.5 s of connection retries (checked
-    at start)."""
+    ddp_timeout: int = 3600
+    """Seconds a collective may wait for the other ranks before the run fails (lower in tests); the default covers
+    every wait below with the default timeouts, `adapter_delivery: http` included. With several ranks it
+    must exceed rank 0's longest wait (checked at start): a batch (4 x vllm_request_timeout + vllm_server_timeout),
+    or a sync through a server outage (vllm_server_timeout + vllm_request_timeout + 45.5 s of connection retries,
+    plus twice 1460 s of adapter uploads with `adapter_delivery: http`)."""
     torch_num_threads: int = 0
     """Intra-op threads per training process; 0 = leave torch's default."""
 
@@ -367,25 +372,19 @@ it at the same path; with `http` it stays on the trainer's side."""
         return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
 
     def validate(self) -> None:
-        """Cross-field checks; each error names the key to change."""
+        """Every value alone (VALUE_RANGES, names, URLs: all problems reported at once), then the cross-field
+        checks; each error names the key to change."""
+        problems = value_problems(self)
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ConfigErrors(problems)
         if self.use_lora and not self.lora_adapter_path:
             raise ConfigError("lora_adapter_path", "is required when use_lora is true",
                               "set lora_adapter_path to a directory the inference server can read, "
                               "e.g. `lora_adapter_path: runs/demo/adapters`")
         if not self.use_lora:
             raise ConfigError("use_lora", "false is not supported yet", "set `use_lora: true`")
-        positive = ["num_generations", "max_completion_length", "per_device_train_batch_size",
-                    "gradient_accumulation_steps", "max_steps", "num_iterations", "weight_sync_steps", "lora_r",
-                    "max_inflight_requests", "logging_steps", "keep_adapter_versions"]
-        for name in positive:
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}", f"set {name} to 1 or more")
-        if self.num_generations < 2:
-            raise ConfigError("num_generations", f"must be >= 2 for group-relative advantages, got "
-                              f"{self.num_generations}", "set num_generations to 2 or more (8 is typical)")
-        if self.max_tokens_per_microbatch < 0:
-            raise ConfigError("max_tokens_per_microbatch", f"must be >= 0, got {self.max_tokens_per_microbatch}",
-                              "use 0 (off) or a token budget such as 16384")
         if self.per_device_train_batch_size % self.num_generations:
             raise ConfigError("per_device_train_batch_size",
                               f"{self.per_device_train_batch_size} is not a multiple of num_generations "
@@ -393,9 +392,6 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"use a multiple of {self.num_generations}, e.g. "
                               f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}")
         self._validate_checkpoints()
-        if self.max_staleness < 0:
-            raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}",
-                              "use 0 for synchronous training or 1-4 for asynchronous")
         if self.max_staleness == 0 and self.num_iterations % self.weight_sync_steps:
             raise ConfigError("max_staleness", f"0 promises that every batch is sampled by the weights its training "
                               f"starts from, but with num_iterations {self.num_iterations} and weight_sync_steps "
@@ -405,18 +401,11 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"{self.num_iterations}), or allow staleness with max_staleness: 1")
         self._validate_loss()
         self._validate_schedule()
-        if self.temperature <= 0:
-            raise ConfigError("temperature", f"must be > 0, got {self.temperature}",
-                              "sample with temperature 1.0 (the policy's own distribution)")
         if self.top_p != 1.0:
             # The server would sample from the nucleus and report logprobs renormalised over it, while the loss
             # scores the full softmax: every step would be off-policy (measured: max |log ratio| 0.66 at top_p 0.5).
             raise ConfigError("top_p", f"{self.top_p} is not supported: the trainer scores the full distribution, "
                               f"the server would sample from the top-p nucleus only", "set `top_p: 1.0` (the default)")
-        if self.epsilon <= 0 or self.epsilon_upper <= 0:
-            raise ConfigError("epsilon", "clip ranges must be > 0", "use epsilon: 0.2 (epsilon_high: 0.28 for DAPO)")
-        if self.beta < 0:
-            raise ConfigError("beta", f"must be >= 0, got {self.beta}", "use 0 (no KL) or a small value like 0.04")
         if self.torch_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16")
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
@@ -432,21 +421,11 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
         if not self.reward_funcs:
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function`")
-        if self.reward_workers < 0:
-            raise ConfigError("reward_workers", f"must be >= 0, got {self.reward_workers}",
-                              "use 0 to score in the request threads, or the number of worker processes")
-        if not self.reward_timeout > 0:
-            raise ConfigError("reward_timeout", f"must be > 0 seconds, got {self.reward_timeout}",
-                              "give the seconds one group's scoring may take, e.g. 60")
         for ref in self.reward_funcs:
             if ":" not in ref:
                 raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
                                   "write e.g. `asyncgrpo.toy:larger_reward`")
         self._validate_data()
-        for url in self.server_urls:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError("vllm_server_base_url", f"{url!r} is not an http(s) URL",
-                                  "write e.g. http://10.0.0.5:8000")
         self._validate_delivery()
         self._validate_rollout_address()
 
@@ -479,10 +458,6 @@ it at the same path; with `http` it stays on the trainer's side."""
             raise ConfigError("adapter_receiver_url", f"has {len(receivers)} entries for {len(self.server_urls)} "
                               f"vllm_server_base_url", "give the receiver beside each server, in the same order, "
                               "e.g. adapter_receiver_url: http://10.0.0.5:8001 (launch/vllm/receiver.sh)")
-        for url in receivers:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError("adapter_receiver_url", f"{url!r} is not an http(s) URL",
-                                  "write e.g. http://10.0.0.5:8001")
 
     def _validate_loss(self) -> None:
         """Checks of the loss and off-policy keys."""
@@ -500,19 +475,12 @@ it at the same path; with `http` it stays on the trainer's side."""
         if self.delta is not None and self.delta <= 1.0 + self.epsilon_upper:
             raise ConfigError("delta", f"{self.delta} is not above 1 + epsilon_high ({1.0 + self.epsilon_upper}); it "
                               f"would cut into the clip range", "use delta: 4.0 (INTELLECT-2), or unset it")
-        if self.vllm_importance_sampling_cap < 1.0:
-            raise ConfigError("vllm_importance_sampling_cap", f"must be >= 1, got {self.vllm_importance_sampling_cap}",
-                              "use 2.0-5.0 (TRL's default is 3.0)")
 
     def _validate_schedule(self) -> None:
         """Checks of the learning-rate schedule keys."""
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError("lr_scheduler_type", f"unknown schedule {self.lr_scheduler_type!r}",
                               f"use one of {', '.join(LR_SCHEDULERS)}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ConfigError("warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}", "use e.g. 0.05")
-        if self.warmup_steps < 0:
-            raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}", "use 0 or e.g. 10")
         if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
             raise ConfigError("lr_scheduler_type", "is `constant`, which has no warm-up (transformers ignores "
                               "warmup_* there silently)", "use lr_scheduler_type: constant_with_warmup")
@@ -524,8 +492,6 @@ it at the same path; with `http` it stays on the trainer's side."""
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
 
     def _validate_checkpoints(self) -> None:
-        if self.save_steps < 0:
-            raise ConfigError("save_steps", f"must be >= 0, got {self.save_steps}", "use 0 (never) or e.g. 100")
         if self.save_steps and self.save_steps % self.weight_sync_steps:
             raise ConfigError("save_steps", f"{self.save_steps} is not a multiple of weight_sync_steps "
                               f"({self.weight_sync_steps}); a checkpoint must hold a published policy version",
@@ -534,9 +500,6 @@ it at the same path; with `http` it stays on the trainer's side."""
             raise ConfigError("save_steps", f"{self.save_steps} is not a multiple of num_iterations "
                               f"({self.num_iterations}); a checkpoint must fall between two generated batches",
                               f"use a multiple of {self.num_iterations}")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ConfigError("save_total_limit", f"must be >= 1, got {self.save_total_limit}",
-                              "unset it to keep every checkpoint")
         if self.resume_from_checkpoint == "":
             raise ConfigError("resume_from_checkpoint", "is empty", "use `latest` or a checkpoint-<step> directory")
 
@@ -550,9 +513,6 @@ it at the same path; with `http` it stays on the trainer's side."""
         if self.data_files is not None and self.dataset_name == "toy":
             raise ConfigError("dataset_name", "is `toy` but data_files is set",
                               "set dataset_name to the files' format: json (also .jsonl), parquet, csv or arrow")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ConfigError("max_prompt_length", f"must be >= 1, got {self.max_prompt_length}",
-                              "leave it unset to derive it from the server's max_model_len")
         names = {r.partition(":")[2] for r in self.reward_funcs} | set(self.reward_funcs)
         for key, value in (self.reward_kwargs or {}).items():
             if key not in names:
@@ -606,6 +566,134 @@ it at the same path; with `http` it stays on the trainer's side."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
+# ---- values one at a time -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: `low`/`high` (None: unbounded), each bound itself allowed unless `*_open`.
+    Floats must also be finite: NaN passes every comparison (`nan < 0` is false) and would reach the optimiser."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    fix: str = ""
+
+    def describe(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return " and ".join(parts) or "a finite number"
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+
+_SECONDS = "a positive number of seconds"
+# Every int and float key (a test checks that none is missing). An unset optional key (None) is not checked.
+VALUE_RANGES: dict[str, Range] = {
+    "toy_seed": Range(0, fix="use a seed >= 0, e.g. 0"),
+    "lora_r": Range(1, fix="use e.g. 8 or 16 (at most the server's --max-lora-rank)"),
+    "lora_alpha": Range(0, low_open=True, fix="use e.g. 2 x lora_r"),
+    "lora_dropout": Range(0, 1, high_open=True, fix="use 0 (exact trainer/server equivalence) or e.g. 0.05"),
+    "reward_weights": Range(fix="give each reward function a finite weight, e.g. 1.0"),
+    "reward_fallback": Range(fix="use a finite reward such as 0.0, or unset it"),
+    "reward_workers": Range(0, 1024, fix="use 0 to score in the request threads, or a few worker processes"),
+    "reward_timeout": Range(0, low_open=True, fix="give the seconds one group's scoring may take, e.g. 60"),
+    "num_generations": Range(2, fix="use 2 or more for group-relative advantages (8 is typical)"),
+    "max_completion_length": Range(1, fix="use the most tokens a completion may have, e.g. 256"),
+    "temperature": Range(0, low_open=True, fix="sample with temperature 1.0 (the policy's own distribution)"),
+    "top_p": Range(0, 1, low_open=True, fix="set `top_p: 1.0` (the default)"),
+    "max_inflight_requests": Range(1, fix="use 1 or more, or unset it to size it from the batch"),
+    "per_device_train_batch_size": Range(1, fix="use a multiple of num_generations"),
+    "gradient_accumulation_steps": Range(1, fix="use 1 or more"),
+    "learning_rate": Range(0, low_open=True, fix="use e.g. 1e-5 (LoRA: 1e-5 to 1e-3)"),
+    "warmup_ratio": Range(0, 1, high_open=True, fix="use e.g. 0.05"),
+    "warmup_steps": Range(0, fix="use 0 or e.g. 10"),
+    "weight_decay": Range(0, fix="use 0 or e.g. 0.01"),
+    "adam_beta1": Range(0, 1, high_open=True, fix="use 0.9 (the default)"),
+    "adam_beta2": Range(0, 1, high_open=True, fix="use 0.999 (the default)"),
+    "max_grad_norm": Range(0, fix="use 1.0, or 0 to disable clipping"),
+    "max_steps": Range(1, fix="use 1 or more"),
+    "num_iterations": Range(1, fix="use 1 (TRL's default) or a few"),
+    "epsilon": Range(0, low_open=True, fix="use epsilon: 0.2"),
+    "epsilon_high": Range(0, low_open=True, fix="use 0.28 (DAPO), or unset it to use epsilon"),
+    "delta": Range(1, low_open=True, fix="use delta: 4.0 (INTELLECT-2), or unset it"),
+    "vllm_importance_sampling_cap": Range(1, fix="use 2.0-5.0 (TRL's default is 3.0)"),
+    "beta": Range(0, fix="use 0 (no KL) or a small value like 0.04"),
+    "seed": Range(0, fix="use a seed >= 0, e.g. 0"),
+    "max_tokens_per_microbatch": Range(0, fix="use 0 (off) or a token budget such as 16384"),
+    "max_staleness": Range(0, fix="use 0 for synchronous training or 1-4 for asynchronous"),
+    "weight_sync_steps": Range(1, fix="use 1 or num_iterations"),
+    "keep_adapter_versions": Range(1, fix="use 3 (the default)"),
+    "vllm_server_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 240"),
+    "vllm_request_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 120"),
+    "logging_steps": Range(1, fix="use 1 or more"),
+    "save_steps": Range(0, fix="use 0 (never) or e.g. 100"),
+    "save_total_limit": Range(1, fix="unset it to keep every checkpoint"),
+    "max_prompt_length": Range(1, fix="leave it unset to derive it from the server's max_model_len"),
+    "ddp_timeout": Range(1, fix=f"use {_SECONDS}, e.g. 1800"),
+    "torch_num_threads": Range(0, fix="use 0 (torch's default) or the cores per training process"),
+}
+# Adapter names are served as `<lora_name>-<run id>-v<N>` and become directory names on the adapter receiver
+# (inference/receiver.py accepts [A-Za-z0-9][A-Za-z0-9._-]{0,127}): no path separators, spaces, a leading `.` or
+# `-` (a hidden file, a command-line flag), and room left for the run id and the version.
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
+# The secrets asyncgrpo reads from the environment; reward workers start without them (rollout/reward_pool.py).
+SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
+
+
+def value_problems(cfg: AsyncGRPOConfig) -> list[ConfigError]:
+    """Every key whose value alone is wrong (out of range, not finite, a bad name or URL), one error each."""
+    problems = []
+    for key, allowed in VALUE_RANGES.items():
+        value = getattr(cfg, key)
+        for item in value if isinstance(value, list) else [value]:
+            if item is None:
+                continue
+            if isinstance(item, float) and not math.isfinite(item):
+                problems.append(ConfigError(key, f"is {item}, not a finite number", allowed.fix))
+                break
+            if not allowed.holds(item):
+                problems.append(ConfigError(key, f"is {item}, but must be {allowed.describe()}", allowed.fix))
+                break
+    if not LORA_NAME.fullmatch(cfg.lora_name):
+        problems.append(ConfigError("lora_name", f"{cfg.lora_name!r} is not a name every server and file system "
+                                    f"accepts: letters, digits, `.`, `_` and `-`, starting with a letter or digit, "
+                                    f"at most 64 characters", "use e.g. `lora_name: policy`"))
+    for key in URL_KEYS:
+        urls = getattr(cfg, key)
+        for url in [urls] if isinstance(urls, str) else urls or []:
+            problem = _url_problem(url)
+            if problem:
+                problems.append(ConfigError(key, problem[0], problem[1]))
+                break
+    return problems
+
+
+def _url_problem(url: str) -> tuple[str, str] | None:
+    """(problem, fix) for a server URL that is not a plain http(s) URL, or None. The value is quoted with any
+    password masked: error messages end up in logs."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError as exc:
+        return f"{url!r} is not a URL ({exc})", "write e.g. http://10.0.0.5:8000"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r} is not an http(s) URL", "write e.g. http://10.0.0.5:8000"
+    if parts.username is not None or parts.password is not None:
+        shown = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}").geturl()
+        problem = f"{shown!r} carries a user name or password, which would be saved in config.yaml and logged"
+        return problem, (f"drop the `user:password@` part and give the key in the environment: {API_KEY_ENV} for the "
+                         f"vLLM servers and the adapter receivers (the servers get it as VLLM_API_KEY); the rollout "
+                         f"link's key is {ROLLOUT_KEY_ENV}")
+    return None
+
+
 def split_address(address, *, any_port: bool = False) -> tuple[str, int]:
     """`"host:port"` -> (host, port), for `rollout_address` and `rollout-serve --listen` (`any_port`: port 0, a free
     one, is allowed). Raises ValueError saying what is wrong, worded to follow the quoted value."""
@@ -615,8 +703,7 @@ def split_address(address, *, any_port: bool = False) -> tuple[str, int]:
     if not sep or not host:
         raise ValueError("is not of the form HOST:PORT")
     if ":" in host or host.startswith("["):
-        raise ValueError("is an IPv6 address; the rollout connection (multiprocessing's TCP listener) takes IPv4 "
-                         "addresses and host names only")
+        raise ValueError("is an IPv6 address; the rollout connection takes IPv4 addresses and host names only")
     if not port.isdigit() or not (0 if any_port else 1) <= int(port) <= 65535:
         raise ValueError(f"has port {port!r}, not a number from {0 if any_port else 1} to 65535")
     return host, int(port)

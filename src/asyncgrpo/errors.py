@@ -22,6 +22,17 @@ class ConfigError(AsyncGRPOError):
         super().__init__(f"config `{field}`: {problem}. Fix: {fix}")
 
 
+class ConfigErrors(ConfigError):
+    """Several config values are wrong at once: one line each (key, value, fix), so that a file is corrected in one
+    go. `field` is the first key, `errors` every ConfigError."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = errors
+        self.field = errors[0].field
+        lines = "\n".join(f"  {error}" for error in errors)
+        AsyncGRPOError.__init__(self, f"{len(errors)} config values are wrong:\n{lines}")
+
+
 class InferenceServerError(AsyncGRPOError):
     """The inference server is unreachable or answered with an error.
 

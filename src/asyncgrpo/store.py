@@ -2,7 +2,8 @@
 
 The rollout side writes a version here before any server loads it; checkpoints write their adapter the same way.
 Files go to a hidden temporary directory, are fsynced and renamed into place, with a manifest of sizes and sha256
-sums that `verify_adapter_files` checks before a server is given the directory (docs/delivery.md).
+sums that `verify_adapter_files` checks before a server is given the directory (docs/delivery.md). A temporary
+directory is named after its writer's host and pid; the leftover cleaners remove only dead writers' (docs/security.md).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import os
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,12 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 MANIFEST_NAME = "asyncgrpo_manifest.json"  # size and sha256 of each file, recorded at write, checked before a load
 _VERSION_DIR = re.compile(r"^v(\d{6})$")
+# `.tmp-v000001-<host>-<pid>`; the old `.tmp-v000001-<pid>` (no host) was always written by a writer on this host.
+# The host is everything between the version and the last `-`: host names may hold `-`, pids never do.
+_TMP_DIR = re.compile(r"^\.tmp-v\d{6}-(?:(.+)-)?(\d+)$")
+# A temporary directory of a writer on another host is removed only when this old: its pid means nothing here, and
+# no version takes a day to write, so one this old was left by a dead writer (whatever the clocks' skew).
+OTHER_HOST_TMP_AGE_S = 24 * 3600
 
 
 class AdapterStore:
@@ -54,8 +63,8 @@ class AdapterStore:
         return sorted(found)
 
     def clean_partial(self) -> list[Path]:
-        """Remove temporary directories left by a writer that died; returns what was removed."""
-        removed = [p for p in self.root.glob(".tmp-*") if p.is_dir()]
+        """Remove temporary directories left by a writer that died (`writer_is_gone`); returns what was removed."""
+        removed = [p for p in sorted(self.root.glob(".tmp-v*")) if writer_is_gone(p)]
         for p in removed:
             shutil.rmtree(p, ignore_errors=True)
         return removed
@@ -68,7 +77,7 @@ class AdapterStore:
                             f"Use a fresh lora_adapter_path or remove it")
         if not tensors:
             raise SyncError("the gathered adapter has no tensors; refusing to publish an empty adapter")
-        tmp = self.root / f".tmp-v{version:06d}-{os.getpid()}"
+        tmp = self.root / f".tmp-v{version:06d}-{host_name()}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
@@ -141,20 +150,36 @@ def verify_adapter_files(directory: Path) -> None:
                             f"written (same size: its content changed); {fix}")
 
 
-_TMP_DIR = re.compile(r"^\.tmp-v\d{6}-(\d+)$")
+def host_name() -> str:
+    """This host's name as temporary directories carry it: characters other than letters, digits, `.` and `-`
+    become `_`, so that the name stays one path component."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "_"
+
+
+def writer_is_gone(tmp: Path) -> bool:
+    """Whether `tmp` is a temporary version directory whose writer is gone: one of this host whose pid no longer
+    runs, or one of another host (`lora_adapter_path` on shared storage) older than OTHER_HOST_TMP_AGE_S. Anything
+    else (a file, another name, a live or recent writer) is not ours to remove."""
+    m = _TMP_DIR.match(tmp.name)
+    if not m or not tmp.is_dir():
+        return False
+    host, pid = m.group(1), int(m.group(2))
+    if host is None or host == host_name():
+        return not _alive(pid)
+    try:
+        age = time.time() - tmp.stat().st_mtime
+    except OSError:  # removed meanwhile by its writer or another cleaner
+        return False
+    return age > OTHER_HOST_TMP_AGE_S
 
 
 def clean_stale_temporaries(adapter_root: str | Path) -> list[Path]:
     """At start: remove the temporary version directories that writers killed midway left in any run's directory
-    under `adapter_root` (`lora_adapter_path`); returns them. One whose writer process is still alive on this host
-    (another run sharing the directory, writing right now) is left alone."""
-    removed = []
-    for tmp in Path(adapter_root).glob("*/.tmp-v*"):
-        m = _TMP_DIR.match(tmp.name)
-        if not m or not tmp.is_dir() or _alive(int(m.group(1))):
-            continue
+    under `adapter_root` (`lora_adapter_path`); returns them. Only those whose writer is gone (`writer_is_gone`) are
+    removed: another run's writer, on this host or another, may be writing right now."""
+    removed = [tmp for tmp in sorted(Path(adapter_root).glob("*/.tmp-v*")) if writer_is_gone(tmp)]
+    for tmp in removed:
         shutil.rmtree(tmp, ignore_errors=True)
-        removed.append(tmp)
     if removed:
         log.warning("removed %d temporary adapter director%s left by killed runs under %s", len(removed),
                     "y" if len(removed) == 1 else "ies", adapter_root)

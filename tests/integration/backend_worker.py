@@ -141,7 +141,7 @@ def main() -> None:
 
     out = Path(args.out)
     cfg = AsyncGRPOConfig.load(default_config_path(), [
-        "--torch_dtype", args.dtype, "--learning_rate", "1e-3", "--max_grad_norm", "0.05", "--ddp_timeout", "120", "--vllm_server_timeout", "30", "--vllm_request_timeout", "40",
+        "--torch_dtype", args.dtype, "--learning_rate", "1e-3", "--max_grad_norm", "0.05", "--ddp_timeout", "200", "--vllm_server_timeout", "30", "--vllm_request_timeout", "40",
         "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"), *overrides])
     trainer = AsyncGRPOTrainer(cfg)
     trainer.setup_model()

@@ -90,7 +90,7 @@ def train_two_processes(vllm_server):
 
     def run(out: Path, *overrides: str):
         args = ["--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
-                "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+                "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "200", "--vllm_server_timeout", "30",
                 "--vllm_request_timeout", "40", *overrides]
         cmd = launch_command(2, find_free_port(), default_config_path(), args)
         proc = subprocess.run(cmd, env=launch_environment(), capture_output=True, text=True, timeout=600)

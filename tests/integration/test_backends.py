@@ -28,7 +28,7 @@ SHARDED_BACKENDS = ["fsdp1", "fsdp2", "zero2", "zero3"]  # DDP runs in test_trai
 # documented bound is 0.2 (docs/benchmarks.md, "bf16 base"); a policy one version stale fails the fp32 bound.
 LOG_RATIO_BOUND = {"float32": 1e-3, "bfloat16": 0.2}
 COMMON = ["--config", "configs/demo.yaml", "--max_steps", "2", "--per_device_train_batch_size", "16",
-          "--learning_rate", "1e-2", "--max_staleness", "0", "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+          "--learning_rate", "1e-2", "--max_staleness", "0", "--ddp_timeout", "200", "--vllm_server_timeout", "30",
           "--vllm_request_timeout", "40"]
 
 
@@ -117,7 +117,7 @@ def test_torchrun_runs_the_same_train_command_in_versioned_mode(vllm_server, cli
            str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--max_steps", "2",
            "--per_device_train_batch_size", "16", "--output_dir", str(tmp_path),
            "--lora_adapter_path", str(tmp_path / "adapters"), "--vllm_server_base_url", vllm_server.base_url,
-           "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+           "--ddp_timeout", "200", "--vllm_server_timeout", "30",
            "--vllm_request_timeout", "40", "--sync_mode", "versioned"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]

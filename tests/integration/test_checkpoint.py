@@ -39,7 +39,7 @@ def train_command(out: Path, server_url: str, *extra: str, backend: str = "ddp")
             "--max_steps", "6", "--per_device_train_batch_size", "16", "--learning_rate", "1e-2",
             "--max_staleness", "0", "--seeded_generation", "true", "--max_inflight_requests", "4",
             "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
-            "--vllm_server_base_url", server_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+            "--vllm_server_base_url", server_url, "--ddp_timeout", "200", "--vllm_server_timeout", "30",
             "--vllm_request_timeout", "40", "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "4", *extra]
 
 

@@ -56,7 +56,7 @@ def test_fsdp2_ranks_train_their_cached_shares_in_step(vllm_server, tmp_path, tb
            "--max_steps", "4", "--per_device_train_batch_size", "16", "--num_iterations", "2",
            "--weight_sync_steps", "2", "--max_staleness", "0", "--beta", "0.04", "--learning_rate", "1e-2",
            "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
-           "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+           "--vllm_server_base_url", vllm_server.base_url, "--ddp_timeout", "200", "--vllm_server_timeout", "30",
            "--vllm_request_timeout", "40"]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env("fsdp2"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -23,7 +23,7 @@ def node_command(node_rank: int, master_port: int, out: Path, adapters: Path, se
             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(master_port),
             "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml", "--max_steps", "2",
             "--per_device_train_batch_size", "16", "--output_dir", str(out), "--lora_adapter_path", str(adapters),
-            "--vllm_server_base_url", server_url, "--ddp_timeout", "120", "--vllm_server_timeout", "30",
+            "--vllm_server_base_url", server_url, "--ddp_timeout", "200", "--vllm_server_timeout", "30",
             "--vllm_request_timeout", "40"]
 
 

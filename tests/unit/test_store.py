@@ -206,7 +206,7 @@ def test_a_stale_temporary_of_the_same_version_is_replaced(tmp_path):
     # A temporary directory with this process's id and this version, made after the store cleaned up at start
     # (e.g. by an earlier write of this version that failed): the write starts afresh and keeps none of it.
     store = AdapterStore(tmp_path)
-    stale = tmp_path / f".tmp-v000001-{os.getpid()}"
+    stale = tmp_path / f".tmp-v000001-{store_module.host_name()}-{os.getpid()}"
     stale.mkdir()
     (stale / "leftover.bin").write_bytes(b"old")
     path = store.write(1, tensors(0.5), CONFIG, base_model="b")

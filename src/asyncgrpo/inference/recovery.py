@@ -9,6 +9,7 @@ every later caller gets the same error, naming the fix. The rules and why: docs/
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,12 @@ log = logging.getLogger(__name__)
 
 FIRST_BACKOFF_S = 0.5  # first health poll after a failure: a restart on CPU takes ~30 s, a GPU node minutes
 MAX_BACKOFF_S = 5.0  # polls never get further apart than this, so a returning server is back within ~5 s
+# The adapter receiver client's timeouts (rollout/delivery.py), set here, below rollout/, so that the ddp_timeout
+# check counts them (docs/design.md's import order).
+RECEIVER_CONNECT_TIMEOUT_S = 5.0  # a reachable receiver accepts a connection in milliseconds
+RECEIVER_UPLOAD_TIMEOUT_S = 600.0  # one file's upload: a ~1 GB adapter over a slow (~20 MB/s) link, with margin
+RECEIVER_ADMIN_TIMEOUT_S = 120.0  # commit (sha256 of the files, fsync) and load (vLLM's own: seconds from local disk)
+ADAPTER_FILES = 2  # uploaded per version: the weights and adapter_config.json (store.py's manifest lists both)
 
 
 def backoff_delays(timeout_s: float, first_s: float = FIRST_BACKOFF_S, max_s: float = MAX_BACKOFF_S) -> list[float]:
@@ -46,18 +53,45 @@ def outage_s(cfg) -> float:
     return connect_retry_s() + cfg.vllm_server_timeout + cfg.vllm_request_timeout
 
 
+def batch_wait_s(cfg) -> float:
+    """How long rank 0 waits for a batch from the rollout queue before it gives up (trainer/recipe.py): several
+    rounds of requests, one of them held up by an outage the run waits out."""
+    return cfg.vllm_request_timeout * 4 + cfg.vllm_server_timeout
+
+
+def delivery_s(cfg) -> float:
+    """With `adapter_delivery: http`, the longest one version's delivery to a receiver may take and still succeed:
+    every file's upload, the commit and the load, each within its connect and read timeouts (receivers are
+    delivered to in parallel). 0 with shared_fs: the servers read the files themselves."""
+    if cfg.adapter_delivery != "http":
+        return 0.0
+    return (ADAPTER_FILES * (RECEIVER_CONNECT_TIMEOUT_S + RECEIVER_UPLOAD_TIMEOUT_S)
+            + 2 * (RECEIVER_CONNECT_TIMEOUT_S + RECEIVER_ADMIN_TIMEOUT_S))
+
+
+def sync_wait_s(cfg) -> float:
+    """The longest one weight sync can keep rank 0 away: an outage it waits out, plus (http) the delivery before the
+    pause and the one again when the outage's restore finds a restarted receiver without the version."""
+    return outage_s(cfg) + 2 * delivery_s(cfg)
+
+
 def check_outage_fits_ddp_timeout(cfg, world_size: int) -> None:
-    """At start: with several ranks, the others wait in a collective (at most `ddp_timeout`) while rank 0 waits out
-    an outage; a ddp_timeout shorter than the outage kills them while the server is coming back."""
-    need = outage_s(cfg)
-    if world_size > 1 and cfg.ddp_timeout <= need:
-        raise ConfigError(
-            "ddp_timeout", f"{cfg.ddp_timeout} s is not longer than an inference-server outage this run waits out: "
-            f"vllm_server_timeout {cfg.vllm_server_timeout:g} s + vllm_request_timeout {cfg.vllm_request_timeout:g} s "
-            f"+ {connect_retry_s():g} s of connection retries = {need:g} s; ranks other than 0 would time out in a "
-            f"collective while rank 0 waits for the server",
-            f"set ddp_timeout above {need:g} (e.g. {int(need) + 60}), or lower vllm_server_timeout or "
-            f"vllm_request_timeout")
+    """At start: with several ranks, the others wait in a collective (at most `ddp_timeout`) while rank 0 waits for
+    a batch or for a sync; a ddp_timeout shorter than the longest of those waits kills them while rank 0 would still
+    have succeeded. The suggested value is the smallest that passes."""
+    batch, sync = batch_wait_s(cfg), sync_wait_s(cfg)
+    need = max(batch, sync)
+    if world_size <= 1 or cfg.ddp_timeout > need:
+        return
+    enough = math.floor(need) + 1
+    uploads = (f" + 2 x {delivery_s(cfg):g} s of adapter uploads (adapter_delivery: http)" if delivery_s(cfg) else "")
+    raise ConfigError(
+        "ddp_timeout", f"{cfg.ddp_timeout} s is not longer than the longest wait of rank 0 that the run survives, "
+        f"{need:g} s: a batch from the rollout queue waits up to 4 x vllm_request_timeout "
+        f"{cfg.vllm_request_timeout:g} s + vllm_server_timeout {cfg.vllm_server_timeout:g} s = {batch:g} s; a weight "
+        f"sync through a server outage up to vllm_server_timeout + vllm_request_timeout + {connect_retry_s():g} s of "
+        f"connection retries{uploads} = {sync:g} s; ranks other than 0 would time out in a collective meanwhile",
+        f"set ddp_timeout: {enough} or more, or lower vllm_server_timeout or vllm_request_timeout")
 
 
 class ServerRecovery:

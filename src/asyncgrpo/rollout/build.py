@@ -90,6 +90,6 @@ def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupSc
     loaded it from (`tokenizer.name_or_path`, a local directory: `data.local_model_dir`)."""
     scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
     if cfg.reward_workers == 0:
-        return InThreadScoring(scorer, tokenizer, response_template)
+        return InThreadScoring(scorer, tokenizer, response_template, timeout_s=cfg.reward_timeout)
     return RewardPool(cfg.reward_workers, scorer, TokenizerRef.of(tokenizer), response_template,
                       timeout_s=cfg.reward_timeout)

@@ -17,13 +17,15 @@ import requests
 
 from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
+from asyncgrpo.inference.recovery import (RECEIVER_ADMIN_TIMEOUT_S, RECEIVER_CONNECT_TIMEOUT_S,
+                                          RECEIVER_UPLOAD_TIMEOUT_S)
 from asyncgrpo.store import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 5.0  # a reachable receiver accepts a connection in milliseconds
-UPLOAD_TIMEOUT_S = 600.0  # one file's upload: a ~1 GB adapter over a slow (~20 MB/s) link, with margin
-ADMIN_TIMEOUT_S = 120.0  # commit (sha256 of the files, fsync) and load (vLLM's own load: seconds on NFS-less disk)
+# Set in inference/recovery.py, whose check of ddp_timeout counts them.
+CONNECT_TIMEOUT_S, UPLOAD_TIMEOUT_S, ADMIN_TIMEOUT_S = (RECEIVER_CONNECT_TIMEOUT_S, RECEIVER_UPLOAD_TIMEOUT_S,
+                                                        RECEIVER_ADMIN_TIMEOUT_S)
 
 
 class SharedFsDelivery:
@@ -53,6 +55,7 @@ class ReceiverClient:
         self._session = requests.Session()
         self._lock = threading.Lock()  # the publisher and a recovery thread may both call: one Session, one at a time
         self._session.trust_env = False  # no proxies or ~/.netrc: a private network, and the bearer token wins
+        self._api_key = api_key
         if api_key:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
 
@@ -62,20 +65,35 @@ class ReceiverClient:
             with self._lock:
                 resp = self._session.request(method, url, timeout=(CONNECT_TIMEOUT_S, timeout_s), **kwargs)
         except requests.ConnectionError as exc:
-            raise ServerUnreachableError(
+            raise self._error(
                 f"{what}: cannot reach the adapter receiver at {url} ({exc.__class__.__name__}). Start it beside vLLM "
-                f"(`launch/vllm/receiver.sh`) or fix adapter_receiver_url") from exc
+                f"(`launch/vllm/receiver.sh`) or fix adapter_receiver_url", unreachable=True) from exc
         except requests.RequestException as exc:
-            raise InferenceServerError(f"{what}: {method} {url} failed: {exc}") from exc
+            raise self._error(f"{what}: {method} {url} failed: {exc}") from exc
         if not resp.ok:
             try:
                 detail = resp.json().get("error", resp.text)
-            except ValueError:
+            except (ValueError, AttributeError):
                 detail = resp.text[:2000]
             hint = (f". Set {API_KEY_ENV} to the key the receiver was started with" if resp.status_code == 401 else "")
-            raise InferenceServerError(f"{what}: {method} {url} answered HTTP {resp.status_code}: {detail}{hint}",
-                                       status=resp.status_code, body=resp.text)
-        return resp.json()
+            raise self._error(f"{what}: {method} {url} answered HTTP {resp.status_code}: {detail}{hint}",
+                              status=resp.status_code, body=resp.text)
+        try:
+            return resp.json()
+        except ValueError:
+            raise self._error(f"{what}: {method} {url} answered {resp.status_code} with a body that is not JSON: "
+                              f"{resp.text[:200]!r}", status=resp.status_code, body=resp.text) from None
+
+    def _error(self, message: str, status: int | None = None, body: str | None = None,
+               unreachable: bool = False) -> InferenceServerError:
+        """An InferenceServerError (ServerUnreachableError when no answer came) with the API key scrubbed from
+        everything it carries, as InferenceClient._error does: a receiver or a proxy in front of it may quote the
+        request, its Authorization header included, back in its answer."""
+        if self._api_key:
+            message = message.replace(self._api_key, "***")
+            body = body.replace(self._api_key, "***") if body is not None else None
+        kind = ServerUnreachableError if unreachable else InferenceServerError
+        return kind(message, status=status, body=body)
 
     def health(self) -> bool:
         try:

@@ -1,9 +1,9 @@
 """The rollout side in a process of its own, as rank 0 sees it: `RolloutProcess`, a proxy with the rollout interface
-whose calls go over a `multiprocessing` connection to a RolloutSide served by rollout/serve.py. Its `peer` makes the
-connection and knows whether the other end lives: `ChildPeer` (here) spawns a child (`rollout_process: true`),
-remote.RemotePeer connects to an `asyncgrpo rollout-serve` (`rollout_address`). Errors there are raised here with
-their own type; a peer that dies makes the waiting call raise RolloutProcessError naming it and the fix. Transport,
-failures and why: docs/rollout-internals.md.
+whose calls go over a connection to a RolloutSide served by rollout/serve.py. Its `peer` makes the connection and
+knows whether the other end lives: `ChildPeer` (here) spawns a child over a socketpair (`rollout_process: true`; no
+key, no network), remote.RemotePeer connects to an `asyncgrpo rollout-serve` over TLS (`rollout_address`). Errors
+there are raised here with their own type; a peer that dies makes the waiting call raise RolloutProcessError naming
+it and the fix. Transport, failures and why: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
@@ -158,7 +158,8 @@ class RolloutProcess:
 
 
 class ChildPeer:
-    """The spawned form: a child process of this one, over a Pipe (a socketpair)."""
+    """The spawned form: a child process of this one, over a Pipe (a socketpair: only the two processes hold its
+    ends, so it needs neither the rollout key nor TLS)."""
 
     in_process = "with `rollout_process: false`"
     fix = ("its last log lines (prefix [rollout]) say what it was doing; SIGKILL is most often the out-of-memory "

@@ -1,59 +1,39 @@
 """The rollout side on another host, rank 0's end and the connection: `RemotePeer` (RolloutProcess's peer over TCP,
-for `rollout_address`), the connection key, TCP keepalive, and `accept_trainer` (what `asyncgrpo rollout-serve`
-accepts; its main is rollout/serve.py). Both ends authenticate with ASYNCGRPO_ROLLOUT_KEY (on a loopback address
-without it: a built-in key); every wait is bounded, and a peer that vanishes is seen within DEAD_PEER_S. The
-handshake, the liveness rules and why: docs/rollout-internals.md.
+for `rollout_address`), TCP keepalive, and `accept_trainer` (what `asyncgrpo rollout-serve` accepts; its main is
+rollout/serve.py). The link is TLS, both ends prove ASYNCGRPO_ROLLOUT_KEY inside it (rollout/link.py), every
+handshake runs on a thread of its own within one overall deadline, and a peer that vanishes is seen within
+DEAD_PEER_S. The handshake, the liveness rules and why: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import logging
 import os
 import pickle
+import select
 import socket
-import struct
+import ssl
+import threading
 import time
 import traceback
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+from collections import OrderedDict
 
 from asyncgrpo import __version__
 from asyncgrpo.config import ROLLOUT_KEY_ENV, split_address
-from asyncgrpo.errors import ConfigError, RolloutProcessError
+from asyncgrpo.errors import RolloutProcessError
+from asyncgrpo.rollout.link import (KeyMismatch, Link, client_tls, prove_client, prove_server, refuse, rollout_key,
+                                    server_tls, tls_handshake)
 from asyncgrpo.rollout.wire import pack_exception, rebuild_exception
 
 log = logging.getLogger(__name__)
 
-LOOPBACK_KEY = b"asyncgrpo-rollout-loopback"  # without ROLLOUT_KEY_ENV: loopback only (a key every local user knows)
 CONNECT_RETRY_S = 5.0  # rank 0 retries a refused connection this long: a server started a moment after it connects
 CONNECT_S = 10.0  # one TCP connect to a host that does not answer at all
-HANDSHAKE_S = 10.0  # the key exchange and the hello: a few round trips; a peer that says nothing is not ours
+HANDSHAKE_S = 10.0  # TLS, the key proof and the hello, all of it: a few round trips; a slower peer is not ours
 BUILD_S = 300.0  # for the server's answer to the hello: it loads the tokenizer (and imports torch) first
+MAX_HANDSHAKES = 16  # handshakes in progress at once on a rollout server; one more evicts the oldest
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 5, 3
 DEAD_PEER_S = KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES  # 20 s: a silent host is given up after this
-
-
-def rollout_key(host: str, role: str) -> bytes:
-    """The connection key: ASYNCGRPO_ROLLOUT_KEY, or on a loopback address the built-in one. `role` names the
-    setting for the error ("--listen" or "rollout_address")."""
-    key = os.environ.get(ROLLOUT_KEY_ENV)
-    if key:
-        return key.encode()
-    if not _is_loopback(host):
-        raise ConfigError(role, f"{host!r} is not a loopback address and {ROLLOUT_KEY_ENV} is not set: the rollout "
-                          f"connection carries pickles, so anyone who reaches the port could run code on either end",
-                          f"export {ROLLOUT_KEY_ENV}=<a long random secret, e.g. from `openssl rand -hex 32`> on both "
-                          f"hosts, or listen on 127.0.0.1 and reach it through an SSH tunnel")
-    return LOOPBACK_KEY
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def keep_alive(sock: socket.socket) -> None:
@@ -67,21 +47,9 @@ def keep_alive(sock: socket.socket) -> None:
 
 
 def socket_of(fd: int) -> socket.socket:
-    """A socket object over a duplicate of descriptor `fd` (closing it leaves the original open): for its options, a
-    peek or a shutdown, on a Connection that multiprocessing reads through the descriptor itself."""
+    """A socket object over a duplicate of descriptor `fd` (closing it leaves the original open): for a peek or a
+    shutdown from another thread, beneath the TLS layer of a Link or a multiprocessing Connection."""
     return socket.socket(fileno=os.dup(fd))
-
-
-@contextlib.contextmanager
-def _reads_within(conn: Connection, seconds: float):
-    """Every read on `conn` inside the block fails (BlockingIOError) after `seconds` without data (SO_RCVTIMEO:
-    multiprocessing reads the descriptor directly, so a socket timeout would not apply)."""
-    with socket_of(conn.fileno()) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
-        try:
-            yield
-        finally:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
 
 
 # ---- rank 0's end ------------------------------------------------------------------------------------------
@@ -93,34 +61,36 @@ class RemotePeer:
     def __init__(self, address: str):
         self.address = address
         self.host, self.port = split_address(address)  # validated with the config
-        self.conn: Connection | None = None
+        self.conn: Link | None = None
         self.name = f"the rollout server at {address}"
         self.fix = (f"its log on that host (prefix [rollout]) says what it was doing; check that host and the network "
                     f"to it, start `asyncgrpo rollout-serve --listen {address}` there again and resume from the last "
                     f"checkpoint")
 
     def connect(self, cfg, side_kwargs: dict, run_id: str) -> None:
-        """Connect (retrying a refused connection for CONNECT_RETRY_S), authenticate, send the hello, and wait until
-        the server has built the side. Every error names the address and the fix."""
-        key = rollout_key(self.host, "rollout_address")
+        """Connect (retrying a refused connection for CONNECT_RETRY_S), open TLS, prove the key both ways, send the
+        hello, and wait until the server has built the side. Every error names the address and the fix."""
+        key = rollout_key("rollout_address")  # before any connect: without a good key nothing is dialled
         sock = self._dial()
         keep_alive(sock)
-        sock.settimeout(None)  # blocking: the reads are bounded by _reads_within below, and by keepalive after it
-        self.conn = Connection(sock.detach())
+        tls = client_tls().wrap_socket(sock, do_handshake_on_connect=False)
         try:
-            with _reads_within(self.conn, HANDSHAKE_S):
-                answer_challenge(self.conn, key)  # the server checks our key first, then we check its
-                deliver_challenge(self.conn, key)
+            deadline = time.monotonic() + HANDSHAKE_S
+            tls_handshake(tls, deadline)
+            prove_client(tls, key, deadline)
+            self.conn = Link(tls)
+            self.conn.settimeout(max(0.001, deadline - time.monotonic()))
             self.conn.send(("hello", __version__, pickle.dumps((cfg, side_kwargs, run_id))))
-            with _reads_within(self.conn, BUILD_S):
-                status, value = self.conn.recv()
-        except AuthenticationError as exc:
-            self.conn.close()
+            self.conn.settimeout(BUILD_S)
+            status, value = self.conn.recv()
+            self.conn.settimeout(None)  # blocking from here: keepalive bounds a dead peer, the proxy its answers
+        except KeyMismatch as exc:
+            tls.close()
             raise RolloutProcessError(f"{self.name} and this trainer have different connection keys ({exc}). Fix: "
-                                      f"set {ROLLOUT_KEY_ENV} to the same secret on both hosts (unset on both only "
-                                      f"on a loopback address)") from None
-        except (OSError, EOFError) as exc:
-            self.conn.close()
+                                      f"set {ROLLOUT_KEY_ENV} to the same secret on both hosts (the value, not "
+                                      f"the command that made it, and no stray character)") from None
+        except (OSError, EOFError, ValueError) as exc:  # ssl.SSLError and TimeoutError are OSErrors
+            tls.close()
             raise RolloutProcessError(f"{self.name} accepted the connection but did not complete the handshake "
                                       f"({type(exc).__name__}: {exc}). Fix: check that it is `asyncgrpo rollout-serve` "
                                       f"(not, say, vLLM's port) of the same asyncgrpo version, and its log (prefix "
@@ -158,11 +128,14 @@ class RemotePeer:
         if isinstance(exc, (TimeoutError, BlockingIOError)):
             return (f"stopped answering at the network level (TCP keepalive gave up after {DEAD_PEER_S} s: the host "
                     f"is down or unreachable)")
+        if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+            return (f"sent data that failed TLS's integrity check ({exc}): something on the network altered the "
+                    f"stream, and the connection was dropped")
         return "closed the connection (it exited or was killed)"
 
     def halt(self) -> None:
-        """Shut the socket down (safe from another thread): the server reads EOF, resumes any server it paused,
-        closes the side and exits."""
+        """Shut the socket down beneath TLS (safe from another thread): the server reads EOF, resumes any server it
+        paused, closes the side and exits."""
         try:
             with socket_of(self.conn.fileno()) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -175,40 +148,118 @@ class RemotePeer:
 
 
 # ---- the rollout host's end (its main, serve_one_run, is in rollout/serve.py) -------------------------------
-def accept_trainer(listener: Listener, key: bytes) -> tuple[Connection, tuple]:
-    """The first connection that authenticates with `key` and sends a hello of this asyncgrpo version: it and the
-    hello's (cfg, side kwargs, run id). Others are logged and dropped, and listening goes on."""
-    while True:
-        conn = listener.accept()
-        who = "%s:%d" % listener.last_accepted
+def accept_trainer(listener: socket.socket, key: bytes) -> tuple[Link, tuple]:
+    """The first connection that opens TLS, proves `key` and sends a hello of this asyncgrpo version, within
+    HANDSHAKE_S in all: its Link and the hello's (cfg, side kwargs, run id). Each handshake runs on a thread of its
+    own, so a slow or silent client holds nothing but its own thread; at most MAX_HANDSHAKES run at once (one more
+    evicts the oldest). The others are logged and dropped, and listening goes on until one wins."""
+    context, fingerprint = server_tls()
+    lock = threading.Lock()
+    pending: OrderedDict[ssl.SSLSocket, str] = OrderedDict()  # handshakes in progress, oldest first
+    won: list[tuple[Link, tuple]] = []
+    done = False  # set once this returns: a handshake that completes later is closed, not kept
+    waking_r, waking_w = socket.socketpair()  # a handshake that won wakes the accept loop
+
+    def handshake(tls: ssl.SSLSocket, who: str) -> None:
+        result = None
         try:
-            with _reads_within(conn, HANDSHAKE_S):
-                deliver_challenge(conn, key)
-                answer_challenge(conn, key)
-                tag, version, hello = conn.recv()
-        except AuthenticationError:
-            log.error("refused a connection from %s: its key differs from this server's (%s must be the same on both "
-                      "hosts); still listening", who, ROLLOUT_KEY_ENV)
-        except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
-            log.error("dropped a connection from %s: no rollout handshake within %.0f s (%s); still listening", who,
-                      HANDSHAKE_S, exc)
-        else:
-            assert tag == "hello", tag
-            try:
-                if version != __version__:
-                    raise RolloutProcessError(f"the rollout server runs asyncgrpo {__version__}, the trainer "
-                                              f"{version}. Fix: install the same asyncgrpo version on both hosts")
-                args = pickle.loads(hello)  # the config and the LoRA config: asyncgrpo's and peft's classes
-            except Exception as exc:  # noqa: BLE001 - told to the trainer, which raises it
-                log.error("refused a connection from %s: %s", who, exc)
-                conn.send(("error", pack_exception(exc, traceback.format_exc())))
-            else:
-                keep_alive_conn(conn)
-                log.info("trainer connected from %s", who)
-                return conn, args
-        conn.close()
+            result = _handshake(tls, who, fingerprint, key)
+        finally:
+            # Under the lock: a socket is cut (shut down) only while it is still open, never after its descriptor
+            # was closed and maybe reused by the next connection.
+            with lock:
+                pending.pop(tls, None)
+                if result is None:
+                    tls.close()
+                elif done:
+                    result[0].close()
+                    log.error("dropped the connection from %s: another trainer connected first", who)
+                else:
+                    won.append(result)
+                    waking_w.send(b"x")
+
+    try:
+        while True:
+            ready, _, _ = select.select([listener, waking_r], [], [])
+            with lock:
+                if won:
+                    return won.pop(0)
+            if listener in ready:
+                try:
+                    sock, (ip, port) = listener.accept()
+                except ConnectionError:  # reset or aborted between the select and the accept: not ours to serve
+                    continue
+                who = f"{ip}:{port}"
+                tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                with lock:
+                    if len(pending) >= MAX_HANDSHAKES:
+                        oldest, oldest_who = pending.popitem(last=False)
+                        log.error("dropped the connection from %s: %d handshakes were in progress, it was the oldest",
+                                  oldest_who, MAX_HANDSHAKES)
+                        _cut(oldest)
+                    pending[tls] = who
+                threading.Thread(target=handshake, args=(tls, who), name="rollout-handshake", daemon=True).start()
+    finally:
+        with lock:  # one run per server: handshakes still going are dropped, and later winners closed
+            done = True
+            for tls in pending:
+                _cut(tls)
+            pending.clear()
+            for conn, _ in won:
+                conn.close()
+        waking_r.close()
+        waking_w.close()
 
 
-def keep_alive_conn(conn: Connection) -> None:
+def _handshake(tls: ssl.SSLSocket, who: str, fingerprint: bytes, key: bytes) -> tuple[Link, tuple] | None:
+    """One client's TLS handshake, key proof and hello within HANDSHAKE_S: its Link and the hello's arguments, or
+    None (logged) if it failed."""
+    deadline = time.monotonic() + HANDSHAKE_S
+    try:
+        tls_handshake(tls, deadline)
+        prove_server(tls, key, fingerprint, deadline)
+        conn = Link(tls)
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        tag, version, hello = conn.recv()  # authenticated: only a holder of the key gets a pickle read
+        conn.settimeout(None)
+    except KeyMismatch:
+        log.error("refused a connection from %s: it did not prove this server's key (%s must be the same on both "
+                  "hosts); still listening", who, ROLLOUT_KEY_ENV)
+        refuse(tls, deadline)  # after the log: whoever sees the refusal finds it logged
+        return None
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # TimeoutError, ssl.SSLError: OSErrors
+        log.error("dropped a connection from %s: no rollout handshake within %.0f s (%s: %s); still listening", who,
+                  HANDSHAKE_S, type(exc).__name__, exc)
+        return None
+    if tag != "hello":
+        log.error("dropped a connection from %s: its first message was %r, not the hello", who, tag)
+        return None
+    try:
+        if version != __version__:
+            raise RolloutProcessError(f"the rollout server runs asyncgrpo {__version__}, the trainer {version}. Fix: "
+                                      f"install the same asyncgrpo version on both hosts")
+        args = pickle.loads(hello)  # the config and the LoRA config: asyncgrpo's and peft's classes
+    except Exception as exc:  # noqa: BLE001 - told to the trainer, which raises it
+        log.error("refused a connection from %s: %s", who, exc)
+        try:
+            conn.send(("error", pack_exception(exc, traceback.format_exc())))
+        except OSError:
+            pass  # it went away meanwhile: nothing more to tell it
+        return None
+    keep_alive_conn(conn)
+    log.info("trainer connected from %s", who)
+    return conn, args
+
+
+def _cut(tls: ssl.SSLSocket) -> None:
+    """End a handshake in progress from another thread: its blocked read returns at once."""
+    try:
+        with socket_of(tls.fileno()) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # it ended by itself meanwhile
+
+
+def keep_alive_conn(conn: Link) -> None:
     with socket_of(conn.fileno()) as sock:
         keep_alive(sock)

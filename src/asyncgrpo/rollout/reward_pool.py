@@ -1,34 +1,41 @@
-"""RewardPool (`reward_workers: N`): N spawned worker processes that decode and score groups off the training
-process, each with its own GIL, at nice +10. One `multiprocessing` Pipe per worker; per call a worker says which
+"""RewardPool (`reward_workers: N`): N worker processes that decode and score groups off the training process,
+each with its own GIL, at nice +10, started as new interpreters whose environment lacks the project's secrets
+(config.SECRET_ENV_VARS: user code runs there). One `multiprocessing` Pipe per worker; per call a worker says which
 stage runs, so a timeout or a crash names the reward function. A raising function gives in-thread scoring's error;
 one past `reward_timeout`, or a worker that dies, is killed and replaced, and the error names the function, the
-prompt and the cause. Why processes, spawn, pipes: docs/rollout-internals.md.
+prompt and the cause. Why processes, new interpreters, pipes: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import multiprocessing
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
 
+import asyncgrpo
+from asyncgrpo.config import SECRET_ENV_VARS
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.scoring import score_group
+from asyncgrpo.rollout.scoring import DECODING, score_group
 
 log = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 120.0  # a spawned worker imports Python, the tokenizer and the user's reward modules
 WORKER_NICE = 10  # workers yield the CPU to the training process when both want it (os.nice; see _worker_main)
 WORKER_STOP_TIMEOUT_S = 5.0  # close(): a worker between calls exits at once on the stop message
-DECODING = "decoding (tokenizer, chat form, response template)"  # the stage before the first reward function
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,15 @@ class WorkerSpec:
     response_template: dict | None
 
 
+def worker_environment() -> dict[str, str]:
+    """A worker's environment: this process's, without the secrets asyncgrpo reads (the server and rollout keys:
+    reward functions are user code and need none), with this copy of asyncgrpo importable first."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV_VARS}
+    here = str(Path(asyncgrpo.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 class _RemoteTraceback(Exception):
     """The worker's traceback, chained under the error it raised (as concurrent.futures does)."""
 
@@ -72,6 +88,16 @@ class _RemoteTraceback(Exception):
 
 
 # ---- the worker process ------------------------------------------------------------------------------------------
+def _child_main() -> None:  # pragma: no mutate block - runs in a worker (see _worker_main)
+    """A worker's entry point (`python -c`): wrap the inherited pipe end, take this process's sys.path and working
+    directory from the parent (where the reward modules are found, as multiprocessing's spawn does), then serve."""
+    conn = Connection(int(sys.argv[1]))
+    sys_path, cwd, spec = conn.recv()
+    sys.path[:] = sys_path
+    os.chdir(cwd)
+    _worker_main(conn, spec)
+
+
 # Not mutated (make mutate): this runs in the spawned worker, where mutmut cannot see which tests reach it, so it would
 # count every mutant as untested; test_reward_pool.py checks it through real workers (docs/testing.md).
 def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
@@ -109,15 +135,49 @@ def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
 
 
 # ---- the parent's side -------------------------------------------------------------------------------------------
+class _Process:
+    """A worker's subprocess.Popen with the multiprocessing.Process methods the pool uses."""
+
+    def __init__(self, popen: subprocess.Popen, name: str):
+        self.popen, self.name, self.pid = popen, name, popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()  # negative: killed by that signal, as multiprocessing reports it
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 class _Worker:
     """One worker process and the parent's end of its pipe."""
 
-    def __init__(self, ctx, spec: WorkerSpec, slot: int):
-        self.conn, child = ctx.Pipe(duplex=True)
-        # daemon: ended with the training process at exit; a killed parent closes the pipe, and the worker returns
-        self.process = ctx.Process(target=_worker_main, args=(child, spec), name=f"reward-worker-{slot}", daemon=True)
-        self.process.start()
-        child.close()  # the parent keeps only its own end, so the worker's death reads as EOF
+    def __init__(self, spec: WorkerSpec, slot: int):
+        self.conn, child = multiprocessing.Pipe(duplex=True)
+        # A new interpreter started with an environment of our choosing: multiprocessing's spawn copies this
+        # process's environment, secrets included, where any reward function (or /proc/<pid>/environ) reads them.
+        # A killed parent closes the pipe, and a worker between calls returns; the pool kills the rest at exit.
+        command = [sys.executable, "-c", "from asyncgrpo.rollout.reward_pool import _child_main; _child_main()",
+                   str(child.fileno())]
+        try:
+            popen = subprocess.Popen(command, env=worker_environment(), pass_fds=[child.fileno()],
+                                     stdin=subprocess.DEVNULL)
+        finally:
+            child.close()  # the parent keeps only its own end, so the worker's death reads as EOF
+        self.process = _Process(popen, f"reward-worker-{slot}")
+        try:
+            self.conn.send((sys.path, os.getcwd(), spec))
+        except OSError:
+            pass  # it died at once: wait_ready reports it
         self.ready = False
         # Held by the thread using the pipe. The pipe is closed only under it: closing a descriptor that another
         # thread is waiting on (close() while a call scores) raised EBADF in that thread, or two threads closing it
@@ -145,9 +205,8 @@ class _Worker:
                                       ) from _RemoteTraceback(message[2])
         if message[0] == "init_died":
             raise RewardFunctionError(f"a reward worker process exited while starting (exit code "
-                                      f"{self.process.exitcode}; its traceback is above). Fix: a script that starts "
-                                      f"training must do so under `if __name__ == \"__main__\":` (spawned workers "
-                                      f"import the main module), or set `reward_workers: 0`")
+                                      f"{self.process.exitcode}; its traceback is above). Fix: check that "
+                                      f"`{sys.executable} -c 'import asyncgrpo'` works, or set `reward_workers: 0`")
         raise RewardFunctionError(f"a reward worker process did not start within {timeout_s:.0f} s (exit code "
                                   f"{self.process.exitcode}). Fix: check that the reward modules import quickly in a "
                                   f"new Python process, or set `reward_workers: 0`")
@@ -188,10 +247,10 @@ class RewardPool:
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.fallbacks = 0
         self.replaced = 0  # workers killed or found dead and started anew
-        self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()  # fallbacks, and the list of workers (for close)
         self._closed = False
-        self._workers = [_Worker(self._ctx, self.spec, slot) for slot in range(workers)]  # all spawn at once
+        self._workers = [_Worker(self.spec, slot) for slot in range(workers)]  # all start at once
+        atexit.register(self._kill_at_exit)  # a worker stuck in a function never reads the pipe's EOF
         self._idle: queue.Queue[_Worker] = queue.Queue()
         try:
             for worker in self._workers:
@@ -275,7 +334,7 @@ class RewardPool:
         worker.kill()
         with self._lock:
             slot = self._workers.index(worker)
-            fresh = worker if self._closed else _Worker(self._ctx, self.spec, slot)
+            fresh = worker if self._closed else _Worker(self.spec, slot)
             self._workers[slot] = fresh
             self.replaced += fresh is not worker
         log.warning("reward worker %d was replaced (pid %s -> %s)", slot, worker.process.pid, fresh.process.pid)
@@ -290,6 +349,14 @@ class RewardPool:
             workers = list(self._workers)
         for worker in workers:
             worker.stop()
+        atexit.unregister(self._kill_at_exit)
+
+    def _kill_at_exit(self) -> None:
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            if worker.process.is_alive():
+                worker.process.kill()
 
 
 class _WorkerLost(Exception):

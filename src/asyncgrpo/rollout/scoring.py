@@ -2,16 +2,20 @@
 
 The producer calls `score_group(row, completion_ids, finish_reasons)` on a `GroupScorer`: `InThreadScoring` here
 (`reward_workers: 0`) or reward_pool.RewardPool (worker processes); rollout/build.py's make_group_scorer picks one.
-Both run the same `score_group`, so they give the same rewards. This module imports neither torch nor transformers,
-so that a reward worker starts without them.
+Both run the same `score_group`, so they give the same rewards, and both stop a call past `reward_timeout` with
+an error naming the function. This module imports neither torch nor transformers, so that a worker starts without.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 from asyncgrpo.data import PromptRow, parse_completions
+from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
+
+DECODING = "decoding (tokenizer, chat form, response template)"  # the stage before the first reward function
 
 
 def decode_completion(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -70,10 +74,18 @@ class GroupScorer(Protocol):
 
 
 class InThreadScoring:
-    """`reward_workers: 0`: decode and score in the calling thread (the producer's request threads)."""
+    """`reward_workers: 0`: decode and score in the training process, for the producer's request threads. With
+    `timeout_s` (reward_timeout) each call runs on a thread of its own, awaited up to then: a call past it raises
+    RewardFunctionError naming the function, and its thread, which nothing can stop, is left behind as a daemon.
+    Without (None), the calling thread scores."""
 
-    def __init__(self, scorer: RewardScorer, tokenizer, response_template: dict | None = None):
+    def __init__(self, scorer: RewardScorer, tokenizer, response_template: dict | None = None, *,
+                 timeout_s: float | None = None):
         self.scorer, self.tokenizer, self.response_template = scorer, tokenizer, response_template
+        self.timeout_s = timeout_s
+        self._running: dict[int, str] = {}  # scoring thread id -> the stage it is in, for the timeout's message
+        if timeout_s is not None:
+            scorer.on_call = lambda ref: self._running.__setitem__(threading.get_ident(), ref)
 
     @property
     def fallbacks(self) -> int:
@@ -81,7 +93,40 @@ class InThreadScoring:
 
     def score_group(self, row: PromptRow, completion_ids: list[list[int]],
                     finish_reasons: list[str]) -> tuple[list[float], dict[str, list]]:
-        return score_group(self.scorer, self.tokenizer, self.response_template, row, completion_ids, finish_reasons)
+        def run():
+            return score_group(self.scorer, self.tokenizer, self.response_template, row, completion_ids,
+                               finish_reasons)
+        if self.timeout_s is None:
+            return run()
+        outcome: list = []  # [result] or [None, exception], set by the scoring thread
+
+        def scoring() -> None:
+            self._running[threading.get_ident()] = DECODING
+            try:
+                outcome.append(run())
+            except BaseException as exc:  # noqa: BLE001 - raised again in the calling thread
+                outcome.extend([None, exc])
+            finally:
+                done.set()
+
+        done = threading.Event()
+        thread = threading.Thread(target=scoring, name="reward-scoring", daemon=True)  # daemon: may never end
+        thread.start()
+        if not done.wait(self.timeout_s):
+            raise self._timeout_error(self._running.get(thread.ident, DECODING), row, len(completion_ids))
+        self._running.pop(thread.ident, None)
+        if len(outcome) == 2:
+            raise outcome[1]
+        return outcome[0]
+
+    def _timeout_error(self, running: str, row: PromptRow, n: int) -> RewardFunctionError:
+        what = f"reward function {running}" if running in self.scorer.refs else running
+        return RewardFunctionError(
+            f"{what} did not finish within reward_timeout={self.timeout_s:g} s\n"
+            f"  on prompt {row.prompt!r} ({n} completions)\n"
+            f"  It runs in the training process (reward_workers: 0), where a thread cannot be stopped: it is left "
+            f"running. Fix: find where the function hangs or make it faster, raise `reward_timeout`, or set "
+            f"`reward_workers: 2` (worker processes: a hung one is killed and replaced)")
 
     def close(self) -> None:
         pass

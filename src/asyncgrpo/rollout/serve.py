@@ -1,9 +1,9 @@
 """The rollout process's main loop: build a RolloutSide and answer the trainer's requests on one connection.
 
 Both forms of a separate rollout process run it: the child rank 0 spawns (`serve`, over a pipe) and
-`asyncgrpo rollout-serve` (`serve_one_run`, over TCP). Every member of the rollout interface is answered the same way
-(`_handle`), a trainer that goes away is noticed even mid-request, and SIGTERM/SIGINT resume any paused server first.
-How the two ends talk and fail: docs/rollout-internals.md.
+`asyncgrpo rollout-serve` (`serve_one_run`, over TLS on TCP). Every member of the rollout interface is answered the
+same way (`_handle`), a trainer that goes away is noticed even mid-request, and SIGTERM/SIGINT resume any paused
+server first. How the two ends talk and fail: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import signal
 import socket
 import threading
 import traceback
-from multiprocessing.connection import Listener
 
-from asyncgrpo.config import ROLLOUT_KEY_ENV, split_address
+from asyncgrpo.config import split_address
 from asyncgrpo.data import local_model_dir
 from asyncgrpo.errors import ConfigError, RolloutProcessError
 from asyncgrpo.rollout.interface import interface_members
-from asyncgrpo.rollout.remote import LOOPBACK_KEY, accept_trainer, rollout_key, socket_of
+from asyncgrpo.rollout.link import rollout_key
+from asyncgrpo.rollout.remote import accept_trainer, socket_of
 from asyncgrpo.rollout.side import RolloutSide
 from asyncgrpo.rollout.wire import encode_groups, pack_exception
 from asyncgrpo.shutdown import exit_on_signal
@@ -46,23 +46,20 @@ def serve(conn, cfg, side_kwargs: dict, run_id: str) -> bool:
 # tests/integration/test_rollout_process.py runs it for real, and its parts (accept_trainer, serve_side) are tested.
 def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
     """`asyncgrpo rollout-serve`: listen at `listen` (port 0: a free one, logged), serve the first trainer that
-    authenticates, then exit: 0 after its `close`, 1 if it went away without. `paths`: config keys (and
-    `model_path`) this host resolves itself instead of taking the trainer's."""
+    proves the key (ASYNCGRPO_ROLLOUT_KEY, required), then exit: 0 after its `close`, 1 if it went away without.
+    `paths`: config keys (and `model_path`) this host resolves itself instead of taking the trainer's."""
     try:
         host, port = split_address(listen, any_port=True)
     except ValueError as exc:
         raise ConfigError("--listen", f"{listen!r} {exc}", "write e.g. `--listen 10.0.0.7:7480`, or "
                           "`--listen 127.0.0.1:0` for a free port on loopback") from None
-    key = rollout_key(host, "--listen")
+    key = rollout_key("--listen")
     log_as_rollout()
-    with Listener((host, port), family="AF_INET") as listener:  # no authkey: accept_trainer bounds the handshake
-        bound_host, bound_port = listener.address
+    with socket.create_server((host, port)) as listener:  # IPv4 (split_address refuses IPv6)
+        bound_host, bound_port = listener.getsockname()
         reach = socket.gethostname() if bound_host == "0.0.0.0" else bound_host  # all interfaces: name one
         log.info("rollout server listening on %s:%d (set `rollout_address: %s:%d` in the trainer's config)",
                  bound_host, bound_port, reach, bound_port)
-        if key == LOOPBACK_KEY:
-            log.warning("%s is not set: the built-in loopback key is used, which every local user knows",
-                        ROLLOUT_KEY_ENV)
         with exit_on_signal(lambda: None):  # SIGTERM/Ctrl-C while waiting: nothing to clean up, exit 143/130
             conn, (cfg, side_kwargs, run_id) = accept_trainer(listener, key)
     # Closed: one run per server; a second trainer is refused rather than queued.

@@ -2,16 +2,19 @@
 
 A checkpoint is `<output_dir>/checkpoint-<step>/`: the adapter, the optimizer state (or DeepSpeed's own partitioned
 checkpoint), the schedule, every rank's RNG states and, written last, a manifest of every file's size and sha256.
-It is written in a temporary directory and renamed into place; a checkpoint that does not match its manifest is
-refused. Backends: DDP, FSDP1, FSDP2, ZeRO-2, ZeRO-3. docs/trainer-internals.md has the layout and each backend's
-handling of the optimizer state; docs/checkpoints.md the user's view.
+It is written in a temporary directory and renamed into place (a checkpoint of the same step is set aside first);
+only files the manifest lists, with the size and sha256 it records, are loaded, by torch's tensors-only unpickler.
+Backends: DDP, FSDP1, FSDP2, ZeRO-2, ZeRO-3. docs/trainer-internals.md: the layout and each backend's optimizer
+state; docs/checkpoints.md: the user's view.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -20,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+import safetensors.torch
 
 from asyncgrpo.distributed import broadcast_object
 from asyncgrpo.errors import CheckpointError
-from asyncgrpo.files import fsync_path, sha256_file
+from asyncgrpo.files import HASH_CHUNK, fsync_path, sha256_file
 from asyncgrpo.store import AdapterStore
 from asyncgrpo.trainer.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
 from asyncgrpo.trainer.schedule import restore_lr_scheduler
@@ -41,6 +44,22 @@ DEEPSPEED = ("zero2", "zero3")  # the engine writes and reads its own partitione
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
 SUPPORTED_BACKENDS = ("ddp", *SHARDED, *DEEPSPEED)
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_TMP_PREFIX = ".tmp-checkpoint-"  # + `<step>-<pid>`: a save in progress, or one that was killed
+_ASIDE_DIR = re.compile(r"^\.old-checkpoint-(\d+)-\d+$")  # a same-step checkpoint being replaced
+try:  # numpy 2 moved the function its arrays are unpickled with; a checkpoint saved under numpy 1 names the old place
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # numpy 1
+    from numpy.core.multiarray import _reconstruct
+# What torch's tensors-only unpickler must accept besides tensors and plain values: numpy's RNG state (`rng_state`)
+# is a tuple holding a uint32 array. Optimizer and scheduler states need nothing more.
+SAFE_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), (_reconstruct, "numpy._core.multiarray._reconstruct"),
+                (_reconstruct, "numpy.core.multiarray._reconstruct")]
+# DeepSpeed unpickles its own files without torch's tensors-only unpickler. Before it reads them, each one's names
+# are read (not run) and must be torch's safe ones or these: the loss scaler, ZeRO's stage and its fragment records.
+DEEPSPEED_GLOBALS = frozenset({"deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                               "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                               "deepspeed.runtime.zero.config.ZeroStageEnum",
+                               "deepspeed.utils.tensor_fragment.fragment_address"})
 
 
 @dataclass
@@ -71,7 +90,9 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
 
 def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
     """`latest` -> the newest checkpoint in `output_dir`; anything else is a checkpoint directory's path.
-    Like TRL, `latest` with no checkpoint is an error, not a silent fresh start."""
+    Like TRL, `latest` with no checkpoint is an error, not a silent fresh start. A checkpoint a replacement set aside
+    and did not bring back is restored first (`restore_set_aside`)."""
+    restore_set_aside(output_dir)
     if resume == "latest":
         found = list_checkpoints(output_dir)
         if not found:
@@ -89,8 +110,7 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
 def read_manifest(path: Path, verify_files: bool = True) -> dict:
     """The checkpoint's manifest, after checking that it is complete and, with `verify_files`, that every file it
     lists has the size and sha256 it had when saved. Any mismatch raises CheckpointError naming the file."""
-    fix = (f"Fix: delete {str(path)!r} and resume from an earlier checkpoint-<step> directory "
-           f"(`--resume_from_checkpoint PATH`), or start a fresh run")
+    fix = _fix(path)
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST} (a save that did not "
@@ -104,6 +124,10 @@ def read_manifest(path: Path, verify_files: bool = True) -> dict:
     if fmt != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {str(path)!r} has format version {fmt}; this asyncgrpo reads version "
                               f"{FORMAT_VERSION}. Fix: resume with the asyncgrpo version that wrote it")
+    outside = [name for name in files if Path(name).is_absolute() or ".." in Path(name).parts]
+    if outside:  # a save lists only files inside the checkpoint
+        raise CheckpointError(f"checkpoint {str(path)!r} has a {MANIFEST} that lists {outside[0]!r}, a file outside "
+                              f"the checkpoint. {fix}")
     for name, expected in files.items() if verify_files else ():
         file = path / name
         if not file.is_file():
@@ -113,6 +137,11 @@ def read_manifest(path: Path, verify_files: bool = True) -> dict:
             raise CheckpointError(f"checkpoint {str(path)!r}: {name} is corrupt ({size} bytes, the manifest says "
                                   f"{expected['bytes']}, or its sha256 differs). {fix}")
     return manifest
+
+
+def _fix(path: Path) -> str:
+    return (f"Fix: delete {str(path)!r} and resume from an earlier checkpoint-<step> directory "
+            f"(`--resume_from_checkpoint PATH`), or start a fresh run")
 
 
 def check_backend(backend: str) -> None:
@@ -133,22 +162,28 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
     final = checkpoint_path(output_dir, state.step)
     tmp = None
     if acc.is_main_process:
-        tmp = Path(output_dir) / f".tmp-checkpoint-{state.step}-{os.getpid()}"
+        tmp = Path(output_dir) / f"{_TMP_PREFIX}{state.step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     tmp = Path(broadcast_object(str(tmp) if tmp else None))  # output_dir must be shared by every node
-    _write_file(tmp / f"rng-rank{acc.process_index}.pt", lambda f: torch.save(rng_state(), f))
-    if state.backend in DEEPSPEED:  # collective: each rank writes its partitions
-        model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, exclude_frozen_parameters=True)
+    try:
+        _write_file(tmp / f"rng-rank{acc.process_index}.pt", lambda f: torch.save(rng_state(), f))
+        if state.backend in DEEPSPEED:  # collective: each rank writes its partitions
+            model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, exclude_frozen_parameters=True)
+        if acc.is_main_process:
+            _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
+            if optim_state is not None:
+                _write_file(tmp / OPTIMIZER, lambda f: torch.save(optim_state, f))
+            if lr_scheduler is not None:
+                _write_file(tmp / SCHEDULER, lambda f: torch.save(lr_scheduler.state_dict(), f))
+        acc.wait_for_everyone()  # every rank's file is written and fsynced
+        if acc.is_main_process:
+            _commit(tmp, final, state)
+    except BaseException:
+        if acc.is_main_process:  # rank 0 made it; a full disk must not also fill up with half-written saves
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if acc.is_main_process:
-        _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
-        if optim_state is not None:
-            _write_file(tmp / OPTIMIZER, lambda f: torch.save(optim_state, f))
-        if lr_scheduler is not None:
-            _write_file(tmp / SCHEDULER, lambda f: torch.save(lr_scheduler.state_dict(), f))
-    acc.wait_for_everyone()  # every rank's file is written and fsynced
-    if acc.is_main_process:
-        _commit(tmp, final, state)
         prune_checkpoints(output_dir, total_limit)
         log.info("saved checkpoint %s (step %d, policy version %d)", final, state.step, state.version)
     acc.wait_for_everyone()
@@ -193,7 +228,8 @@ def _write_adapter(directory: Path, tensors: dict[str, torch.Tensor], peft_confi
 
 def _commit(tmp: Path, final: Path, state: TrainerState) -> None:
     """Rank 0: the manifest (last), fsync, rename into place. An existing directory of the same step (a run that
-    resumed from an earlier checkpoint and got here again) is replaced."""
+    resumed from an earlier checkpoint and got here again) is renamed aside first and deleted once the new one is in:
+    whenever the save stops, one complete checkpoint of the step is there or set aside (`restore_set_aside`)."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     for p in files:  # ours are fsynced as written; DeepSpeed's are not
         fsync_path(p)
@@ -201,10 +237,21 @@ def _commit(tmp: Path, final: Path, state: TrainerState) -> None:
                 "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}}
     _write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     fsync_path(tmp)
+    aside = None
     if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+        aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+        shutil.rmtree(aside, ignore_errors=True)  # a killed replacement's, of this pid (pids are reused)
+        os.rename(final, aside)
+        fsync_path(final.parent)  # on disk before the new one takes the name
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, final)  # the old one back: the step keeps its complete checkpoint
+        raise
     fsync_path(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def prune_checkpoints(output_dir: str | Path, total_limit: int | None) -> list[Path]:
@@ -218,11 +265,37 @@ def prune_checkpoints(output_dir: str | Path, total_limit: int | None) -> list[P
 
 
 def clean_partial(output_dir: str | Path) -> list[Path]:
-    """Remove temporary directories left by a save that was killed; returns what was removed."""
+    """Rank 0 at start: remove temporary directories left by a save that was killed, after restoring a checkpoint a
+    killed replacement set aside (`restore_set_aside`); returns what was removed."""
     root = Path(output_dir)
-    removed = [p for p in root.glob(".tmp-checkpoint-*") if p.is_dir()] if root.is_dir() else []
-    for p in removed:
+    removed = restore_set_aside(root)
+    temporaries = sorted(p for p in root.glob(f"{_TMP_PREFIX}*") if p.is_dir()) if root.is_dir() else []
+    for p in temporaries:
         shutil.rmtree(p, ignore_errors=True)
+    return removed + temporaries
+
+
+def restore_set_aside(output_dir: str | Path) -> list[Path]:
+    """A `.old-checkpoint-<step>-<pid>` directory is a complete checkpoint that a same-step save renamed aside and was
+    killed before deleting: renamed back if no checkpoint-<step> replaced it, else removed (returned). Every rank
+    resolving `latest` runs this at once on shared storage: a rename another rank made first is not an error."""
+    root = Path(output_dir)
+    removed = []
+    for aside in sorted(root.iterdir()) if root.is_dir() else ():
+        m = _ASIDE_DIR.match(aside.name)
+        if not m or not aside.is_dir():
+            continue
+        final = checkpoint_path(root, int(m.group(1)))
+        if not final.exists():
+            try:
+                os.rename(aside, final)
+                log.warning("restored %s, set aside by a save of the same step that did not finish", final)
+                continue
+            except OSError:
+                if not final.exists():
+                    raise
+        shutil.rmtree(aside, ignore_errors=True)
+        removed.append(aside)
     return removed
 
 
@@ -231,18 +304,19 @@ def load_checkpoint(path: Path, acc, model, optimizer, lr_scheduler=None) -> Tra
     """Every rank: check the checkpoint, copy its adapter into the model's LoRA parameters and its state into the
     optimizer and the learning-rate schedule. RNG states are restored separately (`restore_rng`), last, once setup
     no longer draws numbers."""
-    state = _load_weights_and_optimizer(path, acc, model, optimizer)
+    manifest = read_manifest(path)
+    state = _load_weights_and_optimizer(path, manifest, acc, model, optimizer)
     if lr_scheduler is not None:
-        file = path / SCHEDULER
-        # A checkpoint from before schedules existed has none; the schedule is a function of the step alone.
-        saved = torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else \
+        # A checkpoint from before schedules existed has none; the schedule is a function of the step alone. One there
+        # but not listed is loaded (and refused) like any other.
+        saved = _load_listed(path, manifest, SCHEDULER) if SCHEDULER in manifest["files"] or \
+            (path / SCHEDULER).exists() else \
             {**lr_scheduler.state_dict(), "last_epoch": state.step, "_step_count": state.step + 1}
         restore_lr_scheduler(lr_scheduler, saved)
     return state
 
 
-def _load_weights_and_optimizer(path: Path, acc, model, optimizer) -> TrainerState:
-    manifest = read_manifest(path)
+def _load_weights_and_optimizer(path: Path, manifest: dict, acc, model, optimizer) -> TrainerState:
     state = TrainerState(**manifest["state"])
     peft_model = acc.unwrap_model(model)
     marker = f".{peft_model.active_adapter}."
@@ -251,7 +325,11 @@ def _load_weights_and_optimizer(path: Path, acc, model, optimizer) -> TrainerSta
     # Full shapes (FSDP2's DTensors report them, ZeRO-3 keeps them in ds_shape); an FSDP1 parameter is a flat view of
     # this rank's slice: names only.
     shapes = {k: None if current == "fsdp1" else getattr(p, "ds_shape", p.shape) for k, p in params.items()}
-    tensors = load_file(str(path / ADAPTER_DIR / "adapter_model.safetensors"))
+    adapter = f"{ADAPTER_DIR}/adapter_model.safetensors"
+    # Checked, then read by name: safetensors holds tensors only, and its own reader's tensors are what FSDP2's
+    # scatter expects (tensors made by safetensors.torch.load from the checked bytes broke its collectives).
+    _open_listed(path, manifest, adapter).close()
+    tensors = safetensors.torch.load_file(str(path / adapter))
     if set(tensors) != set(params) or any(shape is not None and tensors[k].shape != shape for k, shape in shapes.items()):
         raise CheckpointError(f"the adapter in {str(path)!r} does not fit this model (different lora_r, "
                               f"lora_target_modules or base model). Fix: resume with the config the checkpoint was "
@@ -262,13 +340,14 @@ def _load_weights_and_optimizer(path: Path, acc, model, optimizer) -> TrainerSta
                               f"checkpoint was saved with (DDP, FSDP and ZeRO checkpoints do not mix; FSDP1 and FSDP2 "
                               f"do, on any number of ranks; ZeRO needs the same stage and number of ranks)")
     if state.backend in DEEPSPEED:  # the engine restores the LoRA weights, their fp32 masters and Adam state
+        _check_deepspeed_files(path, manifest)
         loaded, _ = model.load_checkpoint(str(path / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_module_strict=False,
                                           load_optimizer_states=True, load_lr_scheduler_states=False)
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {str(path / DEEPSPEED_DIR)!r}. Fix: resume from "
                                   f"another checkpoint-<step> (this one is incomplete)")
         return state
-    optim_state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=False)
+    optim_state = _load_listed(path, manifest, OPTIMIZER)
     if state.backend in SHARDED:  # every rank reads the whole (adapter-sized) state and keeps its own shard
         _load_sharded(acc, model, optimizer, current, tensors, marker, optim_state)
         return state
@@ -277,6 +356,74 @@ def _load_weights_and_optimizer(path: Path, acc, model, optimizer) -> TrainerSta
             param.copy_(tensors[key])
     optimizer.load_state_dict(optim_state)
     return state
+
+
+def _open_listed(path: Path, manifest: dict, name: str):
+    """`path / name`, opened once and checked against the size and sha256 the manifest lists for it; the open file is
+    what is then loaded (a file swapped in after the check is not read). An unlisted file is refused, not loaded."""
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {name} is not listed in its {MANIFEST} (added after the "
+                              f"save, or the manifest was edited), so it is not loaded. {_fix(path)}")
+    try:
+        f = open(path / name, "rb")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing {name}. {_fix(path)}") from None
+    try:
+        digest, size = hashlib.sha256(), 0
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        if size != expected["bytes"] or digest.hexdigest() != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {name} is corrupt ({size} bytes, the manifest says "
+                                  f"{expected['bytes']}, or its sha256 differs). {_fix(path)}")
+        f.seek(0)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _load_listed(path: Path, manifest: dict, name: str, map_location="cpu"):
+    """A torch file of the checkpoint, checked (`_open_listed`) and unpickled by torch's tensors-only unpickler: a
+    file that would construct anything else (run code) is refused before any of it runs."""
+    with _open_listed(path, manifest, name) as f, torch.serialization.safe_globals(SAFE_GLOBALS):
+        try:
+            return torch.load(f, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            # torch's line naming the refused global, without its advice to allow it
+            lines = str(exc).strip().splitlines()
+            reason = next((line for line in lines if "WeightsUnpickler error: " in line), lines[0])
+            reason = reason.split("WeightsUnpickler error: ")[-1].split(". Please")[0].strip()
+            raise CheckpointError(f"checkpoint {str(path)!r}: {name} holds objects a checkpoint never saves, so it is "
+                                  f"not loaded ({reason}). Fix: resume only from checkpoints written by asyncgrpo on "
+                                  f"storage no one else can write; delete {str(path)!r} and resume from an earlier "
+                                  f"checkpoint-<step> directory, or start a fresh run") from None
+
+
+def _check_deepspeed_files(path: Path, manifest: dict) -> None:
+    """DeepSpeed reads what it finds in `deepspeed/` with the full unpickler: every file there must be listed in the
+    manifest (read_manifest checked those), and every torch file may name only torch's safe globals and
+    DEEPSPEED_GLOBALS."""
+    for file in sorted((path / DEEPSPEED_DIR).rglob("*")):
+        name = str(file.relative_to(path))
+        if not file.is_file():
+            continue
+        if name not in manifest["files"]:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {name} is not listed in its {MANIFEST} (added after the "
+                                  f"save, or the manifest was edited), so it is not loaded. {_fix(path)}")
+        if file.suffix != ".pt":  # `latest`, DeepSpeed's conversion scripts: text DeepSpeed does not unpickle
+            continue
+        try:
+            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(file)) - DEEPSPEED_GLOBALS
+        except (ValueError, RuntimeError) as exc:  # not torch.save's zip format: its names cannot be read first
+            unsafe = {f"an unreadable file ({exc})"}
+        if unsafe:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {name} holds objects a DeepSpeed checkpoint never saves "
+                                  f"({', '.join(sorted(unsafe))}), so it is not loaded. Fix: resume only from "
+                                  f"checkpoints written by asyncgrpo on storage no one else can write; delete "
+                                  f"{str(path)!r} and resume from an earlier checkpoint-<step> directory, or start a "
+                                  f"fresh run")
 
 
 def _layout(backend: str, world_size: int) -> tuple:
@@ -309,11 +456,12 @@ def rng_state() -> dict:
 
 def restore_rng(path: Path, rank: int) -> None:
     """This rank's RNG states as saved; a rank the checkpoint did not have (more ranks now) keeps its own."""
-    file = path / f"rng-rank{rank}.pt"
-    if not file.is_file():
+    name = f"rng-rank{rank}.pt"
+    manifest = read_manifest(path, verify_files=False)  # the file itself is checked as it is read
+    if name not in manifest["files"] and not (path / name).exists():
         log.warning("%s has no RNG state for rank %d (saved with fewer ranks); keeping this rank's own", path, rank)
         return
-    state = torch.load(file, weights_only=False)
+    state = _load_listed(path, manifest, name, map_location=None)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -22,7 +22,7 @@ from asyncgrpo.contracts import Group
 from asyncgrpo.data import resolve_model_path
 from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
                                    require_shared_dir, setup_logging)
-from asyncgrpo.inference.recovery import check_outage_fits_ddp_timeout
+from asyncgrpo.inference.recovery import batch_wait_s, check_outage_fits_ddp_timeout
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
 from asyncgrpo.timeline import Timeline, span
@@ -156,7 +156,7 @@ class AsyncGRPOTrainer:
             t0 = time.perf_counter()
             with span(self.wait_timeline):  # the trainer's idle time, for `asyncgrpo bench throughput`
                 groups = self.rollout.take(self.groups_per_step, self.version,
-                                           timeout_s=self.cfg.vllm_request_timeout * 4 + self.cfg.vllm_server_timeout)
+                                           timeout_s=batch_wait_s(self.cfg))  # ddp_timeout is checked against it
             assert max(self.version - g.version for g in groups) <= self.cfg.max_staleness
             metrics.batch(groups, self.version, self.cfg.num_generations, waited_s=time.perf_counter() - t0)
             self.data_position = max(self.data_position, 1 + max(g.index for g in groups))

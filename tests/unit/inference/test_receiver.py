@@ -1,12 +1,15 @@
 """The adapter receiver's refusals and its commit, over real HTTP on 127.0.0.1, with no vLLM behind it (the loads
-are in tests/integration/test_delivery.py): a request it refuses writes nothing under its directory."""
+are in tests/integration/test_delivery.py): a request it refuses writes nothing under its directory, and what failed
+uploads leave expires. Attacks on it (stalls, floods, malformed requests, symlinks): tests/security/test_receiver.py."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +160,22 @@ def test_the_directory_keeps_the_newest_versions_and_every_one_vllm_serves(tmp_p
         os.utime(d, (i, i))
     rec._prune(in_use={str(tmp_path / "v1")})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v4", "v5"]
+
+
+def test_leftovers_go_at_start_and_an_abandoned_staging_directory_expires_at_the_next_commit(tmp_path):
+    root = tmp_path / "adapters"
+    (root / ".incoming-v0").mkdir(parents=True)  # what a receiver killed midway leaves: a staging directory
+    (root / ".part-0123abcd").write_bytes(b"x")  # and an upload's partial file
+    (root / "v0").mkdir()
+    (root / "v0" / MANIFEST_NAME).write_text("{}")
+    rec = AdapterReceiver(root, vllm=None, stage_max_age_s=600)
+    assert entries(root) == ["v0", f"v0/{MANIFEST_NAME}"]  # committed versions stay
+    rec.put_file("old", "adapter_config.json", 2, io.BytesIO(b"{}"))
+    rec.put_file("fresh", "adapter_config.json", 2, io.BytesIO(b"{}"))
+    os.utime(root / ".incoming-old", (time.time() - 3600, time.time() - 3600))  # an hour untouched: abandoned
+    for filename, data in FILES.items():
+        rec.put_file("v1", filename, len(data), io.BytesIO(data))
+    assert rec.commit("v1", manifest(FILES))["written"] is True
+    assert not (root / ".incoming-old").exists()
+    assert (root / ".incoming-fresh" / "adapter_config.json").read_bytes() == b"{}"  # younger than the limit: kept
+    assert not list(root.glob(".part-*"))  # every upload's .part was renamed into staging, none left

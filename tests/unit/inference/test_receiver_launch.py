@@ -1,5 +1,5 @@
-"""launch/vllm/receiver.sh, run here with a stand-in for python: the command it starts, and its refusal to start
-without an API key."""
+"""launch/vllm/receiver.sh, run here with a stand-in for python: the command it starts, its refusal to start
+without an API key, and loopback only when told to start without one."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def test_receiver_sh_starts_the_receiver_beside_the_local_vllm_with_serve_sh_s_k
     assert args[:2] == ["-m", "asyncgrpo.inference.receiver"]
     flags = dict(zip(args[2:-1:2], args[3:-1:2]))
     assert flags["--dir"] == "/local/adapters" and flags["--port"] == "8001"
+    assert flags["--host"] == "0.0.0.0"  # with a key: every interface (the private network)
     assert flags["--vllm-url"] == "http://127.0.0.1:8100"  # serve.sh's PORT
     assert args[-2:] == ["3", "key=k1"]  # extra args passed on; the key in the environment, not on the command line
     assert "k1" not in args[:-1]
@@ -39,3 +40,5 @@ def test_receiver_sh_refuses_to_start_without_a_key(tmp_path):
     assert not record.exists()
     allowed, record = _run(tmp_path, ADAPTER_DIR="/local/adapters", ALLOW_NO_KEY="1")
     assert allowed.returncode == 0 and record.read_text().splitlines()[-1] == "key="
+    args = record.read_text().splitlines()
+    assert args[args.index("--host") + 1] == "127.0.0.1"  # keyless: loopback only, never every interface

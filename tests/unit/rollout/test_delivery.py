@@ -51,7 +51,7 @@ def test_http_delivery_needs_one_receiver_per_server():
     with pytest.raises(ConfigError, match="adapter_receiver_url"):
         AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http")
     with pytest.raises(ConfigError, match="has 1 entries for 2"):
-        AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=[VLLM, VLLM + "1"],
+        AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=[VLLM, "http://10.9.9.8:8000"],
                         adapter_receiver_url="http://10.9.9.9:8001")
     with pytest.raises(ConfigError, match="adapter_delivery is shared_fs"):
         AsyncGRPOConfig(lora_adapter_path="a", adapter_receiver_url="http://10.9.9.9:8001")

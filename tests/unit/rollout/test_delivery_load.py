@@ -1,8 +1,8 @@
 """The load step of each `adapter_delivery`, and ReceiverClient's answers, against a real receiver on 127.0.0.1.
 
-The receiver's co-located vLLM is `RecordingVLLM` here: the unit tier has no vLLM server, and a real one cannot be
-made to report an adapter served from another path on demand. tests/integration/test_delivery.py loads into a real
-one."""
+The receiver's co-located vLLM, and the trainer's client for shared_fs, are tests/fakes.py's FakeVLLM here: the unit
+tier has no vLLM server, and a real one cannot be made to report an adapter served from another path on demand.
+tests/integration/test_delivery.py loads into a real one."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from fakes import FakeVLLM
 from liveness import returns_within
 from peft import LoraConfig
 
@@ -39,35 +40,6 @@ class Unreachable:
         raise AssertionError(f"the trainer's vLLM client was called ({name}); the receiver loads")
 
 
-class RecordingVLLM:
-    """What the receiver asks of its vLLM: `load_adapter` serves the path asked for; `report` overrides what
-    `adapter_paths` answers (a server that kept another copy)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, str]] = []
-        self.served: dict[str, str] = {}
-        self.report: dict[str, str] = {}
-
-    def adapter_paths(self) -> dict[str, str]:
-        return {**self.served, **self.report}
-
-    def load_adapter(self, name: str, path: str) -> None:
-        self.calls.append((name, path))
-        self.served[name] = path
-
-
-class RecordingClient:
-    """The trainer's InferenceClient for shared_fs: records the load it is asked for."""
-
-    base_url = VLLM
-
-    def __init__(self):
-        self.calls: list[tuple[str, str]] = []
-
-    def load_adapter(self, name: str, path: str) -> None:
-        self.calls.append((name, path))
-
-
 def start(rec: AdapterReceiver, api_key: str | None = KEY):
     server = serve(rec, "127.0.0.1", 0, api_key)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -76,8 +48,8 @@ def start(rec: AdapterReceiver, api_key: str | None = KEY):
 
 @pytest.fixture()
 def receiver(tmp_path):
-    """(receiver, its URL, its vLLM) with a RecordingVLLM behind it."""
-    vllm = RecordingVLLM()
+    """(receiver, its URL, its vLLM) with a FakeVLLM behind it."""
+    vllm = FakeVLLM()
     rec = AdapterReceiver(tmp_path / "server-side", vllm=vllm)
     server, url = start(rec)
     yield rec, url, vllm
@@ -89,11 +61,11 @@ def test_shared_fs_loads_the_trainers_own_path_and_expects_it_back_resolved(tmp_
     real = version(AdapterStore(tmp_path / "store"), 1)
     (tmp_path / "link").symlink_to(real.parent)
     via_link = tmp_path / "link" / real.name
-    client, delivery = RecordingClient(), SharedFsDelivery()
+    client, delivery = FakeVLLM(VLLM), SharedFsDelivery()  # the trainer's InferenceClient for shared_fs
     delivery.stage(client, "policy-v1", via_link)
     assert client.calls == []  # nothing to send: the server reads the path itself
     delivery.load(client, "policy-v1", via_link)
-    assert client.calls == [("policy-v1", str(via_link))]
+    assert client.said() == ["load policy-v1"] and client.served == {"policy-v1": str(via_link)}
     assert delivery.served_path(client, "policy-v1", via_link) == str(real.resolve())  # what vLLM reports
 
 
@@ -105,7 +77,8 @@ def test_http_load_asks_the_receiver_to_load_its_committed_copy(receiver, tmp_pa
     assert vllm.calls == []  # staging only uploads: the load comes inside the pause
     with caplog.at_level("WARNING", logger="asyncgrpo.rollout.delivery"):
         delivery.load(Unreachable(), "policy-v1", path)
-    assert vllm.calls == [("policy-v1", str(rec.root / "policy-v1"))]
+    assert vllm.said() == ["read", "load policy-v1", "read"]  # loaded once, then read back
+    assert vllm.served == {"policy-v1": str(rec.root / "policy-v1")}
     assert "uploading it again" not in caplog.text  # committed there: loaded at once, not sent twice
     assert delivery.served_path(Unreachable(), "policy-v1", path) == str(rec.root / "policy-v1")
     assert delivery.served_path(Unreachable(), "policy-v2", path) is None  # never staged
@@ -131,7 +104,7 @@ def test_http_load_of_a_version_the_receiver_lost_uploads_it_again_then_loads_it
     delivery.load(Unreachable(), "policy-v1", path)
     remote = rec.root / "policy-v1"
     assert {p.name: p.read_bytes() for p in remote.iterdir()} == {p.name: p.read_bytes() for p in path.iterdir()}
-    assert vllm.calls == [("policy-v1", str(remote))]
+    assert vllm.said() == ["read", "load policy-v1", "read"] and vllm.served == {"policy-v1": str(remote)}
 
 
 def test_http_load_refuses_a_version_served_from_another_path_than_the_committed_one(receiver, tmp_path):
@@ -139,7 +112,7 @@ def test_http_load_refuses_a_version_served_from_another_path_than_the_committed
     path = version(AdapterStore(tmp_path / "trainer-side"), 1)
     delivery = HttpDelivery({VLLM: ReceiverClient(url, KEY)})
     delivery.stage(Unreachable(), "policy-v1", path)
-    vllm.report = {"policy-v1": "/old/copy/policy-v1"}
+    vllm.misreport = "/old/copy/policy-v1"  # a server that kept another copy
     with pytest.raises(SyncError) as info:
         delivery.load(Unreachable(), "policy-v1", path)
     assert str(info.value) == (f"the receiver {url} reports policy-v1 served from '/old/copy/policy-v1', but "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import cfg
 from liveness import returns_within
 from safetensors.torch import save
 
@@ -29,8 +30,8 @@ MEMBERS = interface_members()
 
 
 def _cfg(tmp_path) -> AsyncGRPOConfig:
-    return AsyncGRPOConfig(lora_adapter_path=str(tmp_path / "a"), output_dir=str(tmp_path / "out"),
-                           sync_mode="versioned", vllm_request_timeout=1.0)
+    return cfg(lora_adapter_path=str(tmp_path / "a"), output_dir=str(tmp_path / "out"), sync_mode="versioned",
+               vllm_request_timeout=1.0)
 
 
 def _instance(cls, tmp_path):

@@ -1,12 +1,14 @@
 """What a run leaves behind: temporary directories of killed writers are removed at start (not those of a writer
 still alive), and a run unloads the adapter versions it loaded except the one it keeps. The server is a recording
-fake; tests/integration/test_paused_server.py checks a real server after a finished and a signalled run."""
+fake (tests/fakes.py's FakeVLLM); tests/integration/test_paused_server.py checks a real server after a finished and a
+signalled run."""
 
 import os
 import subprocess
 import sys
 
-from asyncgrpo.errors import InferenceServerError
+from fakes import FakeVLLM
+
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.store import clean_stale_temporaries
 
@@ -23,30 +25,36 @@ def test_temporary_dirs_of_dead_writers_in_any_run_are_removed_and_live_ones_kep
     assert not killed.exists() and writing.exists() and version.exists()
 
 
-class Server:
-    def __init__(self, url, healthy=True):
-        self.base_url, self.healthy, self.unloaded = url, healthy, []
-
-    def health(self):
-        return self.healthy
-
-    def unload_adapter(self, name):
-        if name == "run-v1" and self.base_url.endswith("2"):
-            raise InferenceServerError("not loaded", status=404)  # a restarted server never had it
-        self.unloaded.append(name)
+def servers_holding(tmp_path, *held: list[int] | None) -> list[FakeVLLM]:
+    """A FakeVLLM at http://a:<i+1> for each list of versions (a dead one, down for good, for None) serving those."""
+    servers = []
+    for i, versions in enumerate(held):
+        server = FakeVLLM(f"http://a:{i + 1}", back_at=None if versions is None else 0.0)
+        server.served = {f"run-v{v}": str(tmp_path / f"v{v}") for v in versions or ()}
+        servers.append(server)
+    return servers
 
 
-def test_unload_all_keeps_only_the_named_version_and_skips_a_dead_server(tmp_path):
-    servers = [Server("http://a:1"), Server("http://a:2"), Server("http://a:3", healthy=False)]
+def unloaded(server: FakeVLLM) -> list[str]:
+    return [call[1] for call in server.calls if call[0] == "unload"]  # asked, whether it was served there or not
+
+
+def test_unload_all_keeps_only_the_named_version_and_skips_a_dead_server(tmp_path, caplog):
+    import logging
+
+    servers = servers_holding(tmp_path, [1, 2, 3], [2, 3], None)  # :2 restarted after v1; :3 is dead
     publisher = AdapterPublisher(servers, "run")
     publisher.loaded = {f"run-v{i}": tmp_path / f"v{i}" for i in (1, 2, 3)}
-    publisher.unload_all(keep="run-v3")
-    assert servers[0].unloaded == ["run-v1", "run-v2"]
-    assert servers[1].unloaded == ["run-v2"]  # v1's 404 is not an error
-    assert servers[2].unloaded == []  # not answering: not waited for
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.rollout.publish"):
+        assert publisher.unload_all(keep="run-v3") == ["run-v1", "run-v2", "run-v2"]
+    assert unloaded(servers[0]) == ["run-v1", "run-v2"] and list(servers[0].served) == ["run-v3"]
+    assert unloaded(servers[1]) == ["run-v1", "run-v2"] and list(servers[1].served) == ["run-v3"]
+    assert "was not unloaded" not in caplog.text  # v1's 404 on :2 is not an error
+    assert servers[2].health_polls == [0.0] and "http://a:3 does not answer" in caplog.text  # not waited for
     assert list(publisher.loaded) == ["run-v3"]
     publisher.unload_all(keep=None)  # a failed run keeps nothing
-    assert servers[0].unloaded[-1] == "run-v3" and publisher.loaded == {}
+    assert unloaded(servers[0])[-1] == "run-v3" and publisher.loaded == {}
+    assert servers[0].served == {} and servers[1].served == {}
 
 
 def test_a_file_named_like_a_temporary_is_not_a_writers_directory(tmp_path):
@@ -93,11 +101,70 @@ def test_a_writer_of_another_user_counts_as_alive(tmp_path, monkeypatch):
 def test_unload_all_returns_what_it_unloaded_and_tries_every_server_after_a_dead_one(tmp_path, caplog):
     import logging
 
-    servers = [Server("http://a:3", healthy=False), Server("http://a:1"), Server("http://a:2")]
+    servers = servers_holding(tmp_path, None, [1, 2], [2])  # :1 is dead, :3 restarted after v1
     publisher = AdapterPublisher(servers, "run")
     publisher.loaded = {f"run-v{i}": tmp_path / f"v{i}" for i in (1, 2)}
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.rollout.publish"):
-        assert publisher.unload_all(keep=None) == ["run-v1", "run-v2", "run-v2"]  # v1 was not on :2 (a 404)
-    assert servers[1].unloaded == ["run-v1", "run-v2"] and servers[2].unloaded == ["run-v2"]
+        assert publisher.unload_all(keep=None) == ["run-v1", "run-v2", "run-v2"]  # v1 was not on :3 (a 404)
+    assert unloaded(servers[1]) == ["run-v1", "run-v2"] and unloaded(servers[2]) == ["run-v1", "run-v2"]
+    assert servers[1].served == {} and servers[2].served == {}
     assert "run-v1 was not unloaded" not in caplog.text  # a 404 is no failure to report
     assert publisher.unload_all(keep=None) == []  # nothing loaded any more
+
+
+def test_temporaries_carry_host_and_pid_and_only_this_hosts_dead_writers_or_a_day_old_others_are_gone(tmp_path,
+                                                                                                      monkeypatch):
+    import time
+
+    from asyncgrpo import store
+
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "node-1")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def tmp(name, age_s=0.0):
+        path = tmp_path / name
+        path.mkdir()
+        then = time.time() - age_s
+        os.utime(path, (then, then))
+        return path
+
+    day = store.OTHER_HOST_TMP_AGE_S
+    assert day == 24 * 3600
+    gone = [tmp(f".tmp-v000001-node-1-{dead.pid}"), tmp(f".tmp-v000002-{dead.pid}"),  # this host's (old name too)
+            tmp(f".tmp-v000003-node-2-{os.getpid()}", age_s=day + 5)]  # another host's, a day old: pid ignored
+    kept = [tmp(f".tmp-v000004-node-1-{os.getpid()}", age_s=day + 5),  # alive here, however old
+            tmp(f".tmp-v000005-node-2-{dead.pid}", age_s=day - 5),  # another host's, not yet a day old: pid ignored
+            tmp(f".tmp-v000006-node-{dead.pid}", age_s=day - 5)]  # host "node" is another host, not "node-1"
+    assert [store.writer_is_gone(p) for p in gone] == [True, True, True]
+    assert [store.writer_is_gone(p) for p in kept] == [False, False, False]
+    assert store.writer_is_gone(tmp_path / ".tmp-v000007-node-2-1") is False  # gone meanwhile: nothing to remove
+    assert store.writer_is_gone(tmp(".tmp-x-1")) is False  # not a version temporary
+    assert store.AdapterStore(tmp_path).clean_partial() == []  # the store cleaned at construction already
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-v000004-node-1-" + str(os.getpid()),
+                                                          f".tmp-v000005-node-2-{dead.pid}",
+                                                          f".tmp-v000006-node-{dead.pid}", ".tmp-x-1"]
+
+
+def test_the_host_in_a_temporary_name_is_one_path_component(monkeypatch):
+    from asyncgrpo import store
+
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "gpu-7.cluster/a b")
+    assert store.host_name() == "gpu-7.cluster_a_b"
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "")
+    assert store.host_name() == "_"
+
+
+def test_a_write_names_its_temporary_after_this_host_and_pid(tmp_path, monkeypatch):
+    import torch
+    from peft import LoraConfig
+
+    from asyncgrpo import store
+
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "node-1")
+    made = []
+    real_mkdir = store.Path.mkdir
+    monkeypatch.setattr(store.Path, "mkdir", lambda self, *a, **k: made.append(self.name) or real_mkdir(self, *a, **k))
+    store.AdapterStore(tmp_path / "run").write(3, {"a.lora_A.weight": torch.ones(2, 2)}, LoraConfig(r=2),
+                                               base_model="b")
+    assert made[-1] == f".tmp-v000003-node-1-{os.getpid()}"

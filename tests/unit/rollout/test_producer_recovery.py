@@ -17,7 +17,7 @@ from asyncgrpo.inference.recovery import ServerRecovery
 DEADLINE_S = 15.0
 
 
-class RecordingRecovery(ServerRecovery):
+class RecordingRecovery(ServerRecovery):  # not a fakes.py fake: the real recovery, recording what it is handed
     """The real recovery, recording what the producer hands it (the cause itself only reaches a log line)."""
 
     def __init__(self, *args, **kwargs):

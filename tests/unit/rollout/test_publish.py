@@ -182,7 +182,7 @@ def test_retire_stops_on_a_server_error_other_than_not_found(tmp_path):
     assert "pol-v1" in publisher.loaded  # still tracked: a later retire tries again
 
 
-class Clock:
+class ThreadClock:  # not fakes.Clock: one shared time would mix the concurrent syncs' costs, in no fixed order
     """A fake `time.perf_counter` that only the fake servers' calls move, one time per thread (the servers are synced
     concurrently): a sync thread starts at the publishing thread's time and moves by its own server's calls; the
     publishing thread, once it has joined them, reads the latest of all (a concurrent sync lasts as long as its
@@ -211,7 +211,7 @@ def test_timings_are_the_slowest_server_s_and_the_sync_lasts_as_long_as_that_ser
 
     from asyncgrpo.rollout import publish
 
-    clock = Clock()
+    clock = ThreadClock()
     monkeypatch.setattr(publish, "time", SimpleNamespace(perf_counter=clock))
     fast = {"pause": 0.25, "load": 2.0, "reset": 0.5, "resume": 0.125}
     slow = {**fast, "load": 3.0}

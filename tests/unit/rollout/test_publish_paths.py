@@ -1,37 +1,17 @@
 """Adapter paths sent to an inference server never leave `lora_adapter_path`.
 
-The server here is a recording fake (a Python object, no HTTP): the point is which calls the publisher makes, and
-that it makes none at all for a path outside the adapter directory. Loading real adapters is covered by the
-integration tests against a real vLLM server.
+The server here is tests/fakes.py's FakeVLLM (a Python object, no HTTP): the point is which calls the publisher
+makes, and that it makes none at all for a path outside the adapter directory. Loading real adapters is covered by
+the integration tests against a real vLLM server.
 """
 
 import os
 
 import pytest
+from fakes import FakeVLLM
 
 from asyncgrpo.errors import AsyncGRPOError, SyncError
 from asyncgrpo.rollout.publish import AdapterPublisher, contained_adapter_path
-
-
-class RecordingServer:
-    """Answers like a vLLM server that loads whatever it is told; records every call."""
-
-    base_url = "http://fake:8000"
-
-    def __init__(self):
-        self.calls = []
-        self.served = {}
-
-    def load_adapter(self, name, path, inplace=False):
-        self.calls.append(("load", name, path))
-        self.served[name] = path
-
-    def adapter_paths(self):
-        return dict(self.served)
-
-    def unload_adapter(self, name):
-        self.calls.append(("unload", name))
-        self.served.pop(name, None)
 
 
 @pytest.fixture
@@ -46,10 +26,11 @@ def layout(tmp_path):
 
 def test_a_path_inside_lora_adapter_path_is_sent_resolved(layout):
     root, _ = layout
-    server = RecordingServer()
+    server = FakeVLLM()
     publisher = AdapterPublisher([server], "policy-run1", adapter_root=root)
     publisher.publish(1, root / "run1" / ".." / "run1" / "v000001")
-    assert server.calls == [("load", "policy-run1-v1", str((root / "run1" / "v000001").resolve()))]
+    assert server.said() == ["load policy-run1-v1", "read"]  # loaded once, then read back
+    assert server.served == {"policy-run1-v1": str((root / "run1" / "v000001").resolve())}
     assert publisher.current_name == "policy-run1-v1"
 
 
@@ -59,11 +40,11 @@ def test_a_path_outside_lora_adapter_path_is_refused_before_any_server_call(layo
     path = {"dotdot": root / "run1" / ".." / ".." / "elsewhere" / "v000001",
             "symlink": root / "run1" / "v000002",
             "absolute": outside}[where]
-    server = RecordingServer()
+    server = FakeVLLM()
     publisher = AdapterPublisher([server], "policy-run1", adapter_root=root)
     with pytest.raises(SyncError) as err:
         publisher.publish(1, path)
-    assert server.calls == []  # nothing reached the server
+    assert server.calls == [] and server.served == {}  # nothing reached the server
     assert publisher.current_name is None and publisher.loaded == {}
     message = str(err.value)
     assert str(outside.resolve()) in message and str(root.resolve()) in message and "lora_adapter_path" in message

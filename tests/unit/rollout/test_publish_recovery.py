@@ -1,9 +1,9 @@
 """The publisher's hand-over to server recovery (ServerRecovery) in the middle of a sync: a load whose answer was
 lost, and a server that restarts during two syncs in a row.
 
-The server is a Python fake with a fake clock: a connection that breaks after the server acted, or a restart at a
-chosen call, is what a real vLLM server cannot be made to do on demand (tests/integration/test_faults.py kills a real
-one, with no control over which call it hits). ServerRecovery itself is the real one.
+The server is tests/fakes.py's FakeVLLM on its fake Clock: a connection that breaks after the server acted, or a
+restart at a chosen call, is what a real vLLM server cannot be made to do on demand (tests/integration/test_faults.py
+kills a real one, with no control over which call it hits). ServerRecovery itself is the real one.
 """
 
 from __future__ import annotations
@@ -11,76 +11,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+from fakes import Clock, FakeVLLM
 
-from asyncgrpo.errors import InferenceServerError, ServerUnreachableError
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rollout.publish import AdapterPublisher
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.now += s
-
-
-class Server:
-    """Down until the clock reaches `back_at`; `restart_on` / `lose_answer_of`: the call (e.g. "load p-v2") at which
-    it restarts (comes back `restart_s` later knowing no adapters) / at which the answer is lost after it acted."""
-
-    base_url = "http://a"
-
-    def __init__(self, clock: Clock):
-        self.clock, self.back_at = clock, 0.0
-        self.adapters: dict[str, str] = {}
-        self.calls: list[str] = []
-        self.restart_on: str | None = None
-        self.restart_s = 3.0
-        self.lose_answer_of: str | None = None
-
-    def _call(self, what: str) -> None:
-        if self.clock.now < self.back_at:
-            raise ServerUnreachableError(f"{what}: cannot reach {self.base_url}")
-        self.calls.append(what)
-        if what == self.restart_on:
-            self.restart_on, self.back_at, self.adapters = None, self.clock.now + self.restart_s, {}
-            raise ServerUnreachableError(f"{what}: connection refused by {self.base_url}")
-
-    def _answer(self, what: str) -> None:
-        if what == self.lose_answer_of:
-            self.lose_answer_of = None
-            raise ServerUnreachableError(f"{what}: connection reset before the answer")
-
-    def health(self) -> bool:
-        return self.clock.now >= self.back_at
-
-    def load_adapter(self, name, path, inplace=False):
-        self._call(f"load {name}")
-        if name in self.adapters:
-            raise InferenceServerError(f"{name} is already loaded", status=400)  # as vLLM answers
-        self.adapters[name] = str(path)
-        self._answer(f"load {name}")
-
-    def unload_adapter(self, name):
-        self._call(f"unload {name}")
-        self.adapters.pop(name, None)
-
-    def adapter_paths(self):
-        self._call("models")
-        return dict(self.adapters)
-
-    def pause(self, mode="keep"):
-        self._call("pause")
-
-    def resume(self):
-        self._call("resume")
-
-    def reset_prefix_cache(self):
-        self._call("reset")
 
 
 def publisher_for(server, clock, tmp_path, mode):
@@ -100,7 +34,7 @@ def versions(tmp_path, n):
 @pytest.mark.parametrize("mode", ["versioned", "pause"])
 def test_a_load_whose_answer_was_lost_is_read_back_not_loaded_again(tmp_path, caplog, mode):
     clock = Clock()
-    server = Server(clock)
+    server = FakeVLLM("http://a", clock=clock)
     publisher = publisher_for(server, clock, tmp_path, mode)
     v0, v1 = versions(tmp_path, 2)
     publisher.publish(0, v0)
@@ -108,9 +42,9 @@ def test_a_load_whose_answer_was_lost_is_read_back_not_loaded_again(tmp_path, ca
     server.calls.clear()
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.inference.recovery"):
         timing = publisher.publish(1, v1)
-    assert [c for c in server.calls if c.startswith("load")] == ["load p-v1"]  # once: no "already loaded"
-    assert server.calls[-1] == "models"  # ... and read back at the right path
-    assert server.adapters == {"p-v0": str(v0.resolve()), "p-v1": str(v1.resolve())}
+    assert [c for c in server.said() if c.startswith("load")] == ["load p-v1"]  # once: no "already loaded"
+    assert server.said()[-1] == "read"  # ... and read back at the right path
+    assert server.served == {"p-v0": str(v0.resolve()), "p-v1": str(v1.resolve())}
     assert publisher.current_name == "p-v1"
     assert timing.paused_s == 0.0  # the attempt that paused failed; the read-back pauses nothing
     assert "connection reset before the answer" in caplog.text  # the log says why the server was waited for
@@ -120,7 +54,7 @@ def test_a_lost_answer_for_a_load_at_another_path_fails_the_sync(tmp_path):
     from asyncgrpo.errors import SyncError
 
     clock = Clock()
-    server = Server(clock)
+    server = FakeVLLM("http://a", clock=clock)
     publisher = publisher_for(server, clock, tmp_path, "versioned")
     v0, v1 = versions(tmp_path, 2)
     publisher.publish(0, v0)
@@ -135,7 +69,7 @@ def test_a_lost_answer_for_a_load_at_another_path_fails_the_sync(tmp_path):
 @pytest.mark.parametrize("mode", ["versioned", "pause"])
 def test_a_server_that_restarts_in_two_syncs_in_a_row_is_waited_for_both_times(tmp_path, mode):
     clock = Clock()
-    server = Server(clock)
+    server = FakeVLLM("http://a", clock=clock)
     publisher = publisher_for(server, clock, tmp_path, mode)
     v0, v1, v2 = versions(tmp_path, 3)
     publisher.publish(0, v0)
@@ -146,9 +80,9 @@ def test_a_server_that_restarts_in_two_syncs_in_a_row_is_waited_for_both_times(t
         timing = publisher.publish(version, path)
         assert clock.now >= start + server.restart_s  # waited until it answered again
         previous = f"p-v{version - 1}"
-        loads = [c for c in server.calls if c.startswith("load")]
+        loads = [c for c in server.said() if c.startswith("load")]
         assert loads == [f"load p-v{version}", f"load {previous}", f"load p-v{version}"]  # current one back first
-        assert server.adapters == {previous: str((v0, v1)[version - 1].resolve()), f"p-v{version}": str(path.resolve())}
+        assert server.served == {previous: str((v0, v1)[version - 1].resolve()), f"p-v{version}": str(path.resolve())}
         assert timing.load_s > 0  # the load that went through is timed
         assert publisher.current_name == f"p-v{version}"
     assert publisher.recovery.recoveries == 2

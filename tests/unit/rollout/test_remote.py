@@ -2,31 +2,33 @@
 rank 0 reports when the rollout server is not there, answers with another key, says nothing, or dies. The rollout
 server here is a tiny in-test listener running the module's own accept (`accept_trainer`) in a thread, which then
 plays the rollout side's part by hand: a real rollout side needs a vLLM server (tests/integration/
-test_rollout_process.py runs the real one)."""
+test_rollout_process.py runs the real one). Attacks on the link (keys, injection, slow clients):
+tests/security/test_rollout_link.py."""
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import threading
 from multiprocessing import Pipe
-from multiprocessing.connection import Listener
 
 import pytest
+from fakes import cfg
 from liveness import returns_within
 
 from asyncgrpo.cli import main
-from asyncgrpo.config import ROLLOUT_KEY_ENV, AsyncGRPOConfig
+from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.errors import ConfigError, RolloutProcessError
 from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.rollout import remote
+from asyncgrpo.rollout import link, remote
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.process import ChildPeer, RolloutProcess
 from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
 from asyncgrpo.rollout.serve import _answer_requests
 
-KEY = b"the-test-key"
+KEY = b"5d0c8a3f1e9b7d2c4a6e8f0b1d3c5a7e"  # 32 hex characters: the shortest key accepted
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +37,7 @@ def _key(monkeypatch):
 
 
 def _cfg(tmp_path, **values):
-    return AsyncGRPOConfig(lora_adapter_path=str(tmp_path), sync_mode="versioned", vllm_request_timeout=1.0, **values)
+    return cfg(lora_adapter_path=str(tmp_path), sync_mode="versioned", vllm_request_timeout=1.0, **values)
 
 
 def _proxy(tmp_path, address: str) -> RolloutProcess:
@@ -43,12 +45,12 @@ def _proxy(tmp_path, address: str) -> RolloutProcess:
                           peer=RemotePeer(address))
 
 
-class InTestServer:
+class InTestServer:  # not in fakes.py: the rollout link's listener (the real accept_trainer), no vLLM stand-in
     """A listener on a free loopback port whose thread runs `accept_trainer`, then `then(conn, hello)`."""
 
     def __init__(self, then, key: bytes = KEY, port: int = 0):
-        self.listener = Listener(("127.0.0.1", port), family="AF_INET")
-        self.address = "%s:%d" % self.listener.address
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.address = "%s:%d" % self.listener.getsockname()
         self.hello = self.error = None
         self.conn = None
 
@@ -104,12 +106,12 @@ def test_rank_0_connects_to_the_rollout_address_instead_of_spawning(tmp_path):
 
 
 # ---- the key -------------------------------------------------------------------------------------------------
-def test_listening_beyond_loopback_without_the_key_is_refused_naming_the_variable(monkeypatch, capsys):
+def test_listening_without_the_key_is_refused_even_on_loopback_naming_the_variable(monkeypatch, capsys):
     monkeypatch.delenv(ROLLOUT_KEY_ENV)
-    assert main(["rollout-serve", "--listen", "0.0.0.0:0"]) == 2
+    assert main(["rollout-serve", "--listen", "127.0.0.1:0"]) == 2
     err = capsys.readouterr().err
-    assert f"config `--listen`: '0.0.0.0' is not a loopback address and {ROLLOUT_KEY_ENV} is not set" in err
-    assert f"Fix: export {ROLLOUT_KEY_ENV}=" in err
+    assert f"config `--listen`: {ROLLOUT_KEY_ENV} is not set" in err
+    assert f"Fix: export {ROLLOUT_KEY_ENV}=$(openssl rand -hex 32)" in err
 
 
 def test_rollout_serve_takes_only_its_path_overrides_and_names_them(capsys):
@@ -119,18 +121,21 @@ def test_rollout_serve_takes_only_its_path_overrides_and_names_them(capsys):
     assert "--model_path / --dataset_name / --data_files / --lora_adapter_path / --output_dir" in err
 
 
-def test_a_trainer_without_the_key_does_not_dial_a_non_loopback_address(tmp_path, monkeypatch):
+def test_a_trainer_without_the_key_does_not_dial_even_a_loopback_address(tmp_path, monkeypatch):
     monkeypatch.delenv(ROLLOUT_KEY_ENV)
-    proxy = _proxy(tmp_path, "192.0.2.1:7480")  # TEST-NET-1: never reachable; refused before any connect
-    with pytest.raises(ConfigError, match=f"'192.0.2.1' is not a loopback address and {ROLLOUT_KEY_ENV} is not set") \
-            as refused:
-        proxy.start()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        proxy = _proxy(tmp_path, "127.0.0.1:%d" % listener.getsockname()[1])
+        with pytest.raises(ConfigError, match=f"{ROLLOUT_KEY_ENV} is not set") as refused:
+            proxy.start()
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected: refused before the dial
     assert refused.value.field == "rollout_address"  # the trainer's setting, not rollout-serve's --listen
 
 
 def test_a_trainer_with_another_key_is_refused_clearly_and_the_server_keeps_listening(tmp_path, monkeypatch, caplog):
     server = InTestServer(_ack_then(lambda conn: conn.close()))
-    monkeypatch.setenv(ROLLOUT_KEY_ENV, "another-key")
+    monkeypatch.setenv(ROLLOUT_KEY_ENV, KEY.decode()[::-1])  # as long, another secret
     with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
         with pytest.raises(RolloutProcessError) as failure:
             returns_within(_proxy(tmp_path, server.address).start, 20, "a start with the wrong key")
@@ -145,7 +150,7 @@ def test_a_trainer_with_another_key_is_refused_clearly_and_the_server_keeps_list
     assert server.error is None and server.hello[2] == right.run_id  # the hello carries the spawn's arguments
     assert server.hello[1]["model_path"] == "m" and server.hello[0].sync_mode == "versioned"
     refusals = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
-    assert len(refusals) == 1 and f"{ROLLOUT_KEY_ENV} must be the same on both hosts" in refusals[0]
+    assert len(refusals) == 1 and f"{ROLLOUT_KEY_ENV} must be the same on both hosts" in refusals[0], refusals
     right.peer.stop(0)
 
 
@@ -244,9 +249,46 @@ def test_both_ends_turn_on_tcp_keepalive_so_that_a_vanished_host_is_seen_within_
     proxy.peer.stop(0)
 
 
-def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_the_request():
+def _tls_pair() -> tuple[link.Link, link.Link]:
+    """Two Links over a socketpair with TLS between them (the trainer's end first)."""
+    theirs, ours = socket.socketpair()
+    context, _ = link.server_tls()
+    server = context.wrap_socket(theirs, server_side=True, do_handshake_on_connect=False)
+    client = link.client_tls().wrap_socket(ours, do_handshake_on_connect=False)
+    shaking = threading.Thread(target=server.do_handshake, daemon=True)
+    shaking.start()
+    client.do_handshake()
+    shaking.join(5)
+    return link.Link(client), link.Link(server)
+
+
+def test_a_link_carries_values_both_ways_and_polls_bytes_tls_already_decrypted():
+    trainer_end, side_end = _tls_pair()
+    big = os.urandom(200_000)  # framed past one TLS record (16 KiB)
+    trainer_end.send(("publish", (3, big)))
+    assert side_end.poll(5) and side_end.recv() == ("publish", (3, big))
+    # Two messages in one TLS record: after the first is read, the second is decrypted and held by TLS, while the
+    # descriptor shows nothing more: poll must still see it.
+    frames = b"".join(len(p).to_bytes(8, "big") + p for p in (pickle.dumps("first"), pickle.dumps("second")))
+    side_end._sock.sendall(frames)
+    assert trainer_end.recv() == "first"
+    assert trainer_end.poll(0) and trainer_end.recv() == "second"
+    assert not trainer_end.poll(0)
+    side_end.close()
+    assert trainer_end.poll(5)  # EOF reads as ready, as on a Connection
+    with pytest.raises(EOFError):
+        trainer_end.recv()
+    trainer_end.close()
+    assert trainer_end.closed
+    with pytest.raises(OSError):
+        trainer_end.fileno()
+
+
+@pytest.mark.parametrize("transport", ["pipe", "tls"])
+def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_the_request(transport):
     """The serve loop both forms share: a request may wait for a sync that holds a server paused (as publish waits
-    for the previous version); the trainer's end closing must resume that server now, not when the request ends."""
+    for the previous version); the trainer's end closing must resume that server now, not when the request ends.
+    Over TLS the watcher looks beneath it, at the socket."""
     class Side:
         halted = threading.Event()
 
@@ -256,7 +298,7 @@ def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_t
         def wait_published(self):
             assert self.halted.wait(120), "never halted"  # held until halt, like a sync held paused
 
-    trainer_end, side_end = Pipe()
+    trainer_end, side_end = Pipe() if transport == "pipe" else _tls_pair()
     side, ended = Side(), []
     serving = threading.Thread(target=lambda: ended.append(_answer_requests(side_end, side)), daemon=True)
     serving.start()

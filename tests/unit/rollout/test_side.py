@@ -2,8 +2,8 @@
 publish raised by the next call, `take` handing the trainer's version to the queue, `close` waiting for the publish in
 progress and unloading every version but the kept final one, `halt` reaching the publisher; and what it reports
 (`stats`, `log`, each sync's timings). Generation goes to the in-process HTTP stub (conftest.py) with a real producer,
-queue and scorer; the adapter servers are recording fakes (a load held or failing on demand, which a real vLLM server
-cannot be made to do). The whole side against a real server runs in every integration test that trains.
+queue and scorer; the adapter servers are tests/fakes.py's FakeVLLM (a load held or failing on demand, which a real
+vLLM server cannot be made to do). The whole side against a real server runs in every integration test that trains.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fakes import FakeVLLM, answer, generation
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import SyncError
@@ -28,43 +29,18 @@ from asyncgrpo.store import CONFIG_NAME, AdapterStore
 DEADLINE_S = 15.0  # every wait here is milliseconds when the code is right
 
 
-class AdapterServer:
-    """Records load/unload/pause calls; `gates` maps an adapter name to an event its load waits for, `fail` to the
-    exception its load raises."""
+def adapter_server() -> FakeVLLM:
+    """tests/fakes.py's FakeVLLM at http://adapters:8000 whose `gates` maps an adapter name to an event its load waits
+    for (`fail={"load NAME": exc}` makes one load raise)."""
+    gates: dict[str, threading.Event] = {}
 
-    def __init__(self, url: str = "http://adapters:8000"):
-        self.base_url = url
-        self.calls: list[tuple[str, str]] = []
-        self.served: dict[str, str] = {}
-        self.gates: dict[str, threading.Event] = {}
-        self.fail: dict[str, Exception] = {}
+    def wait_at_gate(server, name):
+        if name in gates:
+            assert gates[name].wait(DEADLINE_S), f"the load of {name} was never let through"
 
-    def load_adapter(self, name, path, inplace=False):
-        if name in self.gates:
-            assert self.gates[name].wait(DEADLINE_S), f"the load of {name} was never let through"
-        self.calls.append(("load", name))
-        if name in self.fail:
-            raise self.fail[name]
-        self.served[name] = path
-
-    def unload_adapter(self, name):
-        self.calls.append(("unload", name))
-        self.served.pop(name, None)
-
-    def adapter_paths(self):
-        return dict(self.served)
-
-    def pause(self, mode="keep"):
-        self.calls.append(("pause", mode))
-
-    def resume(self):
-        self.calls.append(("resume", ""))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset", ""))
-
-    def health(self):
-        return True
+    server = FakeVLLM("http://adapters:8000", on_load=wait_at_gate)
+    server.gates = gates
+    return server
 
 
 class Writer:
@@ -92,14 +68,14 @@ def tensors(version: int) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def side_on_stub(rollout_on_stub, tmp_path):
     """A RolloutSide whose producer, queue and scorer generate against the stub (conftest), whose publisher talks to
-    `AdapterServer` fakes, and whose store writes under tmp_path."""
+    FakeVLLM fakes (`adapter_server`), and whose store writes under tmp_path."""
     made: list[RolloutSide] = []
 
-    def make(route=None, *, sync_mode: str = "versioned", **cfg) -> tuple[RolloutSide, AdapterServer]:
+    def make(route=None, *, sync_mode: str = "versioned", **cfg) -> tuple[RolloutSide, FakeVLLM]:
         rollout = rollout_on_stub(route, **cfg) if route is not None else rollout_on_stub(**cfg)
         side = RolloutSide(rollout.cfg, tokenizer=None, model_path=str(tmp_path), peft_config=Lora(),
                            groups_per_step=rollout.producer.groups_per_step)
-        server = AdapterServer()
+        server = adapter_server()
         side.clients, side.queue, side.producer, side.scorer = rollout.clients, rollout.queue, rollout.producer, \
             rollout.scorer
         side.store = AdapterStore(tmp_path / "adapters" / side.run_id)
@@ -117,8 +93,17 @@ def side_on_stub(rollout_on_stub, tmp_path):
         side.close(keep_final=False)
 
 
-def loads(server: AdapterServer) -> list[str]:
-    return [name for call, name in server.calls if call == "load"]
+def loads(server: FakeVLLM) -> list[str]:
+    return calls_of(server, "load")
+
+
+def unloads(server: FakeVLLM) -> list[str]:
+    return calls_of(server, "unload")
+
+
+def calls_of(server: FakeVLLM, kind: str) -> list[str]:
+    """The adapter names of `server`'s calls of `kind` ("load", "unload"), in order."""
+    return [call[1] for call in server.calls if call[0] == kind]
 
 
 def test_versions_go_live_in_order_on_the_background_thread_and_new_requests_use_the_latest(side_on_stub):
@@ -142,7 +127,7 @@ def test_a_failed_background_publish_is_raised_by_the_next_call_and_nothing_late
     side, server = side_on_stub()
     prefix = side.publisher.prefix
     side.publish(0, tensors(0), step=0, wait=True)
-    server.fail[f"{prefix}-v1"] = RuntimeError("load refused")
+    server.fail[f"load {prefix}-v1"] = RuntimeError("load refused")
     side.publish(1, tensors(1), step=1)  # the failure happens on the publish thread: not raised here
     with pytest.raises(SyncError, match="load refused"):
         side.publish(2, tensors(2), step=2)
@@ -165,13 +150,11 @@ def test_take_drops_what_is_too_stale_for_the_trainers_version(side_on_stub):
     assert side.stats()["queue/dropped_stale_total"] >= 2
 
 
-def held(stub, handler):
+@generation
+def held(body):
     """A route that holds every generation request until `held.release` is set."""
-    if handler.path == "/health":
-        return 200, "text/plain", ""
     assert held.release.wait(DEADLINE_S)
-    body = json.loads(handler.body)
-    return held.answer(body, [[7]] * body["n"])
+    return answer(body, [[7]] * body["n"])
 
 
 def publish_v0_and_wait_for_a_request_on_it(side, prefix: str) -> None:
@@ -184,9 +167,8 @@ def publish_v0_and_wait_for_a_request_on_it(side, prefix: str) -> None:
 
 
 @pytest.mark.parametrize("keep_final", [True, False])
-def test_close_unloads_every_version_this_run_loaded_but_the_kept_final_one(side_on_stub, rollout_on_stub,
-                                                                           keep_final):
-    held.release, held.answer = threading.Event(), rollout_on_stub.answer
+def test_close_unloads_every_version_this_run_loaded_but_the_kept_final_one(side_on_stub, keep_final):
+    held.release = threading.Event()
     side, server = side_on_stub(held)
     prefix = side.publisher.prefix
     try:
@@ -196,8 +178,7 @@ def test_close_unloads_every_version_this_run_loaded_but_the_kept_final_one(side
         side.close(keep_final=keep_final)
     finally:
         held.release.set()
-    unloaded = [name for call, name in server.calls if call == "unload"]
-    assert unloaded == ([f"{prefix}-v0"] if keep_final else [f"{prefix}-v0", f"{prefix}-v1"])
+    assert unloads(server) == ([f"{prefix}-v0"] if keep_final else [f"{prefix}-v0", f"{prefix}-v1"])
     assert list(server.served) == ([f"{prefix}-v1"] if keep_final else [])
 
 
@@ -227,7 +208,7 @@ def test_close_waits_for_the_publish_in_progress_so_the_version_it_loads_is_unlo
     closer.join(DEADLINE_S)
     assert not closer.is_alive(), "close did not return once the publish in progress was done"
     assert loads(server) == [f"{prefix}-v0", f"{prefix}-v1"]
-    assert {name for call, name in server.calls if call == "unload"} == {f"{prefix}-v0", f"{prefix}-v1"}
+    assert set(unloads(server)) == {f"{prefix}-v0", f"{prefix}-v1"}
     assert server.served == {}  # no version of this run is left holding a server's adapter slot
 
 
@@ -237,7 +218,7 @@ def test_halt_reaches_the_publisher_so_no_later_sync_pauses_a_server(side_on_stu
     side.halt()
     with pytest.raises(SyncError, match="SIGTERM/SIGINT"):
         side.publish(1, tensors(1), step=1, wait=True)
-    assert [call for call, _ in server.calls if call in ("pause", "resume")] == []
+    assert [call for call in server.calls if call[0] in ("pause", "resume")] == []
     assert side.adapter_name == f"{side.publisher.prefix}-v0"
 
 
@@ -346,9 +327,8 @@ def test_a_published_version_names_the_resolved_model_path_as_its_base_model(sid
     assert config["base_model_name_or_path"] == str(Path(tmp_path).resolve())
 
 
-def test_a_version_a_server_still_has_loaded_stays_on_disk_beyond_keep_adapter_versions(side_on_stub,
-                                                                                        rollout_on_stub):
-    held.release, held.answer = threading.Event(), rollout_on_stub.answer
+def test_a_version_a_server_still_has_loaded_stays_on_disk_beyond_keep_adapter_versions(side_on_stub):
+    held.release = threading.Event()
     side, _ = side_on_stub(held, keep_adapter_versions=1)
     prefix = side.publisher.prefix
     try:

@@ -100,12 +100,10 @@ def test_a_save_killed_midway_leaves_no_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         save(model, optimizer, config, tmp_path)
     assert ckpt.list_checkpoints(tmp_path) == []
-    leftovers = [p.name for p in tmp_path.iterdir()]
-    assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-checkpoint-3-")
+    assert list(tmp_path.iterdir()) == []  # the failed save removed its temporary directory
     with pytest.raises(CheckpointError, match="holds no checkpoint-<step>"):
         ckpt.resolve_checkpoint("latest", tmp_path)
-    assert [p.name for p in ckpt.clean_partial(tmp_path)] == leftovers
-    assert list(tmp_path.iterdir()) == []
+    assert ckpt.clean_partial(tmp_path) == []
 
 
 def test_missing_manifest_is_an_incomplete_checkpoint(tmp_path):
@@ -488,3 +486,158 @@ def test_a_stale_temporary_directory_of_the_same_name_is_replaced_not_merged(tmp
     path = save(model, optimizer, config, tmp_path)
     assert not stale.exists() and not (path / "leftover").exists()
     ckpt.read_manifest(path)
+
+
+# ---- only listed, unmodified files are loaded; a same-step save sets the old one aside -----------------------------
+class _RunsCode:
+    def __reduce__(self):
+        return print, ("never printed",)
+
+
+def _list(path, name) -> None:
+    data = (path / name).read_bytes()
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_listed_file_holding_other_objects_is_refused_with_the_file_and_the_fix(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    torch.save(_RunsCode(), path / "rng-rank0.pt")
+    _list(path, "rng-rank0.pt")
+    with pytest.raises(CheckpointError) as err:
+        ckpt.restore_rng(path, rank=0)
+    message = str(err.value)
+    assert message == (f"checkpoint {str(path)!r}: rng-rank0.pt holds objects a checkpoint never saves, so it is not "
+                       f"loaded (Unsupported global: GLOBAL print was not an allowed global by default). Fix: resume only from checkpoints written by asyncgrpo on storage no one else can "
+                       f"write; delete {str(path)!r} and resume from an earlier checkpoint-<step> directory, or "
+                       f"start a fresh run")
+
+
+def test_an_unlisted_file_is_refused_by_name_and_a_listed_one_must_match(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    manifest = ckpt.read_manifest(path)
+    with pytest.raises(CheckpointError) as err:
+        ckpt._open_listed(path, manifest, "scheduler.pt")
+    assert str(err.value) == (f"checkpoint {str(path)!r}: scheduler.pt is not listed in its manifest.json (added after "
+                              f"the save, or the manifest was edited), so it is not loaded. {_fix(path)}")
+    size = manifest["files"]["optimizer.pt"]["bytes"]
+    (path / "optimizer.pt").write_bytes(b"y" * size)  # same size, other bytes: only the sha256 tells
+    with pytest.raises(CheckpointError) as err:
+        ckpt._open_listed(path, manifest, "optimizer.pt")
+    assert str(err.value) == (f"checkpoint {str(path)!r}: optimizer.pt is corrupt ({size} bytes, the manifest says "
+                              f"{size}, or its sha256 differs). {_fix(path)}")
+    (path / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError) as err:
+        ckpt._open_listed(path, manifest, "optimizer.pt")
+    assert str(err.value) == f"checkpoint {str(path)!r} is missing optimizer.pt. {_fix(path)}"
+    with ckpt._open_listed(path, manifest, "rng-rank0.pt") as f:  # a good one: opened at its start
+        assert f.tell() == 0 and f.read() == (path / "rng-rank0.pt").read_bytes()
+
+
+def test_a_manifest_listing_a_path_outside_the_checkpoint_is_refused(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    for outside in ("../config.yaml", "/etc/hostname"):
+        manifest = json.loads((path / ckpt.MANIFEST).read_text())
+        manifest["files"] = {outside: {"bytes": 1, "sha256": "0" * 64}, **manifest["files"]}
+        (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError) as err:
+            ckpt.read_manifest(path, verify_files=False)
+        assert str(err.value) == (f"checkpoint {str(path)!r} has a manifest.json that lists {outside!r}, a file "
+                                  f"outside the checkpoint. {_fix(path)}")
+        del manifest["files"][outside]
+        (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert ckpt.read_manifest(path)["state"]["step"] == 3
+
+
+def test_the_rng_state_needs_only_the_numpy_types_allowed(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path / "rng-rank0.pt"))
+    allowed = {name if isinstance(name, str) else f"{name.__module__}.{name.__qualname__}"
+               for g in ckpt.SAFE_GLOBALS for name in ((g[1],) if isinstance(g, tuple) else (g,))}
+    assert unsafe and unsafe <= allowed
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(path / "optimizer.pt") == []
+
+
+def test_a_same_step_save_sets_the_old_one_aside_and_deletes_it_once_the_new_one_is_in(tmp_path, monkeypatch):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    renames = []
+    real_rename = os.rename
+    monkeypatch.setattr(ckpt.os, "rename", lambda src, dst: renames.append((src.name, dst.name)) or
+                        real_rename(src, dst))
+    save(model, optimizer, config, tmp_path)
+    aside = f".old-checkpoint-3-{os.getpid()}"
+    assert renames[-2:] == [("checkpoint-3", aside), (f".tmp-checkpoint-3-{os.getpid()}", "checkpoint-3")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"] and path.is_dir()
+
+
+def test_a_failed_rename_brings_the_set_aside_checkpoint_back(tmp_path, monkeypatch):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    (path / "marker").write_text("the first save")
+    real_rename = os.rename
+
+    def fails_into_place(src, dst):
+        if dst == path and src.name.startswith(".tmp-"):  # the new one; the old one's way back works
+            raise KeyboardInterrupt("killed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", fails_into_place)
+    with pytest.raises(KeyboardInterrupt):
+        save(model, optimizer, config, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
+    assert (path / "marker").read_text() == "the first save"
+
+
+def test_set_aside_checkpoints_are_restored_when_missing_and_removed_when_replaced(tmp_path):
+    for name in (".old-checkpoint-3-11", ".old-checkpoint-5-12", "checkpoint-5", ".old-checkpoint-x-1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "from").write_text(name)
+    (tmp_path / ".old-checkpoint-7-13").write_text("a file, not a checkpoint")
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [5]  # an aside is not a checkpoint
+    assert ckpt.restore_set_aside(tmp_path) == [tmp_path / ".old-checkpoint-5-12"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old-checkpoint-7-13", ".old-checkpoint-x-1",
+                                                          "checkpoint-3", "checkpoint-5"]
+    assert (tmp_path / "checkpoint-3" / "from").read_text() == ".old-checkpoint-3-11"
+    assert (tmp_path / "checkpoint-5" / "from").read_text() == "checkpoint-5"  # the newer one kept
+    assert ckpt.restore_set_aside(tmp_path / "missing") == []
+
+
+def test_resolving_restores_a_set_aside_checkpoint_first(tmp_path):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path, step=4)
+    os.rename(path, tmp_path / ".old-checkpoint-4-99")  # killed between the two renames
+    assert ckpt.resolve_checkpoint("latest", tmp_path) == path
+    assert ckpt.read_manifest(path)["state"]["step"] == 4
+
+
+def test_another_rank_restoring_first_is_not_an_error(tmp_path, monkeypatch):
+    (tmp_path / ".old-checkpoint-2-5").mkdir()
+    real_rename = os.rename
+
+    def another_rank_was_first(src, dst):
+        real_rename(src, dst)  # done by the other rank...
+        raise FileNotFoundError(2, "No such file or directory")  # ...so this one finds no source
+
+    monkeypatch.setattr(ckpt.os, "rename", another_rank_was_first)
+    ckpt.restore_set_aside(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    (tmp_path / "checkpoint-2").rmdir()
+    (tmp_path / ".old-checkpoint-2-5").mkdir()
+    monkeypatch.setattr(ckpt.os, "rename", lambda src, dst: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    with pytest.raises(PermissionError):  # nothing restored it: the error is the user's to see
+        ckpt.restore_set_aside(tmp_path)
+
+
+def test_clean_partial_returns_removed_asides_then_temporaries(tmp_path):
+    for name in ("checkpoint-2", ".old-checkpoint-2-1", ".old-checkpoint-4-1", ".tmp-checkpoint-6-1"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".tmp-checkpoint-8-1").write_text("a file")
+    assert [p.name for p in ckpt.clean_partial(tmp_path)] == [".old-checkpoint-2-1", ".tmp-checkpoint-6-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-checkpoint-8-1", "checkpoint-2", "checkpoint-4"]
+    assert ckpt.clean_partial(tmp_path / "missing") == []

@@ -163,3 +163,41 @@ def test_a_checkpoint_whose_deepspeed_partition_is_gone_is_refused_before_deepsp
     with pytest.raises(CheckpointError) as err:
         ckpt.load_checkpoint(path, accelerator(2), second, second.optimizer)
     assert f"checkpoint {str(path)!r} is missing {name}. Fix: delete {str(path)!r}" in str(err.value)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return open, ("never-created", "w")
+
+
+def test_deepspeed_files_that_are_unlisted_or_name_other_objects_are_refused_before_deepspeed_reads_them(
+        one_rank, tmp_path, monkeypatch):
+    """DeepSpeed unpickles its files with the full unpickler: each must be listed, and a payload listed with its
+    sha256 (the manifest rewritten) is refused by the names it holds, read without running them."""
+    import hashlib
+
+    monkeypatch.chdir(tmp_path)  # where the payload would create its file
+    first = engine(2, seed=1)
+    path = save(accelerator(2), first, tmp_path / "out", 2)
+    extra = "deepspeed/state/extra_optim_states.pt"
+    torch.save({"x": torch.ones(1)}, path / extra)
+    second = engine(2, seed=2)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_checkpoint(path, accelerator(2), second, second.optimizer)
+    assert str(err.value).startswith(f"checkpoint {str(path)!r}: {extra} is not listed in its manifest.json")
+    (path / extra).unlink()
+    name = "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save(_RunsCode(), path / name)
+    data = (path / name).read_bytes()
+    edit_manifest(path, lambda m: m["files"].update({name: {"bytes": len(data),
+                                                            "sha256": hashlib.sha256(data).hexdigest()}}))
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_checkpoint(path, accelerator(2), second, second.optimizer)
+    assert str(err.value).startswith(f"checkpoint {str(path)!r}: {name} holds objects a DeepSpeed checkpoint never "
+                                     f"saves (io.open), so it is not loaded. Fix: resume only from")
+    assert not (tmp_path / "never-created").exists()
+    (path / name).write_bytes(b"not a torch file")
+    edit_manifest(path, lambda m: m["files"].update({name: {"bytes": 16, "sha256": hashlib.sha256(
+        b"not a torch file").hexdigest()}}))
+    with pytest.raises(CheckpointError, match="holds objects a DeepSpeed checkpoint never saves \\(an unreadable file"):
+        ckpt.load_checkpoint(path, accelerator(2), second, second.optimizer)

@@ -40,7 +40,7 @@ def test_the_trainer_holds_the_loss_spec_of_its_config():
 
 
 # ---- logging a step --------------------------------------------------------------------------------------------------
-class FakeRollout:
+class FakeRollout:  # not in fakes.py: a rollout side as the trainer logs it, no server stand-in
     """The rollout side as `_log` and `_finish` use it: counters, a log, where it put things."""
 
     adapter_name, adapter_path = "lora-run-v3", "/adapters/run/v000003"
@@ -58,7 +58,7 @@ class FakeRollout:
         self.logged.append((step, dict(values)))
 
 
-class FakeBar:
+class FakeBar:  # not in fakes.py: tqdm's progress bar, used here only
     def __init__(self):
         self.postfix, self.updates = None, 0
 

@@ -1,17 +1,16 @@
 """Learning-rate schedules: transformers' formulas worked out by hand, one step per optimizer step, exact resume."""
 
+from functools import partial
 from types import SimpleNamespace
 
+import fakes
 import pytest
 import torch
 
-from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.trainer.schedule import build_lr_scheduler, lr_factor, torch_optimizer
 
-
-def cfg(**kw):
-    return AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "max_steps": 10, **kw})
+cfg = partial(fakes.cfg, max_steps=10)  # a validated config of 10 steps
 
 
 @pytest.mark.parametrize("kind, expected", [

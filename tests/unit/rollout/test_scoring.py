@@ -1,0 +1,80 @@
+"""In-thread scoring (`reward_workers: 0`) with `reward_timeout`: a reward function that hangs stops the call within
+the deadline with an error naming it (not 720 s later as a batch that never fills); a function that returns, or
+raises, is unchanged by the deadline; and make_group_scorer hands the config's reward_timeout to it."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import types
+
+import pytest
+from fakes import DigitTokenizer, cfg
+from liveness import returns_within
+
+from asyncgrpo.data import PromptRow
+from asyncgrpo.errors import RewardFunctionError
+from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.build import make_group_scorer
+from asyncgrpo.rollout.scoring import InThreadScoring
+
+DEADLINE_S = 0.3
+BOUND_S = 5.0  # liveness: far above the deadline; only a deadline that never comes trips it
+
+
+@pytest.fixture
+def rewards(monkeypatch):
+    """A reward module `scoring_fns` (loaded by reference, as a user's): `count_digits`, `stuck` (blocks on `release`
+    until the test ends) and `broken` (raises)."""
+    module = types.ModuleType("scoring_fns")
+    module.release = threading.Event()
+    module.count_digits = lambda prompts, completions, **_: [float(len(c)) for c in completions]
+
+    def stuck(prompts, completions, **_):
+        module.release.wait()
+        return [0.0] * len(completions)
+
+    def broken(prompts, completions, **_):
+        raise ValueError("broken on purpose")
+
+    module.stuck, module.broken = stuck, broken
+    monkeypatch.setitem(sys.modules, "scoring_fns", module)
+    yield module
+    module.release.set()  # the left-behind scoring thread ends with the test
+
+
+ROW = PromptRow(prompt="07,45>", prompt_ids=[1, 2], columns={})
+
+
+def test_a_hung_reward_function_is_named_within_reward_timeout(rewards):
+    scoring = InThreadScoring(RewardScorer(["scoring_fns:count_digits", "scoring_fns:stuck"]), DigitTokenizer(),
+                              timeout_s=DEADLINE_S)
+    t0 = time.monotonic()
+    with pytest.raises(RewardFunctionError) as error:
+        returns_within(lambda: scoring.score_group(ROW, [[4, 5], [1]], ["stop", "stop"]), BOUND_S, "score_group")
+    took = time.monotonic() - t0
+    assert DEADLINE_S <= took < BOUND_S
+    message = str(error.value)
+    assert message.startswith("reward function scoring_fns:stuck did not finish within reward_timeout=0.3 s")
+    assert "'07,45>' (2 completions)" in message and "reward_workers: 2" in message
+    # the caller is free again; the hung call's thread is a daemon, left running until released
+    stuck = [t for t in threading.enumerate() if t.name == "reward-scoring"]
+    assert stuck and all(t.daemon for t in stuck)
+
+
+def test_rewards_and_errors_are_the_same_with_and_without_the_deadline(rewards):
+    refs = ["scoring_fns:count_digits"]
+    direct = InThreadScoring(RewardScorer(refs), DigitTokenizer())
+    timed = InThreadScoring(RewardScorer(refs), DigitTokenizer(), timeout_s=BOUND_S)
+    assert timed.score_group(ROW, [[4, 5], [1]], ["stop", "stop"]) == \
+        direct.score_group(ROW, [[4, 5], [1]], ["stop", "stop"]) == ([2.0, 1.0], {"count_digits": [2.0, 1.0]})
+    raising = InThreadScoring(RewardScorer(["scoring_fns:broken"]), DigitTokenizer(), timeout_s=BOUND_S)
+    with pytest.raises(RewardFunctionError, match="scoring_fns:broken raised ValueError: broken on purpose"):
+        raising.score_group(ROW, [[1]], ["stop"])
+
+
+def test_make_group_scorer_applies_reward_timeout_in_thread(rewards):
+    scoring = make_group_scorer(cfg(reward_funcs=["scoring_fns:count_digits"], reward_timeout=7.5), DigitTokenizer(),
+                                None)
+    assert isinstance(scoring, InThreadScoring) and scoring.timeout_s == 7.5
