@@ -29,7 +29,7 @@ from asyncgrpo.config import SECRET_ENV_VARS
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
-from asyncgrpo.rollout.scoring import DECODING, score_group
+from asyncgrpo.rollout.scoring import DECODING, reward_timeout_error, running_what, score_group
 
 log = logging.getLogger(__name__)
 
@@ -306,12 +306,9 @@ class RewardPool:
                 raise _WorkerLost(self._crash_error(worker, running, row)) from None
 
     def _timeout_error(self, running: str, row: PromptRow, n: int) -> RewardFunctionError:
-        what = f"reward function {running}" if running in self.spec.refs else running
-        return RewardFunctionError(
-            f"{what} did not finish within reward_timeout={self.timeout_s:g} s\n"
-            f"  on prompt {row.prompt!r} ({n} completions)\n"
-            f"  Its worker process was killed and replaced. Fix: find where the function hangs or make it faster, "
-            f"or raise `reward_timeout`")
+        return reward_timeout_error(running, self.spec.refs, self.timeout_s, row, n,
+                                    "Its worker process was killed and replaced. Fix: find where the function hangs "
+                                    "or make it faster, or raise `reward_timeout`")
 
     def _crash_error(self, worker: _Worker, running: str, row: PromptRow) -> RewardFunctionError:
         worker.process.join(timeout=WORKER_STOP_TIMEOUT_S)
@@ -322,9 +319,8 @@ class RewardPool:
                 how += f" (killed by {signal.Signals(-code).name})"
             except ValueError:
                 pass
-        what = f"reward function {running}" if running in self.spec.refs else running
         return RewardFunctionError(
-            f"the reward worker process died with {how} while running {what}\n"
+            f"the reward worker process died with {how} while running {running_what(running, self.spec.refs)}\n"
             f"  on prompt {row.prompt!r}\n"
             f"  A crash in native code or an exit call inside the function ends its process; a new worker was "
             f"started. Fix: run the function on this prompt outside asyncgrpo to see the crash")

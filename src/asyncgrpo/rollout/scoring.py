@@ -120,13 +120,23 @@ class InThreadScoring:
         return outcome[0]
 
     def _timeout_error(self, running: str, row: PromptRow, n: int) -> RewardFunctionError:
-        what = f"reward function {running}" if running in self.scorer.refs else running
-        return RewardFunctionError(
-            f"{what} did not finish within reward_timeout={self.timeout_s:g} s\n"
-            f"  on prompt {row.prompt!r} ({n} completions)\n"
-            f"  It runs in the training process (reward_workers: 0), where a thread cannot be stopped: it is left "
-            f"running. Fix: find where the function hangs or make it faster, raise `reward_timeout`, or set "
-            f"`reward_workers: 2` (worker processes: a hung one is killed and replaced)")
+        return reward_timeout_error(
+            running, self.scorer.refs, self.timeout_s, row, n,
+            "It runs in the training process (reward_workers: 0), where a thread cannot be stopped: it is left "
+            "running. Fix: find where the function hangs or make it faster, raise `reward_timeout`, or set "
+            "`reward_workers: 2` (worker processes: a hung one is killed and replaced)")
 
     def close(self) -> None:
         pass
+
+
+def running_what(running: str, refs) -> str:
+    """What a scoring call was running, for an error: a reward function by its reference, or the stage's name."""
+    return f"reward function {running}" if running in refs else running
+
+
+def reward_timeout_error(running: str, refs, timeout_s: float, row: PromptRow, n: int,
+                         consequence: str) -> RewardFunctionError:
+    """The error for a scoring call past `reward_timeout`; `consequence` says what became of it and the fix."""
+    return RewardFunctionError(f"{running_what(running, refs)} did not finish within reward_timeout={timeout_s:g} s\n"
+                               f"  on prompt {row.prompt!r} ({n} completions)\n  {consequence}")
