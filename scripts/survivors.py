@@ -1,7 +1,7 @@
 """Write docs/mutation-survivors.md from the last `make mutate` run: every mutant not killed, its line, its reason.
 
-A reason carries over when the same function has a mutant with the same changed line (mutant numbers move whenever
-a function changes); a mutant with none is listed as `REASON NEEDED` and the script exits 1, so that new survivors
+A reason carries over when the same function (in its module, or moved to another) has a mutant with the same
+changed line (mutant numbers move whenever a function changes); a mutant with none is listed as `REASON NEEDED` and the script exits 1, so that new survivors
 are not published unexplained. New reasons come from `--reasons` or are written into the page by hand.
 
     python scripts/mutate.py --report > /tmp/mutate.json
@@ -86,6 +86,8 @@ def main() -> None:
                 name, _, reason = line.partition("\t")
                 given[name.strip()] = reason.strip()
     reasons = old_reasons()
+    # A function moved to another module keeps its reasons: the same function and the same changed line.
+    moved = {(function, old, new): reason for (_, function, old, new), reason in reasons.items()}
     mutants_src = REPO / "mutants" / "src"
     sections: dict[tuple[str, str], list[tuple[int, str]]] = {}
     missing = 0
@@ -94,7 +96,7 @@ def main() -> None:
         module, function, number = split_name(name)
         old, new = changed_line(mutants_src, name)
         old, new = old[:WIDTH], new[:WIDTH]
-        reason = given.get(name) or reasons.get((module, function, old, new))
+        reason = given.get(name) or reasons.get((module, function, old, new)) or moved.get((function, old, new))
         if reason is None:
             reason, missing = "REASON NEEDED", missing + 1
         sections.setdefault((module, function), []).append(
