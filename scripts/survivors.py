@@ -1,8 +1,8 @@
 """Write docs/mutation-survivors.md from the last `make mutate` run: every mutant not killed, its line, its reason.
 
 A reason carries over when the same function (in its module, or moved to another) has a mutant with the same
-changed line (mutant numbers move whenever a function changes); a mutant with none is listed as `REASON NEEDED` and the script exits 1, so that new survivors
-are not published unexplained. New reasons come from `--reasons` or are written into the page by hand.
+changed line (mutant numbers move whenever a function changes); a mutant with none is listed as `REASON NEEDED`
+and the script exits 1, so that new survivors are not published unexplained. New reasons come from `--reasons` or are written into the page by hand.
 
     python scripts/mutate.py --report > /tmp/mutate.json
     python scripts/survivors.py /tmp/mutate.json [--reasons more.tsv]   # more.tsv: NAME<TAB>reason per line
