@@ -4,7 +4,7 @@ A request whose group will land in batch b is sent only once the server serves a
 batch b will be trained at (`version_needed`), and is tagged with the version served when it was sent. The queue
 reports what leaves it (`removed`), the producer what it sends (`claim`), what came back (`finished`) and what it
 lost (`lost`). Lock order: the queue calls `removed` with its own lock held; the schedule never calls the queue.
-Why this bounds staleness: docs/publish-internals.md.
+Why this bounds staleness: docs/rollout-internals.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ binary form, and exceptions rebuilt with their type and message.
 `encode_groups`/`decode_groups`: a small pickled header, then flat numpy buffers (nothing pickled per token).
 `pack_exception`/`rebuild_exception`: an instance of the same class with the same args and message, the child's
 traceback as a note, or a RolloutProcessError saying the same. The byte layout and its measured cost:
-docs/publish-internals.md.
+docs/rollout-internals.md.
 """
 
 from __future__ import annotations
