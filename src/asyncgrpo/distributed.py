@@ -289,6 +289,19 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def scatter_object(parts: list | None, src: int = 0):
+    """Collective: rank `src` passes one object per rank, in rank order (`parts`; what the other ranks pass is
+    ignored); every rank returns its own part. Only that part is sent to each rank, where `broadcast_object(parts)`
+    would send every rank all of them. Under NCCL the objects travel as tensors on the current CUDA device, which must
+    be this rank's GPU (`torch.cuda.set_device`; accelerate sets it), else every rank of a node works on GPU 0.
+    Without a process group, or with one rank, returns `parts[0]`."""
+    if not is_distributed():
+        return parts[0]
+    box = [None]
+    dist.scatter_object_list(box, parts if dist.get_rank() == src else None, src=src)
+    return box[0]
+
+
 def on_main(fn, what: str):
     """Collective: rank 0 runs `fn()` while the others wait; returns its result on rank 0 (None elsewhere). If it
     raises, rank 0 re-raises and every other rank raises `PeerFailed` with rank 0's message at once, instead of

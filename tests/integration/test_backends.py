@@ -100,7 +100,7 @@ def test_sharded_training_publishes_the_trained_adapter(backend, dtype, vllm_ser
 def test_deepspeed_launcher_runs_the_same_train_command(vllm_server, client, peft_logprobs, tb_scalars, tmp_path):
     """The `deepspeed` launcher says nothing about DeepSpeed to the ranks; `--deepspeed FILE` (config key) does."""
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(find_free_port()),
-           "--module", "asyncgrpo", "train", *COMMON, "--deepspeed", "launch/deepspeed/zero3.json",
+           "--module", "asyncgrpo", "train", *COMMON, "--deepspeed", "launch/deepspeed/zero3_cpu.json",
            "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
            "--vllm_server_base_url", vllm_server.base_url]
     env = cpu_launch_env("zero3")  # DS_ACCELERATOR=cpu; and the venv's bin first, for the ranks' `python`

@@ -3,6 +3,7 @@ accelerate): the flags they pass, and the pins they share (vLLM image tag, torch
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -145,3 +146,19 @@ def test_dockerfile_torch_build_matches_its_cuda_base_and_the_project_pin():
     build = re.search(r"^ARG TORCH_CUDA=(cu\d+)$", dockerfile, re.M).group(1)
     assert build == f"cu{cuda[0]}{cuda[1]}"  # e.g. nvidia/cuda:13.0.2 and torch's cu130 build
     assert "https://download.pytorch.org/whl/${TORCH_CUDA}" in dockerfile
+
+
+def test_the_gpu_zero3_json_overlaps_communication_and_keeps_small_parameters_whole():
+    """ZeRO-3 on GPUs: every tiny parameter (LoRA A/B, norms) gathered in its own collective, serialised with compute,
+    is what `overlap_comm: false` and a persistence threshold of 0 did (issue 23). The CPU json keeps them: tiny test
+    models must stay partitioned (docs/cpu-hosts.md#zero-3-json-on-cpu)."""
+    zero = json.loads((ROOT / "launch" / "deepspeed" / "zero3.json").read_text())["zero_optimization"]
+    assert zero["stage"] == 3 and zero["overlap_comm"] is True
+    assert float(zero["stage3_param_persistence_threshold"]) > 0
+    for name in ("zero3.yaml", "zero3_multinode.yaml"):  # the accelerate configs use that json and embed no ZeRO settings of their own
+        text = (ROOT / "launch" / "accelerate" / name).read_text()
+        assert "deepspeed_config_file: launch/deepspeed/zero3.json" in text, name
+        assert "overlap_comm" not in text and "persistence" not in text, name
+    cpu = json.loads((ROOT / "launch" / "deepspeed" / "zero3_cpu.json").read_text())["zero_optimization"]
+    assert cpu["stage3_param_persistence_threshold"] == 0
+    assert "launch/deepspeed/zero3_cpu.json" in (ROOT / "launch" / "accelerate" / "zero3_cpu.yaml").read_text()

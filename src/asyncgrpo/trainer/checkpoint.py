@@ -448,9 +448,12 @@ def _load_sharded(acc, model, optimizer, backend: str, tensors, marker: str, opt
 
 
 def rng_state() -> dict:
+    """This rank's RNG states. CUDA: only the generator of the device this rank uses (`current_device()`, which the
+    launcher sets per rank), as one tensor; a job resumed with another number of visible GPUs (a
+    `CUDA_VISIBLE_DEVICES` per rank, another node shape) restores it all the same."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -466,6 +469,23 @@ def restore_rng(path: Path, rank: int) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _restore_cuda_rng(state["cuda"], path, rank)
+
+
+def _restore_cuda_rng(saved, path: Path, rank: int) -> None:
+    """The CUDA generator of the device this rank uses. `saved` is that device's state, or, in a checkpoint written
+    before that, a list of every visible device's state (`get_rng_state_all`): this device's entry is taken if the
+    list has one (the only entry when the saving rank saw one device), else CUDA's RNG is left as it is."""
+    device = torch.cuda.current_device()
+    if isinstance(saved, (list, tuple)):
+        if device < len(saved):
+            saved = saved[device]
+        elif len(saved) == 1:
+            saved = saved[0]
+        else:
+            log.warning("%s: rank %d's CUDA RNG states cover %d devices, not this rank's device %d (another GPU "
+                        "layout); keeping this device's own", path, rank, len(saved), device)
+            return
+    torch.cuda.set_rng_state(saved, device)
 
 

@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import resolve_model_path
-from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
-                                   require_shared_dir, setup_logging)
+from asyncgrpo.distributed import (accumulation, dist_max, dist_sums, make_accelerator, on_main, require_shared_dir,
+                                   scatter_object, setup_logging)
 from asyncgrpo.inference.recovery import batch_wait_s, check_outage_fits_ddp_timeout
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
@@ -163,7 +163,7 @@ class AsyncGRPOTrainer:
             return groups
 
         groups = on_main(take, "taking a batch from the rollout queue") or []
-        share = broadcast_object(split_by_tokens(groups, self.world) if self.main else None)[self.rank]
+        share = scatter_object(split_by_tokens(groups, self.world) if self.main else None)  # each rank only its own
         micro_batches = self._micro_batches(share)
         metrics.micro_batches(len(micro_batches))
         return TrainBatch(groups, micro_batches)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gloo import two_ranks
 
-from asyncgrpo.distributed import on_main, require_shared_dir, require_usable_device
+from asyncgrpo.distributed import on_main, require_shared_dir, require_usable_device, scatter_object
 from asyncgrpo.errors import AsyncGRPOError
 
 
@@ -41,9 +41,15 @@ def private_dir(rank: int, out: Path) -> dict:  # as two nodes with node-local d
     return _outcome(rank, lambda ran: require_shared_dir(out / f"private-{rank}", "output_dir"))
 
 
+def scatter_shares(rank: int, out: Path):
+    """Rank 0 holds a batch's shares (rank 1's holds a marker it must not receive); rank 1 passes a decoy list."""
+    parts = [["group-a", "group-c"], {"groups": ["group-b"], "tokens": 7}] if rank == 0 else ["decoy-0", "decoy-1"]
+    return scatter_object(parts)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    scenarios = {f.__name__: f for f in (main_fails, main_succeeds, shared_dir, private_dir)}
+    scenarios = {f.__name__: f for f in (main_fails, main_succeeds, shared_dir, private_dir, scatter_shares)}
     with two_ranks(tmp_path_factory.mktemp("distributed"), scenarios) as run:
         yield lambda name, out: list(run(name, out))
 
@@ -89,3 +95,18 @@ def test_checkpoints_need_an_output_dir_every_rank_sees(ranks, tmp_path):
         assert report["error"] == "AsyncGRPOError"
         assert "is not shared: rank 1 on" in report["message"] and "rank 0 on" not in report["message"]
         assert "Fix: set output_dir to a directory on storage every trainer node mounts" in report["message"]
+
+
+def test_each_rank_receives_only_its_own_share_of_the_batch(ranks, tmp_path):
+    rank0, rank1 = ranks("scatter_shares", tmp_path)
+    assert rank0 == ["group-a", "group-c"]  # rank 0 keeps its own part
+    assert rank1 == {"groups": ["group-b"], "tokens": 7}  # exactly rank 0's part for rank 1, not its own list
+
+
+def test_scatter_on_one_process_returns_the_only_part(monkeypatch):
+    import asyncgrpo.distributed as distributed
+
+    # This module's two gloo ranks may be up: make this process one that has no process group (or a world of one).
+    monkeypatch.setattr(distributed, "is_distributed", lambda: False)
+    monkeypatch.setattr(distributed.dist, "scatter_object_list", lambda *a, **k: pytest.fail("a collective ran"))
+    assert scatter_object([["all", "groups"]]) == ["all", "groups"]

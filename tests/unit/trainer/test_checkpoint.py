@@ -296,6 +296,67 @@ def test_a_rank_the_checkpoint_did_not_have_keeps_its_own_rng(tmp_path):
         torch.manual_seed(5) and torch.rand(1).item())
 
 
+class _FakeCuda:
+    """torch.cuda as a rank sees it whose current device is `device` of `count` visible ones: records the RNG calls."""
+
+    def __init__(self, monkeypatch, device, count=8):
+        self.device, self.count, self.got, self.set = device, count, [], []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.device)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.count)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", self.get_rng_state)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": self.set.append((state, device)))
+        for name in ("get_rng_state_all", "set_rng_state_all"):  # every visible device: what a resume cannot match
+            monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: pytest.fail(f"torch.cuda.{name} called"))
+
+    def get_rng_state(self, device="cuda"):
+        self.got.append(device)
+        return self.state_of(device)
+
+    @staticmethod
+    def state_of(device: int) -> torch.Tensor:
+        return torch.full((16,), device, dtype=torch.uint8)
+
+
+def test_only_the_cuda_rng_state_of_this_ranks_device_is_saved_and_restored(tmp_path, monkeypatch):
+    model, optimizer, config = make_model()
+    cuda = _FakeCuda(monkeypatch, device=3)  # rank 3 of a node whose 8 GPUs it sees
+    path = save(model, optimizer, config, tmp_path)
+    assert cuda.got == [3]
+    cuda.device, cuda.count = 0, 1  # resumed with CUDA_VISIBLE_DEVICES per rank: its GPU is device 0 of 1
+    ckpt.restore_rng(path, rank=0)
+    [(state, device)] = cuda.set
+    assert device == 0 and torch.equal(state, _FakeCuda.state_of(3))
+    # The file still passes the tensors-only unpickler's rules (one tensor, no new globals).
+    unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path / "rng-rank0.pt"))
+    allowed = {name if isinstance(name, str) else f"{name.__module__}.{name.__qualname__}"
+               for g in ckpt.SAFE_GLOBALS for name in ((g[1],) if isinstance(g, tuple) else (g,))}
+    assert unsafe <= allowed
+
+
+def _save_all_devices_rng(path, states) -> None:
+    """Rewrite rank 0's RNG file as checkpoints before this fix wrote it: CUDA as a list of every device's state."""
+    state = torch.load(path / "rng-rank0.pt", weights_only=False)
+    torch.save({**state, "cuda": states}, path / "rng-rank0.pt")
+    _list(path, "rng-rank0.pt")
+
+
+@pytest.mark.parametrize(("saved", "device", "expected"), [(8, 3, 3), (1, 5, 0), (2, 5, None)])
+def test_an_old_checkpoint_with_every_devices_cuda_rng_restores_this_devices_entry_or_warns(
+        tmp_path, monkeypatch, caplog, saved, device, expected):
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    _save_all_devices_rng(path, [_FakeCuda.state_of(d) for d in range(saved)])
+    cuda = _FakeCuda(monkeypatch, device=device)
+    ckpt.restore_rng(path, rank=0)
+    if expected is None:  # the list does not reach this device and has several: no way to tell which was this rank's
+        assert cuda.set == []
+        assert "CUDA RNG states cover 2 devices, not this rank's device 5" in caplog.text
+    else:
+        [(state, at)] = cuda.set
+        assert at == device and torch.equal(state, _FakeCuda.state_of(expected))
+
+
 def test_round_trip_through_a_real_single_process_accelerator(tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
