@@ -5,6 +5,9 @@ on pytest's `pythonpath`)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import threading
 from typing import Any, Callable
 
@@ -32,3 +35,18 @@ def returns_within(call: Callable[[], Any], bound_s: float, what: str) -> Any:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def killed_midway(target: Callable, args: tuple, what: str, bound_s: float = 60.0) -> None:
+    """Run `target(*args, ready)` in a forked child, wait (at most `bound_s`) until it sets `ready` midway through
+    `what`, then SIGKILL it: what a killed writer leaves behind, for real. Asserts the child died by the kill."""
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    child = fork.Process(target=target, args=(*args, ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(bound_s), f"the child never reached the middle of {what}"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+    assert child.exitcode == -signal.SIGKILL

@@ -2,12 +2,11 @@
 
 import hashlib
 import json
-import multiprocessing
 import os
-import signal
 import threading
 
 import pytest
+from liveness import killed_midway
 import torch
 from peft import LoraConfig
 import safetensors.torch
@@ -73,16 +72,7 @@ def test_a_write_killed_midway_leaves_the_previous_version_and_no_loadable_parti
     store.write(1, tensors(1.0), CONFIG, base_model="b")
     # A child process (forked: the same code, started at once) writes version 2 and is SIGKILLed in the middle of
     # writing the weights file.
-    fork = multiprocessing.get_context("fork")
-    ready = fork.Event()
-    child = fork.Process(target=_write_half_then_block, args=(str(tmp_path), ready), daemon=True)
-    child.start()
-    try:
-        assert ready.wait(60), "the child never reached the middle of the write"
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.join()
-    assert child.exitcode == -signal.SIGKILL
+    killed_midway(_write_half_then_block, (str(tmp_path),), "the write")
     assert store.versions() == [1]
     assert not store.path(2).exists()
     partial = list(tmp_path.glob(".tmp-*"))

@@ -3,15 +3,14 @@
 import hashlib
 import json
 import math
-import multiprocessing
 import os
 import random
-import signal
 import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from liveness import killed_midway
 import torch
 from models import Tiny, tiny_lora
 from accelerate.utils import DistributedType
@@ -418,16 +417,7 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_latest(tmp_p
     writing the optimizer state."""
     model, optimizer, config = make_model()
     save(model, optimizer, config, tmp_path, step=3)
-    fork = multiprocessing.get_context("fork")
-    ready = fork.Event()
-    child = fork.Process(target=_save_half_then_block, args=(tmp_path, ready), daemon=True)
-    child.start()
-    try:
-        assert ready.wait(60), "the child never reached the middle of the save"
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.join()
-    assert child.exitcode == -signal.SIGKILL
+    killed_midway(_save_half_then_block, (tmp_path,), "the save")
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3]
     assert ckpt.resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-3"
     partial = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-checkpoint-6-")]
