@@ -46,6 +46,11 @@ def cmd_doctor(args, overrides: list[str]) -> int:
     return run_doctor(args, overrides)
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """`0,2,4` -> (0, 2, 4)."""
+    return tuple(int(v) for v in text.split(","))
+
+
 def cmd_bench(args, overrides: list[str]) -> int:
     return run_bench(args, overrides)
 
@@ -105,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="producer: seconds of each timed run (after a 1 s warm-up)")
     bench.add_argument("--vocab_size", type=int, default=151936, help="memory: vocabulary of the random model")
     bench.add_argument("--completion_tokens", type=int, default=1024, help="memory: completion tokens in the step")
+    bench.add_argument("--num_iterations", type=int, default=1, help="staleness: optimizer steps per batch")
+    bench.add_argument("--grid", type=_ints, default=None, help="staleness: max_staleness values, e.g. 0,2,4")
+    bench.add_argument("--seeds", type=_ints, default=None, help="staleness: seeds, e.g. 0,1,2")
+    bench.add_argument("--corrections", type=lambda t: tuple(t.split(",")), default=None,
+                       help="staleness: e.g. none,default,token_truncate (none: delta null, no correction)")
     serve = sub.add_parser("rollout-serve", help="run the rollout side for one trainer run, which connects to it "
                                                  "(`rollout_address`), e.g. on another host (docs/running.md)")
     serve.add_argument("--listen", required=True, metavar="HOST:PORT",

@@ -28,7 +28,7 @@ from asyncgrpo.errors import ConfigError, ConfigErrors
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)
 # Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -189,16 +189,24 @@ it at the same path; with `http` it stays on the trainer's side."""
     epsilon_high: float | None = None
     """Upper clip range; unset = `epsilon` (DAPO: 0.28). With `loss_type: cispo` it is the cap on the ratio itself
     (TRL's and ScaleRL's epsilon_max; 5.0 recommended)."""
-    delta: float | None = None
-    """Upper bound on the unclipped importance ratio (TRL's `delta`, INTELLECT-2's two-sided clip). It matters for
-    negative advantages, where the clipped surrogate is otherwise unbounded in the ratio (a token 12 nats more likely
-    under the trainer than under the sampler weighs e^12 = 1.6e5 times its advantage); beyond `delta` such a token
-    gets no gradient. Must be > 1 + epsilon_high; 4 is typical. Unset (TRL's default): no bound."""
+    delta: float | None = 3.0
+    """Upper bound on the unclipped importance ratio (TRL's `delta`, INTELLECT-2's two-sided clip, verl's dual-clip
+    `clip_ratio_c`). It matters for negative advantages, where the clipped surrogate is otherwise unbounded in the
+    ratio (a token 12 nats more likely under the trainer than under the sampler weighs e^12 = 1.6e5 times its
+    advantage); beyond `delta` such a token gets no gradient. Must be > 1 + epsilon_high. Default 3 (verl's value;
+    TRL's default is unset): training is asynchronous by default, and this keeps every token's weight bounded.
+    `null`: no bound (docs/losses.md, "Bounds", says what then happens past e^20)."""
     loss_type: str = "dapo"
     """Loss aggregation/objective (TRL's `loss_type`; docs/losses.md): `dapo` (default: token mean over the global
     batch), `grpo` (each sequence's token mean, then the mean over sequences: length-biased), `bnpo` (token mean
     per micro-batch), `dr_grpo` (token sum / (sequences x max_completion_length): no length bias), `cispo` (the
-    capped, detached ratio weights the log-probability: no token loses its gradient; needs epsilon_high > 1)."""
+    capped, detached ratio weights the log-probability: no token loses its gradient; needs epsilon_high > 1),
+    `sapo` (a soft sigmoid gate in place of the clip, aggregated as `grpo`), `luspo` (each sequence's token sum,
+    then the mean over sequences; meant for `importance_sampling_level: sequence`)."""
+    sapo_temperature_pos: float = 1.0
+    """`loss_type: sapo`: the gate's temperature for tokens with a positive advantage (TRL's name and default)."""
+    sapo_temperature_neg: float = 1.05
+    """`loss_type: sapo`: the gate's temperature for tokens with a zero or negative advantage (TRL's default)."""
     importance_sampling_level: str = "token"
     """`token`: one importance ratio per token; `sequence`: the sequence's geometric-mean ratio for all its tokens
     (GSPO; TRL's `importance_sampling_level`). GSPO's paper pairs it with `loss_type: grpo` and tiny clip ranges
@@ -217,6 +225,21 @@ it at the same path; with `http` it stays on the trainer's side."""
     `sequence_mask` (the product over the sequence's tokens, capped or masked for the whole sequence)."""
     vllm_importance_sampling_cap: float = 3.0
     """The cap C of `vllm_importance_sampling_mode` (TRL's `vllm_importance_sampling_cap`); >= 1."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound of the importance weight (TRL's name): `*_truncate` modes raise weights below it to it, `*_mask`
+    modes set them to 0. Unset (TRL's default): no lower bound. Must be below the cap."""
+    off_policy_mask_threshold: float | None = None
+    """TRL's off-policy sequence mask (DeepSeek-V3.2): a completion with a negative advantage whose mean per-token
+    log(behaviour / trainer) exceeds this is left out of the loss. Unset (TRL's default): off; 0.5 is TRL's
+    example."""
+    use_bias_correction_kl: bool = False
+    """Multiply the KL term by the (differentiable) importance ratio, which makes its gradient the unbiased
+    reverse-KL gradient (DeepSeek-V3.2; TRL's name). TRL's default is true; ours false keeps the KL term as it was.
+    Only matters with `beta` > 0."""
+    top_entropy_quantile: float = 1.0
+    """Train only on the highest-entropy tokens (TRL's name): the loss keeps the tokens whose entropy under the
+    trainer is in the top `top_entropy_quantile` of each micro-batch's completion tokens (TRL pools all ranks'; 0.2
+    is the paper's value). 1.0 (default): every token."""
     beta: float = 0.0
     """KL coefficient to the base model (the same model with the adapter disabled). 0 = no KL term."""
     scale_rewards: str | bool = "group"
@@ -472,9 +495,15 @@ it at the same path; with `http` it stays on the trainer's side."""
         if self.loss_type == "cispo" and self.epsilon_upper <= 1.0:
             raise ConfigError("epsilon_high", f"is {self.epsilon_upper}, but with loss_type cispo it caps the ratio "
                               f"itself (a cap <= 1 down-weights every token)", "set epsilon_high: 5.0 (ScaleRL, TRL)")
-        if self.delta is not None and self.delta <= 1.0 + self.epsilon_upper:
+        clipped = self.loss_type not in ("cispo", "sapo")  # the loss types with PPO's clip, which delta extends
+        if self.delta is not None and clipped and self.delta <= 1.0 + self.epsilon_upper:
             raise ConfigError("delta", f"{self.delta} is not above 1 + epsilon_high ({1.0 + self.epsilon_upper}); it "
-                              f"would cut into the clip range", "use delta: 4.0 (INTELLECT-2), or unset it")
+                              f"would cut into the clip range", "use a delta above it, or `delta: null` (no bound)")
+        clip_min = self.vllm_importance_sampling_clip_min
+        if clip_min is not None and clip_min >= self.vllm_importance_sampling_cap:
+            raise ConfigError("vllm_importance_sampling_clip_min", f"{clip_min} is not below the cap "
+                              f"({self.vllm_importance_sampling_cap})", "use a value below the cap, e.g. 0.5, or "
+                              "unset it")
 
     def _validate_schedule(self) -> None:
         """Checks of the learning-rate schedule keys."""
@@ -621,8 +650,13 @@ VALUE_RANGES: dict[str, Range] = {
     "num_iterations": Range(1, fix="use 1 (TRL's default) or a few"),
     "epsilon": Range(0, low_open=True, fix="use epsilon: 0.2"),
     "epsilon_high": Range(0, low_open=True, fix="use 0.28 (DAPO), or unset it to use epsilon"),
-    "delta": Range(1, low_open=True, fix="use delta: 4.0 (INTELLECT-2), or unset it"),
+    "delta": Range(1, low_open=True, fix="use delta: 3.0 (the default), or `delta: null` for no bound"),
     "vllm_importance_sampling_cap": Range(1, fix="use 2.0-5.0 (TRL's default is 3.0)"),
+    "vllm_importance_sampling_clip_min": Range(0, fix="use e.g. 0.5, or unset it"),
+    "off_policy_mask_threshold": Range(0, fix="use e.g. 0.5 (TRL's example), or unset it"),
+    "top_entropy_quantile": Range(0, 1, low_open=True, fix="use e.g. 0.2 (the top fifth), or 1.0 for every token"),
+    "sapo_temperature_pos": Range(0, low_open=True, fix="use 1.0 (TRL's default)"),
+    "sapo_temperature_neg": Range(0, low_open=True, fix="use 1.05 (TRL's default)"),
     "beta": Range(0, fix="use 0 (no KL) or a small value like 0.04"),
     "seed": Range(0, fix="use a seed >= 0, e.g. 0"),
     "max_tokens_per_microbatch": Range(0, fix="use 0 (off) or a token budget such as 16384"),

@@ -9,9 +9,9 @@ from asyncgrpo.errors import ConfigError
 from asyncgrpo.rollout.scheduler import version_needed
 
 
-def test_defaults_keep_todays_loss():
+def test_defaults_bound_the_unclipped_ratio_with_delta_3_and_keep_the_rest_of_the_loss():
     c = cfg()
-    assert (c.loss_type, c.importance_sampling_level, c.scale_rewards, c.delta) == ("dapo", "token", "group", None)
+    assert (c.loss_type, c.importance_sampling_level, c.scale_rewards, c.delta) == ("dapo", "token", "group", 3.0)
     assert c.vllm_importance_sampling_correction is False and c.mask_truncated_completions is False
     assert c.lr_scheduler_type == "constant" and c.num_warmup_steps == 0
 
@@ -34,7 +34,7 @@ def test_scale_rewards_override_from_the_command_line():
     ({"importance_sampling_level": "seq"}, "importance_sampling_level", "token, sequence"),
     ({"vllm_importance_sampling_mode": "truncate"}, "vllm_importance_sampling_mode", "token_truncate"),
     ({"loss_type": "cispo"}, "epsilon_high", "epsilon_high: 5.0"),
-    ({"delta": 1.1}, "delta", "delta: 4.0"),
+    ({"delta": 1.1}, "delta", "`delta: null`"),
     ({"vllm_importance_sampling_cap": 0.5}, "vllm_importance_sampling_cap", "3.0"),
     ({"lr_scheduler_type": "cosine_with_restarts"}, "lr_scheduler_type", "constant, constant_with_warmup"),
 ])
