@@ -154,6 +154,7 @@ class LossTerms:
     is_capped_tokens: torch.Tensor | float = 0.0  # tokens whose IS weight was truncated or masked
     behaviour_kl_sum: torch.Tensor | float = 0.0  # k3 estimate of KL(behaviour || trainer), summed over tokens
     masked_tokens: torch.Tensor | float = 0.0  # tokens the off-policy mask or the entropy quantile left out
+    entropy: torch.Tensor | None = None  # (N,) the trainer's entropy at each masked token, when it was computed
 
 
 def _log(value: float | None, default: float) -> float:
@@ -319,4 +320,5 @@ def grpo_loss(
             is_capped_tokens=(capped & valid).to(mask.dtype).sum() if spec.importance_weighted else mask.new_zeros(()),
             behaviour_kl_sum=k3.sum(),
             masked_tokens=((kept < 1) & valid).to(mask.dtype).sum(),
+            entropy=None if entropy is None else entropy.detach()[valid],
         )

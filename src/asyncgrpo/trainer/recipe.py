@@ -222,8 +222,8 @@ class AsyncGRPOTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        sums, maxima = totals.reduced()
-        metrics.optimiser(sums, maxima, n_tokens=n_tokens, lr=lr)
+        sums, maxima, entropy_hist = totals.reduced()
+        metrics.optimiser(sums, maxima, n_tokens=n_tokens, lr=lr, entropy_hist=entropy_hist)
 
     def _micro_step(self, batch: dict[str, torch.Tensor], normaliser: float):
         """One micro-batch's forward(s), loss and backward; returns its LossTerms."""
@@ -234,7 +234,9 @@ class AsyncGRPOTrainer:
             # never changes, so a batch trained on again (num_iterations) keeps it.
             with torch.no_grad(), self.acc.unwrap_model(self.model).disable_adapter():
                 ref = batch["ref"] = self.policy_logprobs(batch)
-        logprobs = self.policy_logprobs(batch)
+        logprobs, entropy = sequence_logprobs(self.model, self.scoring_head, batch["input_ids"],
+                                              batch["attention_mask"], batch["mask"], self.cfg.temperature,
+                                              with_entropy=True)  # entropy: logged, and top_entropy_quantile's mask
         proximal = None
         if spec.importance_weighted:
             # Decoupled PPO: the proximal policy is the trainer when it starts on this batch (PPO's "old" policy,
@@ -245,7 +247,7 @@ class AsyncGRPOTrainer:
             if proximal is None:
                 proximal = batch["proximal"] = logprobs.detach()
         terms = grpo_loss(logprobs, batch["behaviour"], batch["advantages"], batch["mask"], spec,
-                          normaliser=normaliser, ref_logprobs=ref, proximal_logprobs=proximal)
+                          normaliser=normaliser, ref_logprobs=ref, proximal_logprobs=proximal, entropy=entropy)
         self.acc.backward(terms.loss)
         return terms
 
