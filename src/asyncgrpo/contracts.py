@@ -42,6 +42,15 @@ class Group:
                                    masked=self.masked[j:j + 1])
 
 
+def finish_reason_from_tokens(finish_reason: str, token_ids: list[int], end_token_ids: frozenset[int]) -> str:
+    """The server's finish reason, read against the tokens: `length` becomes `stop` when the last sampled token is an
+    end token. vLLM checks the length before the end token, so an EOS sampled as the `max_tokens`-th token is
+    reported as `length`, although the completion is whole; only a completion cut off by the limit is truncated."""
+    if finish_reason == "length" and token_ids and token_ids[-1] in end_token_ids:
+        return "stop"
+    return finish_reason
+
+
 def centred_advantages(rewards: list[float], scale: str, eps: float = 1e-4) -> list[float]:
     """One group's advantages as `loss.group_advantages` computes them (reward - group mean, divided by the group's
     unbiased std + eps when `scale` is "group"), in plain Python: the producer runs this once per group, where a

@@ -65,7 +65,7 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
     try:
         producer = build_producer(cfg, clients=clients, rows=prompts.rows, scorer=scorer, queue=queue,
                                   groups_per_step=groups_per_step, recovery=recovery, start_position=start_position,
-                                  start_batch=start_batch)
+                                  start_batch=start_batch, end_token_ids=end_token_ids(tokenizer, model_path))
     except BaseException:
         scorer.close()  # reward worker processes, if any: nothing else will
         raise
@@ -75,16 +75,33 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
 
 def build_producer(cfg, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
                    queue: RolloutQueue, groups_per_step: int, recovery: ServerRecovery | None = None,
-                   start_position: int = 0, start_batch: int = 0) -> RolloutProducer:
+                   start_position: int = 0, start_batch: int = 0,
+                   end_token_ids: frozenset[int] = frozenset()) -> RolloutProducer:
     """A producer (not started) whose schedule hears what changes its send rule: a server going down or coming back
     (`recovery`; a fresh one if None) and groups leaving the queue. The unit tests and `asyncgrpo bench producer`
     build theirs here too, so that theirs is wired the same way."""
     recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
     producer = RolloutProducer(clients=clients, rows=rows, scorer=scorer, queue=queue, groups_per_step=groups_per_step,
-                               cfg=cfg, recovery=recovery, start_position=start_position, start_batch=start_batch)
+                               cfg=cfg, recovery=recovery, start_position=start_position, start_batch=start_batch,
+                               end_token_ids=end_token_ids)
     recovery.listeners.append(producer.schedule.wake)  # a server went down or came back: decide again
     queue.removal_listeners.append(producer.schedule.removed)  # groups taken or dropped free their batch's slots
     return producer
+
+
+def end_token_ids(tokenizer, model_path: str) -> frozenset[int]:
+    """The tokens vLLM stops a completion on by default: the tokenizer's EOS and the model's generation config's
+    `eos_token_id` (one id or a list), which vLLM adds to every request's stop tokens."""
+    # heavy: transformers is imported already (the tokenizer); GenerationConfig reads generation_config.json only
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} - {None}
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    return frozenset(ids)
 
 
 def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupScorer:

@@ -19,7 +19,7 @@ from asyncgrpo.errors import AdapterNotLoadedError, BehaviourLogprobError, Infer
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.timeline import Timeline
-from asyncgrpo.contracts import Group, centred_advantages
+from asyncgrpo.contracts import Group, centred_advantages, finish_reason_from_tokens
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.scheduler import RolloutSchedule
 from asyncgrpo.rollout.scoring import GroupScorer
@@ -64,8 +64,9 @@ class RolloutProducer:
 
     def __init__(self, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
                  queue: RolloutQueue, groups_per_step: int, cfg, recovery: ServerRecovery, start_position: int = 0,
-                 start_batch: int = 0):
+                 start_batch: int = 0, end_token_ids: frozenset[int] = frozenset()):
         self._clients = list(clients)
+        self.end_token_ids = end_token_ids  # the tokens a completion ends on: it is truncated if its last is not one
         self.servers = ServerPicker(clients)  # requests in flight per server: the next goes to the least loaded
         # A server that stops answering is recovered in the background (re-registered before it gets requests again)
         self.recovery = recovery
@@ -274,9 +275,10 @@ class RolloutProducer:
             return None
         check_behaviour_logprobs(completions, server=client.base_url, prompt_index=index, adapter=adapter)
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
-        truncated = [c.finish_reason == "length" for c in completions]  # hit max_completion_length
-        rewards, parts = self.scorer.score_group(row, [c.token_ids for c in completions],
-                                                 [c.finish_reason for c in completions])
+        # Truncated: cut off at max_completion_length, read from the tokens (an EOS as the last allowed token is not).
+        reasons = [finish_reason_from_tokens(c.finish_reason, c.token_ids, self.end_token_ids) for c in completions]
+        truncated = [reason == "length" for reason in reasons]
+        rewards, parts = self.scorer.score_group(row, [c.token_ids for c in completions], reasons)
         # `batch` scaling needs the whole batch: the group is centred here and the queue scales it when it is taken.
         scale = "none" if cfg.scale_rewards == "batch" else cfg.scale_rewards
         advantages = centred_advantages(rewards, scale)
@@ -284,5 +286,5 @@ class RolloutProducer:
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],
                      rewards=rewards, reward_parts=parts, advantages=advantages, version=version, adapter=adapter,
-                     finish_reasons=[c.finish_reason for c in completions], index=index,
+                     finish_reasons=reasons, index=index,
                      masked=truncated if cfg.mask_truncated_completions else [])
