@@ -158,7 +158,8 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
                           flush=True)
     rows = summarise(cells)
     result = {"cells": cells, "summary": rows, "trainer_delay_s": TRAINER_DELAY_S, "num_iterations": num_iterations,
-              "workload": dict(zip(WORKLOAD[::2], WORKLOAD[1::2])), "overrides": overrides,
+              "workload": dict(zip(WORKLOAD[::2], WORKLOAD[1::2])) | {"--num_iterations": str(num_iterations)},
+              "overrides": overrides,
               "total_s": round(time.monotonic() - started, 1)}
     if plot:
         result["plot"] = str(plot_cells(rows, plot))
