@@ -138,8 +138,11 @@ def _start_servers(stack, n: int, model_dir: Path, work: Path, *, dtype: str, ma
         stack.callback(server.stop)
         server.start()
         started.append(server)
+    weights_gib = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2**30
     for server in started:
-        server.wait_ready(timeout_s=300.0 * n)  # start-up is CPU-bound: n servers on a few cores take n times longer
+        # Start-up is CPU-bound: n servers on a few cores take n times longer, and a real-shape model adds its load
+        # and warm-up (Qwen2.5-1.5B's 2.9 GiB in bf16: ~2.5 min on 2 busy cores).
+        server.wait_ready(timeout_s=300.0 * n * max(1.0, weights_gib))
     return [server.base_url for server in started]
 
 
