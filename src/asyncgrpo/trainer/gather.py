@@ -104,7 +104,7 @@ def gather_fsdp2(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
         if totals[rank]:
             dist.send(local, dst=0)
         return None, 0
-    buffers = [local] + [torch.empty(totals[r], dtype=dtype, device=local.device) for r in range(1, len(sizes))]
+    buffers = [local] + [to_collective(torch.empty(totals[r], dtype=dtype)) for r in range(1, len(sizes))]
     for request in [dist.irecv(buffers[r], src=r) for r in range(1, len(sizes)) if totals[r]]:
         request.wait()
     buffers = [to_host(buf) for buf in buffers]
