@@ -32,9 +32,10 @@ from asyncgrpo.trainer.logprobs import sequence_logprobs
 from asyncgrpo.trainer.metrics import StepMetrics
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
-# What a result must show (`failures`). The update bound is relative to the step's own size (Adam's step is about the
-# learning rate whatever the gradient): fp32 on CPU differs by ~0.5% (summation order); bf16 bases cut the same
-# computation into other matmul shapes and differ by bf16 rounding.
+# What a result must show (`failures`). 1 vs 2 micro-batches: the relative L2 distance of the two updates (Adam
+# moves each weight by about the learning rate whatever its gradient, so a weight whose gradient is rounding noise
+# may flip: the largest single difference says little). bf16 bases cut the same computation into other matmul
+# shapes and differ by bf16 rounding: 0.044 (FSDP1) and 0.047 (FSDP2) on the toy model under gloo.
 BOUNDS = {"float32": {"update_rel": 0.01, "chunked_abs": 1e-4, "on_policy_abs": 1e-4},
           "bfloat16": {"update_rel": 0.1, "chunked_abs": 0.05, "on_policy_abs": 0.05}}
 
@@ -157,6 +158,8 @@ def run_check(cfg: AsyncGRPOConfig, out: Path, micro: int, shape: dict, audit=co
     model = trainer.acc.unwrap_model(trainer.model)
     step_size = max(float((update_a[k].float() - before_step[k].float()).abs().max()) for k in update_a)
     a_vs_b = max(float((update_a[k].float() - update_b[k].float()).abs().max()) for k in update_a)
+    step_norm = math.sqrt(sum(float((update_a[k].float() - before_step[k].float()).square().sum()) for k in update_a))
+    a_vs_b_norm = math.sqrt(sum(float((update_a[k].float() - update_b[k].float()).square().sum()) for k in update_a))
     plugin = getattr(trainer.acc.state, "fsdp_plugin", None)
     policy = getattr(plugin, "mixed_precision_policy", None) if plugin is not None else None
     ds = getattr(trainer.acc.state, "deepspeed_plugin", None)
@@ -169,6 +172,7 @@ def run_check(cfg: AsyncGRPOConfig, out: Path, micro: int, shape: dict, audit=co
         "loss_b": stats_b.values["train/loss"],
         "tokens_a": stats_a.values["train/tokens"], "tokens_b": stats_b.values["train/tokens"],
         "max_abs_diff_a_b": a_vs_b, "step_size": step_size,
+        "update_rel_diff_a_b": a_vs_b_norm / step_norm if step_norm > 0 else math.inf,
         "on_policy_max_abs_log_ratio": on_policy.values["train/max_abs_log_ratio"],
         "chunked_vs_full_max_abs": chunked,
         "gathered_bytes": gather_stats["gathered_bytes"],
@@ -196,9 +200,9 @@ def failures(result: dict) -> list[str]:
         found.append(f"tokens counted: {result['tokens_a']} vs {result['tokens_b']}")
     if not result["step_size"] > 0:
         found.append("the step did not move the adapter")
-    elif not result["max_abs_diff_a_b"] <= bounds["update_rel"] * result["step_size"]:
-        found.append(f"1 vs {result['micro']} micro-batches: updates differ by {result['max_abs_diff_a_b']:.3g}, "
-                     f"more than {bounds['update_rel']} of the step ({result['step_size']:.3g})")
+    elif not result["update_rel_diff_a_b"] <= bounds["update_rel"]:
+        found.append(f"1 vs {result['micro']} micro-batches: the updates differ by {result['update_rel_diff_a_b']:.3g} "
+                     f"of the step's norm, more than {bounds['update_rel']}")
     if not result["chunked_vs_full_max_abs"] <= bounds["chunked_abs"]:
         found.append(f"chunked vs full-logit logprobs differ by {result['chunked_vs_full_max_abs']:.3g}")
     if not result["on_policy_max_abs_log_ratio"] <= bounds["on_policy_abs"]:
