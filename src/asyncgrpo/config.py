@@ -42,7 +42,8 @@ class AsyncGRPOConfig:
     # ---- model and LoRA -------------------------------------------------------------------------
     model_name_or_path: str = "toy"
     """Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
-    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory."""
+    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory; `shape:<name>` (e.g.
+    `shape:qwen2.5-1.5b`) a random-weight model of a real checkpoint's shape in `torch_dtype` (docs/models.md)."""
     toy_seed: int = 0
     """Seed of the toy world, used only when `model_name_or_path: toy` or `dataset_name: toy`."""
     torch_dtype: str = "float32"
