@@ -103,3 +103,18 @@ def test_every_name_docs_metrics_promises_is_written_somewhere_in_the_code():
     code = "\n".join(p.read_text() for p in (ROOT / "src" / "asyncgrpo").rglob("*.py"))
     missing = sorted(n for n in names if f'"{n}"' not in code)
     assert not missing, f"docs/metrics.md names no code writes: {missing}"
+
+
+def test_a_batch_of_episodes_reports_turns_tokens_truncation_and_token_staleness():
+    from asyncgrpo.contracts import Group
+    from asyncgrpo.trainer.metrics import StepMetrics, turns
+
+    assert turns([0, 1, 1, 0, 0, 1, 0, 1]) == 3 and turns([]) == 0
+    g = Group(prompt="p", prompt_ids=[1], completion_ids=[[1, 2, 3, 4], [5, 6]], behaviour_logprobs=[[0.0] * 4, [0.0] * 2],
+              rewards=[0.0, 1.0], reward_parts={}, advantages=[0.0, 0.0], version=2, adapter="a",
+              finish_reasons=["stop", "length"], loss_mask=[[1, 0, 0, 1], [1, 1]], versions=[[2] * 4, [2, 2]])
+    metrics = StepMetrics()
+    metrics.batch([g], version=4, num_generations=2, waited_s=0.0)
+    v = metrics.values
+    assert (v["episode/turns_mean"], v["episode/tokens_mean"], v["episode/sampled_tokens_mean"]) == (1.5, 3.0, 2.0)
+    assert v["episode/truncated_fraction"] == 0.5 and v["episode/token_staleness_max"] == 2.0
