@@ -93,3 +93,8 @@ def slow(seconds: float) -> str:
     """
     time.sleep(seconds)
     return "slept"
+
+
+def messages_reward(prompts, completions, environments=None, **kwargs) -> list[float]:
+    """A reward function for episodes: the number of messages after the prompt."""
+    return [float(len(c)) for c in completions]

@@ -163,3 +163,17 @@ def test_a_tokenizer_without_a_response_template_is_refused_for_tools():
 
     with pytest.raises(ConfigError, match="response_template"):
         ChatFormat(TOK, None, stop_ids={EOS})
+
+
+def test_an_environments_get_reward_is_one_more_reward_named_after_its_class_and_rewards_see_the_environments():
+    from asyncgrpo.rollout.build import build_episode_runner, make_group_scorer
+
+    config = make_cfg(environment_factory="agent_tools:Counter", reward_funcs=["agent_tools:messages_reward"])
+    scoring = make_group_scorer(config, TOK, None)
+    envs = [agent_tools.Counter(), agent_tools.Counter()]
+    envs[0].count, envs[1].count = 1, 3
+    messages = [[{"role": "assistant", "content": "x"}], [{"role": "assistant", "content": "y"}] * 3]
+    rewards, parts = scoring.score_episodes(ROW, [ROW.prompt] * 2, messages, [[1], [2]], ["stop", "stop"], envs)
+    assert parts == {"messages_reward": [1.0, 3.0], "Counter": [1.0, 3.0]}
+    assert rewards == [2.0, 6.0]
+    assert build_episode_runner(make_cfg(), TOK, "/nonexistent", None) is None  # no tools: plain completions
