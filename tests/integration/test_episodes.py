@@ -100,11 +100,12 @@ def test_an_episode_keeps_its_start_adapter_when_a_version_is_published_between_
     store = AdapterStore(tmp_path)
     names = [f"episode-{mode}-v0", f"episode-{mode}-v1"]
 
-    def gentle(seed: int):  # a random adapter scaled down, so that the model still ends its turns (eos)
+    def scaled(seed: int, scale: float):
         tensors, config = random_adapter(seed=seed)
-        return {k: v * 0.3 for k, v in tensors.items()}, config
+        return {k: v * scale for k, v in tensors.items()}, config
 
-    client.load_adapter(names[0], store.write(0, *gentle(21), base_model=str(world.model_dir)))
+    # v0 close to the base model, so that its turns end (eos) as the base model's do; v1 far from it
+    client.load_adapter(names[0], store.write(0, *scaled(21, 0.05), base_model=str(world.model_dir)))
     published = []
 
     def lookup(key: str) -> str:  # noqa: F811 - the format's tool name; this one publishes v1 on its first call
@@ -114,7 +115,7 @@ def test_an_episode_keeps_its_start_adapter_when_a_version_is_published_between_
             key: what the model wrote
         """
         if not published:
-            v1 = store.write(1, *gentle(22), base_model=str(world.model_dir))
+            v1 = store.write(1, *scaled(22, 1.0), base_model=str(world.model_dir))
             if mode == "pause":
                 client.pause(mode="keep")
                 try:
@@ -127,8 +128,9 @@ def test_an_episode_keeps_its_start_adapter_when_a_version_is_published_between_
         return f"[{len(key)}]"
 
     try:
-        _, episodes, _ = run_episodes(client, names[0], n=3, tools=[lookup], seed=31)
-        assert published  # a version went live during the first episode's first tool call
+        _, episodes, _ = run_episodes(client, names[0], n=4, tools=[lookup], seed=31)
+        # a version went live during the first tool call
+        assert published, [(e.turns, e.finish_reason, TOK.decode(e.ids)) for e in episodes]
         several = [e for e in episodes if e.turns >= 2]
         assert several, [e.turns for e in episodes]
         for e in several:
