@@ -148,3 +148,41 @@ def test_an_episode_keeps_its_start_adapter_when_a_version_is_published_between_
                 client.unload_adapter(name)
             except Exception:  # noqa: BLE001 - v1 may not have been loaded
                 pass
+
+
+def test_a_tool_calling_run_trains_on_exactly_the_tokens_the_server_sampled(world, vllm_server, tmp_path, tb_scalars):
+    """A whole run (in this process, one rank, staleness 0) with `tools`: the model directory is the toy model with
+    this format's tokenizer saved beside it (vLLM gets ids only, so it serves the toy model as it is)."""
+    import json
+    import shutil
+
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(world.model_dir, model_dir)
+    agent_tokenizer().save_pretrained(model_dir)  # the chat template and the response template go with it
+    data = tmp_path / "agent.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a:02d},{b:02d}>"}]}) + "\n"
+                            for a, b in [(7, 45), (81, 3), (12, 60), (44, 9)]))
+    cfg = AsyncGRPOConfig.from_dict({
+        "model_name_or_path": str(model_dir), "dataset_name": str(data), "reward_funcs": ["agent_tools:messages_reward"],
+        "tools": ["agent_format:lookup"], "max_turns": 3, "max_completion_length": 12, "num_generations": 4,
+        "per_device_train_batch_size": 8, "max_steps": 2, "max_staleness": 0, "weight_sync_steps": 1,
+        "lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["q_proj", "v_proj"], "learning_rate": 1e-3,
+        "lora_name": "agent", "output_dir": str(tmp_path / "run"), "lora_adapter_path": str(tmp_path / "adapters"),
+        "vllm_server_base_url": vllm_server.base_url, "vllm_server_timeout": 30, "vllm_request_timeout": 60,
+        "torch_num_threads": 0})
+    trainer = AsyncGRPOTrainer(cfg)
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    tb = tmp_path / "run" / "tensorboard"
+    ratios = [v for _, v in tb_scalars(tb, "train/max_abs_log_ratio")]
+    assert len(ratios) == 2 and max(ratios) < 1e-3, ratios  # every sampled token of every turn, both steps
+    turns = [v for _, v in tb_scalars(tb, "episode/turns_mean")]
+    assert len(turns) == 2 and max(turns) > 1.0, turns  # episodes of several turns were trained on
+    calls = [v for _, v in tb_scalars(tb, "episodes/tool_calls_total")]
+    assert calls[-1] > 0
