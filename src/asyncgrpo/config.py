@@ -128,6 +128,25 @@ it at the same path; with `http` it stays on the trainer's side."""
     naming the function that was running and the prompt. In a reward worker (`reward_workers` > 0) the worker is
     killed and replaced; in-thread (`reward_workers: 0`) the call's thread cannot be stopped and is left running."""
 
+    # ---- agents: multi-turn, tool-calling episodes (docs/agents.md) ------------------------------
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call, as `package.module:function` (sync or async, type hints and a Google docstring,
+    as TRL). Their schemas (transformers' `get_json_schema`) go to the chat template; a completion becomes an
+    episode: model turn, tool calls, tool results, next turn. Empty with no `environment_factory`: one completion
+    per prompt, as always."""
+    environment_factory: str | None = None
+    """A class as `package.module:Class`, one instance per episode (TRL's contract): `reset(**row)` gets the whole
+    dataset row and may return text appended to the last user message; its public methods other than
+    reset/get_reward are tools; an optional `get_reward()` is an extra reward named after the class."""
+    max_turns: int = 8
+    """Most model turns in one episode; an episode that still calls a tool then ends there (not truncated)."""
+    max_episode_tokens: int | None = None
+    """Most tokens of an episode after its prompt (sampled, tool and template tokens). An episode that reaches it
+    is truncated (`mask_truncated_completions` applies). Unset: only the server's `max_model_len` bounds it. Each
+    model turn samples at most `max_completion_length` tokens."""
+    tool_timeout: float = 30.0
+    """Seconds one tool call may take; past it the call is abandoned and the model reads an error saying so."""
+
     # ---- generation -----------------------------------------------------------------------------
     num_generations: int = 8
     """Completions sampled per prompt (the GRPO group size)."""
@@ -450,6 +469,7 @@ it at the same path; with `http` it stays on the trainer's side."""
                 raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
                                   "write e.g. `asyncgrpo.toy:larger_reward`")
         self._validate_data()
+        self._validate_agents()
         self._validate_delivery()
         self._validate_rollout_address()
 
@@ -467,6 +487,27 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"true` (one connects to a rollout side running elsewhere, the other spawns one on rank "
                               f"0's host)", "drop `rollout_process: true` to connect to the rollout server, or drop "
                               "rollout_address to spawn the rollout side")
+
+    @property
+    def uses_tools(self) -> bool:
+        """Completions are episodes: tools or an environment are configured."""
+        return bool(self.tools) or self.environment_factory is not None
+
+    def _validate_agents(self) -> None:
+        """Checks of the tool and environment keys."""
+        for key, refs in (("tools", self.tools), ("environment_factory", [self.environment_factory] * (
+                self.environment_factory is not None))):
+            for ref in refs:
+                if not isinstance(ref, str) or ":" not in ref:
+                    raise ConfigError(key, f"{ref!r} is not of the form package.module:name",
+                                      "write e.g. `my_agent.tools:lookup` (a function) or `my_agent.env:MyEnv` (a class)")
+        if self.uses_tools and self.reward_workers:
+            raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
+                              "are scored in the rollout process, where their environments live",
+                              "set `reward_workers: 0`")
+        if self.uses_tools and self.prompt_format == "raw":
+            raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
+                              "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
 
     def _validate_delivery(self) -> None:
         """Checks of `adapter_delivery` and its receivers."""
@@ -560,6 +601,8 @@ it at the same path; with `http` it stays on the trainer's side."""
         hints = typing.get_type_hints(cls)
         kwargs = {}
         for key, value in values.items():
+            if key == "max_tool_calling_iterations" and value is not None:  # TRL's name: tool rounds, not turns
+                key, value = "max_turns", int(value) + 1
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
                 fix = f"did you mean `{close[0]}`?" if close else "remove it (see docs/configuration.md)"
@@ -633,6 +676,9 @@ VALUE_RANGES: dict[str, Range] = {
     "reward_fallback": Range(fix="use a finite reward such as 0.0, or unset it"),
     "reward_workers": Range(0, 1024, fix="use 0 to score in the request threads, or a few worker processes"),
     "reward_timeout": Range(0, low_open=True, fix="give the seconds one group's scoring may take, e.g. 60"),
+    "max_turns": Range(1, fix="use the most model turns an episode may take, e.g. 8"),
+    "max_episode_tokens": Range(1, fix="use the most tokens an episode may have after its prompt, or unset it"),
+    "tool_timeout": Range(0, low_open=True, fix="give the seconds one tool call may take, e.g. 30"),
     "num_generations": Range(2, fix="use 2 or more for group-relative advantages (8 is typical)"),
     "max_completion_length": Range(1, fix="use the most tokens a completion may have, e.g. 256"),
     "temperature": Range(0, low_open=True, fix="sample with temperature 1.0 (the policy's own distribution)"),

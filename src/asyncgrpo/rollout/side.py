@@ -137,7 +137,8 @@ class RolloutSide:
         """Rollout, queue and reward counters now (TensorBoard names; the run summary reads them too)."""
         producer, queue = self.producer, self.queue
         elapsed = time.monotonic() - producer.started_at
-        return {"rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
+        episodes = producer.episodes.stats.values() if producer.episodes is not None else {}  # with tools only
+        return {**episodes, "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
                 "rollout/lost_groups_total": producer.lost_groups,
                 "rollout/resent_groups_total": producer.resent_groups,
                 "reward/fallbacks_total": self.scorer.fallbacks,

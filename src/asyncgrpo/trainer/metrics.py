@@ -103,6 +103,9 @@ class StepMetrics:
                    # hit max_completion_length (left out of the loss with mask_truncated_completions)
                    "completion/truncated_fraction": sum(r == "length" for g in groups for r in g.finish_reasons)
                    / completions})
+        episodes = [g for g in groups if g.loss_mask]
+        if episodes:
+            self._put(episode_values(episodes, version))
         for name, mean in reward_means([g.reward_parts for g in groups]).items():
             if mean is not None:  # None: the function applied to no completion of this batch
                 self._put({f"reward/{name}": mean})
@@ -154,3 +157,21 @@ class StepMetrics:
     def log(self, logger, step: int) -> None:
         """Hand the values to `logger` (the rollout side: `log(values, step)` writes TensorBoard)."""
         logger.log(self.values, step)
+
+
+def turns(loss_mask: list[int]) -> int:
+    """Model turns of one episode: the runs of sampled tokens (1s) in its loss mask."""
+    return sum(1 for i, m in enumerate(loss_mask) if m and (i == 0 or not loss_mask[i - 1]))
+
+
+def episode_values(groups: list[Group], version: int) -> dict[str, float]:
+    """Per-step statistics of a batch's episodes (docs/metrics.md): turns, tokens (all, and sampled ones), the
+    fraction truncated and the oldest token's staleness."""
+    masks = [m for g in groups for m in g.loss_mask]
+    n = len(masks)
+    oldest = min((min(v) for g in groups for v in g.versions if v), default=version)
+    return {"episode/turns_mean": sum(turns(m) for m in masks) / n,
+            "episode/tokens_mean": sum(len(m) for m in masks) / n,
+            "episode/sampled_tokens_mean": sum(sum(m) for m in masks) / n,
+            "episode/truncated_fraction": sum(r == "length" for g in groups for r in g.finish_reasons) / n,
+            "episode/token_staleness_max": version - oldest}

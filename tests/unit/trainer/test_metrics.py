@@ -129,3 +129,18 @@ def test_a_histogram_quantile_interpolates_within_its_bin_and_is_0_when_empty():
     assert histogram_quantile([0.0, 4.0, 0.0, 0.0], 0.5, top=4.0) == 1.5  # half of bin [1, 2)
     assert histogram_quantile([2.0, 0.0, 0.0, 2.0], 0.9, top=4.0) == pytest.approx(3.8)
     assert histogram_quantile([0.0] * 4, 0.5) == 0.0
+
+
+def test_a_batch_of_episodes_reports_turns_tokens_truncation_and_token_staleness():
+    from asyncgrpo.contracts import Group
+    from asyncgrpo.trainer.metrics import StepMetrics, turns
+
+    assert turns([0, 1, 1, 0, 0, 1, 0, 1]) == 3 and turns([]) == 0
+    g = Group(prompt="p", prompt_ids=[1], completion_ids=[[1, 2, 3, 4], [5, 6]], behaviour_logprobs=[[0.0] * 4, [0.0] * 2],
+              rewards=[0.0, 1.0], reward_parts={}, advantages=[0.0, 0.0], version=2, adapter="a",
+              finish_reasons=["stop", "length"], loss_mask=[[1, 0, 0, 1], [1, 1]], versions=[[2] * 4, [2, 2]])
+    metrics = StepMetrics()
+    metrics.batch([g], version=4, num_generations=2, waited_s=0.0)
+    v = metrics.values
+    assert (v["episode/turns_mean"], v["episode/tokens_mean"], v["episode/sampled_tokens_mean"]) == (1.5, 3.0, 2.0)
+    assert v["episode/truncated_fraction"] == 0.5 and v["episode/token_staleness_max"] == 2.0
