@@ -380,6 +380,12 @@ class AsyncGRPOConfig:
         """Prompt groups in one optimizer step's global batch over `world_size` ranks."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size // self.num_generations
 
+    def steps_for_epochs(self, rows: int, world_size: int) -> int:
+        """Optimizer steps of `num_train_epochs` passes over `rows` prompts: each generated batch takes
+        `groups_per_step` prompts and is trained on `num_iterations` times (at least 1 step)."""
+        passes = self.num_train_epochs * rows * self.num_iterations / self.groups_per_step(world_size)
+        return max(1, math.ceil(passes))
+
     def inflight_requests(self, groups_per_step: int) -> int:
         """Generation requests the producer keeps in flight: `max_inflight_requests`, or when unset a whole step's
         groups (two steps' worth when generation may run ahead), at least 2 per server."""
