@@ -353,7 +353,7 @@ class AsyncGRPOTrainer:
                        "train_seconds": seconds, **summary_counters(self.rollout.stats()),
                        "tensorboard": str(self.rollout.tensorboard_dir.resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),
-                       "trainable_dtype": self._trainable_dtype(),
+                       "trainable_dtype": self._trainable_dtype(), "optimizer_state_dtype": self._state_dtype(),
                        "start_step": self.start_step,
                        "resumed_from": str(self.resumed_from) if self.resumed_from is not None else None,
                        # every other version is unloaded at cleanup; this one too unless keep_final_adapter
@@ -372,6 +372,15 @@ class AsyncGRPOTrainer:
         """The dtype the LoRA weights train in after prepare() (fp32 on every backend: distributed.py)."""
         lora = next(p for p in self.acc.unwrap_model(self.model).parameters() if p.requires_grad)
         return str(getattr(lora, "ds_tensor", lora).dtype).removeprefix("torch.")
+
+    def _state_dtype(self) -> str:
+        """The dtype of Adam's moments (under DeepSpeed, its ZeRO optimizer's inner torch optimizer holds them)."""
+        opt = self.optimizer
+        while hasattr(opt, "optimizer"):  # accelerate's wrapper, then DeepSpeed's ZeRO optimizer, down to AdamW
+            opt = opt.optimizer
+        dtypes = {str(v.dtype).removeprefix("torch.") for s in opt.state.values() for k, v in s.items()
+                  if k.startswith("exp_avg")}
+        return ",".join(sorted(dtypes))
 
     def halt(self) -> None:
         """On SIGTERM/SIGINT (main thread, shutdown.py): resume every server a sync in progress has paused."""
