@@ -330,7 +330,8 @@ class AsyncGRPOConfig:
     """Keep only the newest this many checkpoints (older ones are deleted after each save). Unset = keep all."""
     resume_from_checkpoint: str | None = None
     """Continue a run: `latest` (or `true`, as in transformers: the newest `checkpoint-<step>` in `output_dir`; an
-    error when there is none) or a checkpoint directory. Step numbers and policy versions continue; the adapter is re-published to every server
+    error when there is none) or a checkpoint directory. Step numbers and policy versions continue; the adapter is
+    re-published to every server
     before generation starts."""
     deepspeed: str | None = None
     """A DeepSpeed JSON config (e.g. `launch/deepspeed/zero3.json`) for runs started by the `deepspeed` launcher
@@ -873,7 +874,8 @@ def _type_name(hint) -> str:
 def reference_markdown() -> str:
     """The config reference table for docs/configuration.md: `python -m asyncgrpo.config`."""
     rows = ["| key | type | default | what it does |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{name}` | `{kind}` | `{default}` | {doc} |" for name, kind, default, doc in reference()]
+    rows += [f"| `{name}` | `{kind.replace('|', chr(92) + '|')}` | `{default}` | {doc} |"  # `\|`: not a cell edge
+             for name, kind, default, doc in reference()]
     return "\n".join(rows)
 
 

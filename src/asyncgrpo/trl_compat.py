@@ -216,7 +216,8 @@ ref_model_sync_steps report_to reward_model_name_or_path router_aux_loss_coef ru
 save_only_model steps_per_generation tf32 top_entropy_quantile torch_compile use_bias_correction_kl use_cpu
 use_transformers_paged vllm_importance_sampling_clip_min vllm_structured_outputs_regex
 """.split())
-SUGGEST_CUTOFF = 0.85  # difflib ratio: `learning_rat` -> `learning_rate` is 0.96, `num_train_epochs` -> `num_iterations` 0.67
+# difflib's ratio: `learning_rat` -> `learning_rate` is 0.96, `num_train_epochs` -> `num_iterations` only 0.67.
+SUGGEST_CUTOFF = 0.85
 
 
 def unknown_key(key: str, known) -> ConfigError:

@@ -1,9 +1,9 @@
 """The LoRA-only sync on every sharding backend: a real 2-process launch per backend (gloo, CPU) against the real
-vLLM server, with an fp32 and with a bf16 base (also one asked for by a ZeRO json's bf16 block). After the last sync, the adapter the server serves is the one
-written, it is non-trivial (every LoRA B moved off its zero init, so no backend wrote empty or zero tensors), stays
-fp32 over a bf16 base, and loaded with PEFT onto the unsharded base it gives the server's logprobs. Every gather
-moved exactly the adapter's bytes, and on-policy (max_staleness 0) the trainer's own logprobs matched the server's
-behaviour logprobs token by token."""
+vLLM server, with an fp32 and with a bf16 base (also one a ZeRO json's bf16 block asks for). After the last sync,
+the adapter the server serves is the one written, it is non-trivial (every LoRA B moved off its zero init, so no
+backend wrote empty or zero tensors), stays fp32 over a bf16 base, and loaded with PEFT onto the unsharded base it
+gives the server's logprobs. Every gather moved exactly the adapter's bytes, and on-policy (max_staleness 0) the
+trainer's own logprobs matched the server's behaviour logprobs token by token."""
 
 import json
 import os
@@ -109,8 +109,8 @@ def test_a_zero_json_with_bf16_on_trains_a_bf16_base_under_an_fp32_adapter(backe
     ds = json.loads((REPO / ds_json).read_text())
     ds["bf16"] = {"enabled": enabled}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    accelerate = (REPO / f"launch/accelerate/{backend}_cpu.yaml").read_text().replace(ds_json, str(tmp_path / "ds.json"))
-    (tmp_path / "accelerate.yaml").write_text(accelerate)
+    accelerate = (REPO / f"launch/accelerate/{backend}_cpu.yaml").read_text()
+    (tmp_path / "accelerate.yaml").write_text(accelerate.replace(ds_json, str(tmp_path / "ds.json")))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
            "--main_process_port", str(find_free_port()), *(["--mixed_precision", "bf16"] if enabled == "auto" else []),

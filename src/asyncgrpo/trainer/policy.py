@@ -39,8 +39,8 @@ def base_dtype(cfg, acc) -> str:
         return cfg.torch_dtype
     if cfg.torch_dtype != "float32":
         raise ConfigError("torch_dtype", f"is {cfg.torch_dtype}, but the DeepSpeed json turns bf16 on",
-                          "set `torch_dtype: bfloat16`, or `\"bf16\": {\"enabled\": \"auto\"}` in the json without bf16 "
-                          "mixed precision")
+                          "set `torch_dtype: bfloat16`, or `\"bf16\": {\"enabled\": \"auto\"}` in the json "
+                          "without bf16 mixed precision")
     log.info("the DeepSpeed json turns bf16 on: the base model is built in bfloat16 (torch_dtype says float32)")
     return "bfloat16"
 
