@@ -86,8 +86,10 @@ def translate(values: dict) -> tuple[dict, list[ConfigError]]:
     values, problems = dict(values), []
     _renames(values, problems)
     for key, (agree, why, fix) in AGREEING.items():
-        if key in values and values.pop(key) not in agree:
-            problems.append(ConfigError(key, f"asyncgrpo cannot honour this value: {why}", fix))
+        value = values.pop(key, agree[0])
+        if value not in agree:
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as YAML writes it
+            problems.append(ConfigError(key, f"{shown} cannot be honoured: {why}", fix))
     for key in IGNORED:
         values.pop(key, None)
     for step in (_model_init_kwargs, _precision, _save_strategy, _epochs, _resume, _server_address, _reward_paths):
