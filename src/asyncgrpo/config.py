@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from asyncgrpo import trl_compat
 from asyncgrpo.errors import ConfigError, ConfigErrors
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
@@ -43,18 +44,22 @@ class AsyncGRPOConfig:
     model_name_or_path: str = "toy"
     """Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
     (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory; `shape:<name>` (e.g.
-    `shape:qwen2.5-1.5b`) a random-weight model of a real checkpoint's shape in `torch_dtype` (docs/models.md)."""
+    `shape:qwen2.5-1.5b`) a random-weight model of a real checkpoint's shape in `torch_dtype` (docs/models.md).
+    Every adapter records it as `base_model_name_or_path`: a hub id as written, a local directory as an absolute
+    path."""
     toy_seed: int = 0
     """Seed of the toy world, used only when `model_name_or_path: toy` or `dataset_name: toy`."""
     torch_dtype: str = "float32"
     """Dtype the trainer loads the base model in: `float32`, `bfloat16` or `float16`. The LoRA weights stay fp32
-    over a half-precision base (PEFT's default), and the loss is computed in fp32. On GPUs use `bfloat16`."""
+    over a half-precision base (PEFT's default), and the loss is computed in fp32. On GPUs use `bfloat16`. TRL's
+    `dtype`, `model_init_kwargs: {dtype: ...}`, `bf16: true` and `fp16: true` set it (docs/configuration.md#trl-keys);
+    so does a DeepSpeed json whose `bf16.enabled` is on."""
     use_lora: bool = True
-    """Train a LoRA adapter on a frozen base. Requires `lora_adapter_path`. Full fine-tuning is not supported yet."""
+    """Train a LoRA adapter on a frozen base (TRL's `use_peft`). Full fine-tuning is not supported yet."""
     lora_adapter_path: str | None = None
     """Directory where published adapter versions are written: `<lora_adapter_path>/<run id>/v000001`, ... (PEFT
     `save_pretrained` format, written atomically). With `adapter_delivery: shared_fs` the inference servers must read
-it at the same path; with `http` it stays on the trainer's side."""
+    it at the same path; with `http` it stays on the trainer's side. Unset: `<output_dir>/adapters`."""
     lora_name: str = "policy"
     """Name generation requests use for the trained adapter on the inference server. A run id is appended
     so that names stay unique for the server's lifetime (vLLM refuses to re-load a name)."""
@@ -66,7 +71,8 @@ it at the same path; with `http` it stays on the trainer's side."""
     """Dropout on the LoRA input during training. Keep 0 for exact trainer/server policy equivalence."""
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    """Module names that get a LoRA adapter."""
+    """Module names that get a LoRA adapter, or `all-linear` (PEFT's: every linear layer of the language model but
+    the output head)."""
 
     # ---- data and rewards -----------------------------------------------------------------------
     dataset_name: str = "toy"
@@ -184,8 +190,9 @@ it at the same path; with `http` it stays on the trainer's side."""
     optimizer step on every backend, and saved in checkpoints."""
     warmup_ratio: float = 0.0
     """Fraction of `max_steps` over which the learning rate rises linearly from 0 (transformers' `warmup_ratio`)."""
-    warmup_steps: int = 0
-    """Warm-up length in optimizer steps; overrides `warmup_ratio` when > 0 (transformers' `warmup_steps`)."""
+    warmup_steps: float = 0
+    """Warm-up length: optimizer steps when >= 1, a fraction of `max_steps` when below 1 (transformers 5's
+    `warmup_steps`, which took over `warmup_ratio`); overrides `warmup_ratio` when > 0."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -195,7 +202,12 @@ it at the same path; with `http` it stays on the trainer's side."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm; 0 disables clipping."""
     max_steps: int = 100
-    """Optimizer steps to run."""
+    """Optimizer steps to run. A file that gives `num_train_epochs` and no max_steps (or transformers' unset value
+    `max_steps: -1`) runs the epochs instead."""
+    num_train_epochs: float | None = None
+    """Passes over the training prompts: at start, rank 0 counts the training split's rows and the run takes
+    ceil(num_train_epochs x rows x num_iterations / prompts per step) optimizer steps (a batch is trained on
+    `num_iterations` times). A max_steps given beside it wins, as in transformers. Unset: `max_steps`."""
     num_iterations: int = 1
     """Optimizer steps taken on each generated batch (TRL's `num_iterations`, the GRPO paper's mu): a batch is taken
     from the rollout queue once, collated once (and its reference logprobs computed once when `beta` > 0), and
@@ -348,7 +360,9 @@ it at the same path; with `http` it stays on the trainer's side."""
 
     # ---- output and logging ---------------------------------------------------------------------
     output_dir: str = "runs/asyncgrpo"
-    """Where TensorBoard logs and the final adapter go."""
+    """Where the run writes: the final adapter in PEFT format (`adapter_model.safetensors` and `adapter_config.json`
+    in output_dir itself, as TRL's `save_model` writes them), `checkpoint-<step>/`, `tensorboard/`, `config.yaml`
+    and `run_summary.json`."""
     logging_steps: int = 1
     """Optimizer steps between TensorBoard scalar writes."""
     save_steps: int = 0
@@ -359,13 +373,16 @@ it at the same path; with `http` it stays on the trainer's side."""
     save_total_limit: int | None = None
     """Keep only the newest this many checkpoints (older ones are deleted after each save). Unset = keep all."""
     resume_from_checkpoint: str | None = None
-    """Continue a run: `latest` (the newest `checkpoint-<step>` in `output_dir`; an error when there is none) or a
-    checkpoint directory. Step numbers and policy versions continue; the adapter is re-published to every server
+    """Continue a run: `latest` (or `true`, as in transformers: the newest `checkpoint-<step>` in `output_dir`; an
+    error when there is none) or a checkpoint directory. Step numbers and policy versions continue; the adapter is
+    re-published to every server
     before generation starts."""
     deepspeed: str | None = None
     """A DeepSpeed JSON config (e.g. `launch/deepspeed/zero3.json`) for runs started by the `deepspeed` launcher
     (or `torchrun`), which, unlike `accelerate launch --config_file ...`, tell the trainer nothing about DeepSpeed.
-    Ignored, with a warning, when `accelerate launch` already configured DeepSpeed."""
+    Ignored, with a warning, when `accelerate launch` already configured DeepSpeed. A json whose `bf16.enabled` is
+    on (`true`, or `auto` under bf16 mixed precision) is translated: the base model is held in bf16, while the LoRA
+    weights and their optimizer state stay fp32 (DeepSpeed's own bf16 mode is switched off)."""
     ddp_timeout: int = 3600
     """Seconds a collective may wait for the other ranks before the run fails (lower in tests); the default covers
     every wait below with the default timeouts, `adapter_delivery: http` included. With several ranks it
@@ -379,6 +396,8 @@ it at the same path; with `http` it stays on the trainer's side."""
     def __post_init__(self) -> None:
         if isinstance(self.scale_rewards, bool):  # TRL's booleans
             self.scale_rewards = "group" if self.scale_rewards else "none"
+        if self.lora_adapter_path is None:
+            self.lora_adapter_path = str(Path(self.output_dir) / "adapters")
         self.validate()
 
     @property
@@ -406,6 +425,12 @@ it at the same path; with `http` it stays on the trainer's side."""
         """Prompt groups in one optimizer step's global batch over `world_size` ranks."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size // self.num_generations
 
+    def steps_for_epochs(self, rows: int, world_size: int) -> int:
+        """Optimizer steps of `num_train_epochs` passes over `rows` prompts: each generated batch takes
+        `groups_per_step` prompts and is trained on `num_iterations` times (at least 1 step)."""
+        passes = self.num_train_epochs * rows * self.num_iterations / self.groups_per_step(world_size)
+        return max(1, math.ceil(passes))
+
     def inflight_requests(self, groups_per_step: int) -> int:
         """Generation requests the producer keeps in flight: `max_inflight_requests`, or when unset a whole step's
         groups (two steps' worth when generation may run ahead), at least 2 per server."""
@@ -415,13 +440,21 @@ it at the same path; with `http` it stays on the trainer's side."""
         return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
 
     def validate(self) -> None:
-        """Every value alone (VALUE_RANGES, names, URLs: all problems reported at once), then the cross-field
-        checks; each error names the key to change."""
+        """Every value alone (VALUE_RANGES, names, URLs), then each group of cross-field checks; every problem found
+        is reported at once (one line each), each naming the key to change."""
         problems = value_problems(self)
-        if len(problems) == 1:
-            raise problems[0]
-        if problems:
-            raise ConfigErrors(problems)
+        if not problems:
+            for check in (self._validate_training, self._validate_checkpoints, self._validate_loss,
+                          self._validate_schedule, self._validate_generation, self._validate_data,
+                          self._validate_agents, self._validate_delivery, self._validate_rollout_address):
+                try:
+                    check()
+                except ConfigError as exc:
+                    problems.append(exc)
+        raise_all(problems)
+
+    def _validate_training(self) -> None:
+        """Checks of the adapter, the batch and the staleness keys."""
         if self.use_lora and not self.lora_adapter_path:
             raise ConfigError("lora_adapter_path", "is required when use_lora is true",
                               "set lora_adapter_path to a directory the inference server can read, "
@@ -434,7 +467,6 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"({self.num_generations}); groups cannot be split across ranks",
                               f"use a multiple of {self.num_generations}, e.g. "
                               f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}")
-        self._validate_checkpoints()
         if self.max_staleness == 0 and self.num_iterations % self.weight_sync_steps:
             raise ConfigError("max_staleness", f"0 promises that every batch is sampled by the weights its training "
                               f"starts from, but with num_iterations {self.num_iterations} and weight_sync_steps "
@@ -442,15 +474,17 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"version that sampled them was published",
                               f"make weight_sync_steps divide num_iterations (e.g. weight_sync_steps: "
                               f"{self.num_iterations}), or allow staleness with max_staleness: 1")
-        self._validate_loss()
-        self._validate_schedule()
+
+    def _validate_generation(self) -> None:
+        """Checks of the sampling, dtype, DeepSpeed, sync and reward function keys."""
         if self.top_p != 1.0:
             # The server would sample from the nucleus and report logprobs renormalised over it, while the loss
             # scores the full softmax: every step would be off-policy (measured: max |log ratio| 0.66 at top_p 0.5).
             raise ConfigError("top_p", f"{self.top_p} is not supported: the trainer scores the full distribution, "
                               f"the server would sample from the top-p nucleus only", "set `top_p: 1.0` (the default)")
         if self.torch_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16")
+            raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16 "
+                              "(`auto` is not read from the checkpoint: name the dtype)")
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
             raise ConfigError("deepspeed", f"file {self.deepspeed!r} does not exist",
                               "pass a DeepSpeed JSON such as launch/deepspeed/zero3.json (relative to where you launch)")
@@ -468,10 +502,6 @@ it at the same path; with `http` it stays on the trainer's side."""
             if ":" not in ref:
                 raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
                                   "write e.g. `asyncgrpo.toy:larger_reward`")
-        self._validate_data()
-        self._validate_agents()
-        self._validate_delivery()
-        self._validate_rollout_address()
 
     def _validate_rollout_address(self) -> None:
         if self.rollout_address is None:
@@ -558,9 +588,11 @@ it at the same path; with `http` it stays on the trainer's side."""
 
     @property
     def num_warmup_steps(self) -> int:
-        """Warm-up length in optimizer steps: `warmup_steps`, else `warmup_ratio` x max_steps rounded up (as
-        transformers does)."""
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
+        """Warm-up length in optimizer steps: `warmup_steps` (>= 1: steps, below 1: a fraction of max_steps), else
+        `warmup_ratio` x max_steps; fractions are rounded up (as transformers does)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * self.max_steps)
 
     def _validate_checkpoints(self) -> None:
         if self.save_steps and self.save_steps % self.weight_sync_steps:
@@ -596,19 +628,29 @@ it at the same path; with `http` it stays on the trainer's side."""
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, values: dict) -> "AsyncGRPOConfig":
-        """Build from a plain mapping (a parsed YAML file); unknown keys and wrong types are errors."""
+        """Build from a plain mapping (a parsed YAML file) in this project's or TRL's key names (trl_compat.py).
+        Unknown keys, wrong types, TRL values that cannot be honoured and bad values are all reported at once."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
+        values, problems = trl_compat.translate(values)
         kwargs = {}
         for key, value in values.items():
             if key == "max_tool_calling_iterations" and value is not None:  # TRL's name: tool rounds, not turns
                 key, value = "max_turns", int(value) + 1
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                fix = f"did you mean `{close[0]}`?" if close else "remove it (see docs/configuration.md)"
-                raise ConfigError(key, "unknown key", fix)
-            kwargs[key] = _coerce(key, value, hints[key])
-        return cls(**kwargs)
+            try:
+                if key not in known:
+                    raise trl_compat.unknown_key(key, known)
+                kwargs[key] = _coerce(key, value, hints[key])
+            except ConfigError as exc:
+                problems.append(exc)
+        try:
+            config = cls(**kwargs)  # the keys that were right: their values and combinations are checked too
+        except ConfigErrors as exc:
+            problems.extend(exc.errors)
+        except ConfigError as exc:
+            problems.append(exc)
+        raise_all(problems)
+        return config
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "AsyncGRPOConfig":
@@ -688,12 +730,13 @@ VALUE_RANGES: dict[str, Range] = {
     "gradient_accumulation_steps": Range(1, fix="use 1 or more"),
     "learning_rate": Range(0, low_open=True, fix="use e.g. 1e-5 (LoRA: 1e-5 to 1e-3)"),
     "warmup_ratio": Range(0, 1, high_open=True, fix="use e.g. 0.05"),
-    "warmup_steps": Range(0, fix="use 0 or e.g. 10"),
+    "warmup_steps": Range(0, fix="use 0, a number of steps such as 10, or a fraction of max_steps such as 0.05"),
     "weight_decay": Range(0, fix="use 0 or e.g. 0.01"),
     "adam_beta1": Range(0, 1, high_open=True, fix="use 0.9 (the default)"),
     "adam_beta2": Range(0, 1, high_open=True, fix="use 0.999 (the default)"),
     "max_grad_norm": Range(0, fix="use 1.0, or 0 to disable clipping"),
     "max_steps": Range(1, fix="use 1 or more"),
+    "num_train_epochs": Range(0, low_open=True, fix="use e.g. 1, or unset it and set max_steps"),
     "num_iterations": Range(1, fix="use 1 (TRL's default) or a few"),
     "epsilon": Range(0, low_open=True, fix="use epsilon: 0.2"),
     "epsilon_high": Range(0, low_open=True, fix="use 0.28 (DAPO), or unset it to use epsilon"),
@@ -726,6 +769,14 @@ LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
 # The secrets asyncgrpo reads from the environment; reward workers start without them (rollout/reward_pool.py).
 SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
+
+
+def raise_all(problems: list[ConfigError]) -> None:
+    """Raise the one problem as it is, several as one ConfigErrors (one line each); nothing when there is none."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigErrors(problems)
 
 
 def value_problems(cfg: AsyncGRPOConfig) -> list[ConfigError]:
@@ -883,14 +934,29 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+def reference() -> list[tuple[str, str, object, str]]:
+    """(key, type, default, doc) of every field, in order: the one source of docs/configuration.md and of
+    `asyncgrpo train --help`."""
+    fields = AsyncGRPOConfig.__dataclass_fields__
+    hints = typing.get_type_hints(AsyncGRPOConfig)
+    rows = []
+    for name, doc in field_docs().items():
+        f = fields[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        rows.append((name, _type_name(hints[name]), default, doc))
+    return rows
+
+
+def _type_name(hint) -> str:
+    """`str | list[str]`, `dict[str, Any] | None`, ... as a user reads them."""
+    return str(hint).replace("typing.", "") if typing.get_origin(hint) else hint.__name__
+
+
 def reference_markdown() -> str:
     """The config reference table for docs/configuration.md: `python -m asyncgrpo.config`."""
-    defaults = AsyncGRPOConfig.__dataclass_fields__
-    rows = ["| key | default | what it does |", "| --- | --- | --- |"]
-    for name, doc in field_docs().items():
-        f = defaults[name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        rows.append(f"| `{name}` | `{default}` | {doc} |")
+    rows = ["| key | type | default | what it does |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{name}` | `{kind.replace('|', chr(92) + '|')}` | `{default}` | {doc} |"  # `\|`: not a cell edge
+             for name, kind, default, doc in reference()]
     return "\n".join(rows)
 
 

@@ -96,6 +96,12 @@ def resolve_model_path(cfg) -> str:
     return str(toy_world(cfg).model_dir)
 
 
+def base_model_reference(model_path: str) -> str:
+    """What an adapter records as `base_model_name_or_path`: a local directory as an absolute path (valid from any
+    working directory), anything else, a hub id, exactly as the user wrote it."""
+    return str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
+
+
 def local_model_dir(path: str) -> str:
     """A local directory holding the model `path` names: `path` itself when it is a directory, else its hub snapshot
     (downloaded unless cached; weights as safetensors or .bin, never the `original/` or GGUF copies some repos add)."""
@@ -136,6 +142,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # ---- reading a split -------------------------------------------------------------------------------------
+def count_training_rows(cfg) -> int:
+    """Rows of the training split (for `num_train_epochs`)."""
+    return len(read_records(cfg)[0])
+
+
 def read_records(cfg) -> tuple[list[dict], str]:
     """The training split as (rows, a description of where they came from, for messages)."""
     if cfg.dataset_name == "toy":
