@@ -241,3 +241,12 @@ def test_the_configuration_page_lists_every_trl_key_the_layer_reads():
     keys = [*trl_compat.ALIASES, *trl_compat.AGREEING, *trl_compat.IGNORED, "save_strategy", "num_train_epochs",
             "bf16", "fp16", "model_init_kwargs", "vllm_server_host", "vllm_server_port", *trl_compat.TRL_REWARDS]
     assert [k for k in keys if f"`{k}" not in page] == []
+
+
+def test_no_key_this_project_reads_is_listed_as_a_trl_key_without_an_equivalent():
+    import dataclasses
+
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.trl_compat import TRL_ONLY
+
+    assert TRL_ONLY.isdisjoint({f.name for f in dataclasses.fields(AsyncGRPOConfig)} | {"max_tool_calling_iterations"})
