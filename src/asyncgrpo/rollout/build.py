@@ -105,7 +105,7 @@ def end_token_ids(tokenizer, model_path: str) -> frozenset[int]:
     ids = {tokenizer.eos_token_id} - {None}
     try:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+    except (OSError, ValueError):  # no (readable) generation_config.json: the tokenizer's EOS alone
         eos = None
     ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
     return frozenset(ids)
@@ -132,15 +132,7 @@ def build_episode_runner(cfg, tokenizer, model_path: str, max_model_len: int | N
     per prompt). Turns end at the tokenizer's eos or one of generation_config.json's (the server stops there too)."""
     if not cfg.uses_tools:
         return None
-    stop_ids = {tokenizer.eos_token_id} - {None}
-    try:
-        # heavy: transformers, only for runs with tools
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-        stop_ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
-    except (OSError, ValueError):
-        pass  # no generation_config.json: the tokenizer's eos alone
+    stop_ids = set(end_token_ids(tokenizer, model_path))
     fmt = ChatFormat(tokenizer, response_template_for(tokenizer, model_type_of(model_path)), stop_ids=stop_ids,
                      template_kwargs=cfg.chat_template_kwargs, system_prompt=cfg.system_prompt)
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
