@@ -230,11 +230,11 @@ it at the same path; with `http` it stays on the trainer's side."""
     """DAPO's dynamic sampling: a group whose completions all got the same reward (zero std: no advantage, no
     gradient) is dropped when it reaches the queue, counted in `queue/dropped_zero_std_total`, and the producer
     generates another in its place, so every batch is full of groups that teach something. Costs generation when
-    most groups are all right or all wrong. `reward/frac_reward_zero_std` (TRL's metric) is logged either way."""
+    most groups are all right or all wrong. `train/frac_reward_zero_std` (TRL's metric) is logged either way."""
     mask_truncated_completions: bool = False
     """Leave completions that hit `max_completion_length` (finish_reason `length`) out of the loss (TRL's name; DAPO).
     They are still scored: reward functions get a `truncated` column either way, and
-    `completion/truncated_fraction` is logged."""
+    `train/completions/clipped_ratio` is logged."""
     seed: int = 0
     """Seed for data order, initialisation and sampling on the trainer side."""
 
