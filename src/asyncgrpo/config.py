@@ -328,7 +328,8 @@ it at the same path; with `http` it stays on the trainer's side."""
     """`steps`: every `eval_steps`, and at the last step, measure the held-out reward of `eval_dataset` through the
     server under the adapter just published (logged as `eval/reward`); `no`: never."""
     eval_steps: int | None = None
-    """Optimizer steps between evaluations (a multiple of `weight_sync_steps`). Unset: `logging_steps`."""
+    """Optimizer steps between evaluations with `eval_strategy: steps` (a multiple of `weight_sync_steps`). Unset:
+    `logging_steps`."""
     eval_dataset: str | None = None
     """Held-out prompts for `eval_strategy: steps`: `toy` (the toy world's held-out split), or a local data file or
     `save_to_disk` directory in the training data's format (same prompt column and reward columns)."""
@@ -463,9 +464,9 @@ it at the same path; with `http` it stays on the trainer's side."""
         if self.eval_strategy == "steps" and not self.eval_dataset:
             raise ConfigError("eval_dataset", "is required with eval_strategy: steps",
                               "name held-out prompts (`toy`, or a local data file), or set `eval_strategy: no`")
-        if self.eval_strategy == "no" and (self.eval_dataset or self.eval_steps):
-            raise ConfigError("eval_strategy", "is `no`, but eval_dataset or eval_steps is set (no evaluation "
-                              "would run)", "set `eval_strategy: steps`, or drop eval_dataset and eval_steps")
+        if self.eval_strategy == "no" and self.eval_dataset:  # eval_steps alone is accepted, as TRL does
+            raise ConfigError("eval_strategy", "is `no`, but eval_dataset is set (no evaluation would run)",
+                              "set `eval_strategy: steps`, or drop eval_dataset")
         if self.eval_strategy == "steps" and self.evaluation_interval % self.weight_sync_steps:
             raise ConfigError("eval_steps", f"{self.evaluation_interval} is not a multiple of weight_sync_steps "
                               f"({self.weight_sync_steps}): evaluation measures the adapter just published",

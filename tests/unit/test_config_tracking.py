@@ -12,6 +12,7 @@ def test_defaults_report_to_tensorboard_and_evaluate_nothing():
     assert cfg(report_to="wandb").report_to == ["wandb"]  # one name, as TRL's YAML writes it
     assert cfg(eval_strategy="steps", eval_dataset="toy", logging_steps=3).evaluation_interval == 3
     assert cfg(eval_strategy="steps", eval_dataset="toy", eval_steps=4).evaluation_interval == 4
+    assert cfg(eval_steps=4).eval_strategy == "no"  # a TRL config's eval_steps alone evaluates nothing, as in TRL
 
 
 @pytest.mark.parametrize("values,key,fix", [
