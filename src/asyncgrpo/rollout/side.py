@@ -1,9 +1,10 @@
 """RolloutSide: rank 0's rollout side in this process, everything that talks to the inference servers.
 
 It owns the parts rollout/build.py builds (clients, recovery, adapter store, publisher, scorer, queue, producer) plus
-the publish thread, the trackers (`report_to`) and the held-out prompts (`eval_dataset`), and alone knows which version is live under which adapter name. It
-implements RolloutInterface (rollout/interface.py, which documents each call); the trainer hands it tensors and takes
-batches: start, publish(0, wait=True), then take and publish each step, wait_published, close.
+the publish thread, the trackers (`report_to`) and the held-out prompts (`eval_dataset`), and alone knows which
+version is live under which adapter name. It implements RolloutInterface (rollout/interface.py, which documents each
+call); the trainer hands it tensors and takes batches: start, publish(0, wait=True), then take and publish each step,
+wait_published, close.
 """
 
 from __future__ import annotations

@@ -23,17 +23,17 @@ from asyncgrpo.data import resolve_model_path
 from asyncgrpo.distributed import (accumulation, dist_max, dist_sums, make_accelerator, on_main, require_shared_dir,
                                    scatter_object, setup_logging)
 from asyncgrpo.inference.recovery import batch_wait_s, check_outage_fits_ddp_timeout
+from asyncgrpo.rewards import reward_name
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
 from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device
-from asyncgrpo.rewards import reward_name
 from asyncgrpo.trainer.checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint,
                                           resolve_checkpoint, restore_rng, save_checkpoint)
+from asyncgrpo.trainer.completions import CompletionLog
 from asyncgrpo.trainer.gather import backend_of, gather_lora_state
 from asyncgrpo.trainer.logprobs import sequence_logprobs
 from asyncgrpo.trainer.loss import LossSpec, grpo_loss, loss_normaliser
-from asyncgrpo.trainer.completions import CompletionLog
 from asyncgrpo.trainer.metrics import LossTotals, StepMetrics, summary_counters
 from asyncgrpo.trainer.policy import build_policy
 from asyncgrpo.trainer.schedule import build_lr_scheduler
