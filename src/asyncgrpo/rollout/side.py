@@ -122,7 +122,7 @@ class RolloutSide:
 
     def _publish(self, version: int, tensors: dict, step: int) -> None:
         """On the publish thread: write the version, activate it, point new requests at it, retire what nothing
-        uses; its timings go to TensorBoard at `step`."""
+        uses; its timings go to the trackers at `step`."""
         t0 = time.perf_counter()
         path = self.store.write(version, tensors, self.peft_config, base_model=str(Path(self.model_path).resolve()))
         written = time.perf_counter()
@@ -142,7 +142,7 @@ class RolloutSide:
 
     # ---- logging --------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Rollout, queue and reward counters now (TensorBoard names; the run summary reads them too)."""
+        """Rollout, queue and reward counters now (tracker names; the run summary reads them too)."""
         producer, queue = self.producer, self.queue
         elapsed = time.monotonic() - producer.started_at
         return {"rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
