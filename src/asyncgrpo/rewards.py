@@ -110,6 +110,10 @@ class RewardScorer:
         self.functions = [load_reward_function(r, kwargs.get(r, kwargs.get(reward_name(r)))) for r in self.refs]
         if self.weights is None:
             self.weights = [1.0] * len(self.refs)
+        for fn in self.functions:  # heavy imports now (a worker: before it says ready), not inside reward_timeout
+            warm_up = getattr(getattr(fn, "func", fn), "warm_up", None)  # `func`: a partial with reward_kwargs
+            if callable(warm_up):
+                warm_up()
 
     @property
     def names(self) -> list[str]:
@@ -293,7 +297,7 @@ def math_verify_installed() -> bool:
     return importlib.util.find_spec("math_verify") is not None
 
 
-def math_accuracy(prompts, completions, *, answer_column: str = "answer", parsed=None,
+def math_accuracy(prompts, completions, *, answer_column: str = "answer", grader: str = "auto", parsed=None,
                   **columns) -> list[float | None]:
     """1.0 when the completion's final answer equals the reference, else 0.0; None for a row whose reference holds
     no answer (not applicable).
@@ -303,15 +307,29 @@ def math_accuracy(prompts, completions, *, answer_column: str = "answer", parsed
     message only its `content` is read (not the reasoning). With `math-verify` installed it extracts and compares
     the answers symbolically (`\\boxed{}`, LaTeX, fractions, expressions: `\\frac{1}{2}` == `0.5`, `2\\sqrt{2}` ==
     `\\sqrt{8}`); without it, numbers compare exactly after removing thousands commas, `$` and `%` (the last
-    `\\boxed{}`, else the last number).
+    `\\boxed{}`, else the last number). `grader`: `auto` (math-verify when installed), `math-verify` or `numbers`
+    (the number comparison costs ~0.1 ms per completion, math-verify ~10 ms).
     """
     if answer_column not in columns:
         raise ValueError(f"math_accuracy needs the reference column {answer_column!r}; columns: {sorted(columns)} "
                          f"(set `reward_kwargs: {{math_accuracy: {{answer_column: NAME}}}}`)")
-    grade = _grade_math_verify if math_verify_installed() else _grade_numbers
+    if grader not in ("auto", "math-verify", "numbers"):
+        raise ValueError(f"math_accuracy's grader is auto, math-verify or numbers, not {grader!r}")
+    if grader == "math-verify" and not math_verify_installed():
+        raise ValueError("math_accuracy's grader math-verify is not installed: pip install math-verify")
+    use_math_verify = grader == "math-verify" or (grader == "auto" and math_verify_installed())
+    grade = _grade_math_verify if use_math_verify else _grade_numbers
     parsed = parsed if parsed is not None else [None] * len(completions)
     return [grade(completion_text(completion, message), reference)
             for completion, reference, message in zip(completions, columns[answer_column], parsed)]
+
+
+def _import_math_verify() -> None:
+    if math_verify_installed():
+        import math_verify  # noqa: F401  heavy: sympy and its LaTeX parser, seconds on first import
+
+
+math_accuracy.warm_up = _import_math_verify  # RewardScorer calls it when it loads the function
 
 
 def _grade_numbers(text: str, reference) -> float | None:

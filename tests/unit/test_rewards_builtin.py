@@ -119,3 +119,14 @@ def test_length_penalty_is_zero_until_soft_length_then_linear_to_minus_one():
     assert length_penalty(["q"], ["x" * 90], max_length=100, soft_length=80) == [-0.5]  # characters without ids
     with pytest.raises(ValueError, match="soft_length < max_length"):
         length_penalty(["q"], ["x"], max_length=10, soft_length=10)
+
+
+def test_the_grader_can_be_named_and_a_wrong_name_says_the_choices(grader):
+    assert score("<answer>2\\sqrt{2}</answer>", "\\sqrt{8}", grader="numbers") == 0.0  # whatever is installed
+    if grader == "math-verify":
+        assert score("<answer>2\\sqrt{2}</answer>", "\\sqrt{8}", grader="math-verify") == 1.0
+    else:
+        with pytest.raises(ValueError, match="math-verify is not installed: pip install math-verify"):
+            score("1", "#### 1", grader="math-verify")
+    with pytest.raises(ValueError, match="auto, math-verify or numbers, not 'sympy'"):
+        score("1", "#### 1", grader="sympy")
