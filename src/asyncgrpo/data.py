@@ -327,6 +327,25 @@ def load_prompt_set(cfg, tokenizer, *, server_max_model_len: int | None = None,
     return prompts
 
 
+def load_eval_prompts(cfg, tokenizer, *, server_max_model_len: int | None = None) -> list[PromptRow]:
+    """`eval_dataset`'s prompts (none without it), in the training data's prompt format: `toy` is the toy world's
+    held-out split; anything else a local file or `save_to_disk` directory, read as `dataset_name` would be."""
+    if not cfg.eval_dataset:
+        return []
+    if cfg.eval_dataset == "toy":
+        records, source = read_jsonl(toy_world(cfg).heldout_file), str(toy_world(cfg).heldout_file)
+    else:
+        local = SimpleNamespace(dataset_name=cfg.eval_dataset, data_files=None, dataset_config=None,
+                                      dataset_train_split="train")  # local files are the `train` split
+        if not Path(cfg.eval_dataset).exists():
+            raise ConfigError("eval_dataset", f"{cfg.eval_dataset!r} does not exist",
+                              "give a local data file or directory, or `toy`")
+        dataset, source = _load_split(local)
+        records = dataset.to_list()
+    limit = prompt_length_limit(cfg, server_max_model_len)
+    return build_rows(records, tokenizer, PromptFormat.from_config(cfg), source=source, max_prompt_length=limit).rows
+
+
 def load_prompts(path: Path, tokenizer, prompt_column: str = "prompt") -> list[PromptRow]:
     """Rows of a local jsonl file (the toy world's splits), plain-text prompts tokenised as written."""
     fmt = PromptFormat(prompt_column=prompt_column, prompt_format="raw")

@@ -20,10 +20,11 @@ from pathlib import Path
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import load_prompts
 from asyncgrpo.errors import AsyncGRPOError
-from asyncgrpo.evaluate import evaluate_served
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import VLLMServer, find_free_port, served_lora_rank
 from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.evaluation import evaluate_served
+from asyncgrpo.rollout.scoring import InThreadScoring
 
 log = logging.getLogger("asyncgrpo.demo")
 
@@ -55,16 +56,16 @@ def launch_environment() -> dict[str, str]:
 
 def heldout_rewards(cfg: AsyncGRPOConfig, client, model: str, world) -> dict[str, float]:
     """Held-out reward of `model` on the server: the mean over 4 samples per prompt at the training temperature
-    (the quantity GRPO maximises), and greedy accuracy."""
+    (the quantity GRPO maximises), and greedy accuracy; the same evaluation a run does every `eval_steps`."""
     from transformers import AutoTokenizer  # heavy: transformers, not needed by the CLI that imports this module
 
     tokenizer = AutoTokenizer.from_pretrained(world.model_dir)
     rows = load_prompts(world.heldout_file, tokenizer, cfg.prompt_column)
-    scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights)
+    scorer = InThreadScoring(RewardScorer(cfg.reward_funcs, cfg.reward_weights), tokenizer)
     common = dict(max_tokens=cfg.max_completion_length)
-    return {"sampled": evaluate_served(client, model, rows, tokenizer, scorer, temperature=cfg.temperature, n=4,
-                                       **common),
-            "greedy": evaluate_served(client, model, rows, tokenizer, scorer, temperature=0.0, **common)}
+    return {"sampled": evaluate_served(client, model, rows, scorer, temperature=cfg.temperature, n=4,
+                                       **common).reward,
+            "greedy": evaluate_served(client, model, rows, scorer, temperature=0.0, **common).reward}
 
 
 def run_demo(args, overrides: list[str]) -> int:

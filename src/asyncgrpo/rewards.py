@@ -1,21 +1,27 @@
-"""Reward functions: loading by `package.module:function`, scoring with weights, clear failures, and built-ins.
+"""Reward functions: loading by `package.module:function` (or a reward model's directory), scoring with weights,
+clear failures, and built-ins.
 
 A reward function has TRL's signature `fn(prompts, completions, **columns) -> list[float | None]`, one value per
-completion; None means "does not apply to this completion". A completion's total is the weighted sum over the
-functions that returned a number, else `reward_fallback`. What each argument holds, and the built-ins: docs/data.md.
+completion, and may be `async def`; None means "does not apply to this completion". A completion's total is the
+weighted sum over the functions that returned a number, else `reward_fallback`. What each argument holds, reward
+models (reward_model.py) and the built-ins: docs/data.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
 import numbers
 import re
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
+from pathlib import Path
 from typing import Callable
 
 from asyncgrpo.errors import ConfigError, RewardFunctionError
@@ -35,9 +41,17 @@ def is_factory(fn) -> bool:
     return not any(p.name == "completions" or p.kind == p.VAR_KEYWORD for p in params)
 
 
+def reward_name(ref: str) -> str:
+    """A reward's name in metrics and tables: the function's name, or a reward model directory's last part."""
+    return ref.partition(":")[2] if ":" in ref else Path(ref).name
+
+
 def load_reward_function(ref: str, kwargs: dict | None = None) -> RewardFn:
     """`package.module:function` -> the function, with `kwargs` bound, or, for a factory, the function it returns
-    when called with `kwargs`; errors name the reference and the fix."""
+    when called with `kwargs`; a directory -> a reward model scoring with it (`kwargs`: RewardModel's); errors
+    name the reference and the fix."""
+    if ":" not in ref:
+        return _load_reward_model(ref, kwargs)
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -93,13 +107,17 @@ class RewardScorer:
 
     def __post_init__(self) -> None:
         kwargs = self.kwargs or {}
-        self.functions = [load_reward_function(r, kwargs.get(r, kwargs.get(r.partition(":")[2]))) for r in self.refs]
+        self.functions = [load_reward_function(r, kwargs.get(r, kwargs.get(reward_name(r)))) for r in self.refs]
         if self.weights is None:
             self.weights = [1.0] * len(self.refs)
+        for fn in self.functions:  # heavy imports now (a worker: before it says ready), not inside reward_timeout
+            warm_up = getattr(getattr(fn, "func", fn), "warm_up", None)  # `func`: a partial with reward_kwargs
+            if callable(warm_up):
+                warm_up()
 
     @property
     def names(self) -> list[str]:
-        return [r.partition(":")[2] for r in self.refs]
+        return [reward_name(r) for r in self.refs]
 
     def score(self, prompts: list, completions: list, columns: dict[str, list], *,
               completion_ids: list[list[int]] | None = None, parsed: list[dict | None] | None = None,
@@ -139,6 +157,8 @@ class RewardScorer:
     def _call(self, ref, fn, prompts, completions, columns) -> list[float | None]:
         try:
             values = fn(prompts=prompts, completions=completions, **columns)
+            if inspect.isawaitable(values):  # an `async def` function: run to completion in this thread
+                values = asyncio.run(_awaited(values))
         except Exception as exc:  # a user's function: report it with the sample, or fall back if asked to
             if self.fallback is None:
                 raise RewardFunctionError(
@@ -168,6 +188,25 @@ class RewardScorer:
                                           f"completion, or None where the function does not apply")
             out.append(float(v))
         return out
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _load_reward_model(ref: str, kwargs: dict | None) -> RewardFn:
+    """A sequence-classification checkpoint directory as a reward function (loaded on first use, in the process
+    that scores)."""
+    from asyncgrpo.reward_model import RewardModel
+
+    if not (Path(ref) / "config.json").is_file():
+        raise ConfigError("reward_funcs", f"{ref!r} is neither `package.module:function` nor a model directory "
+                          f"(no {Path(ref) / 'config.json'})", "write e.g. `asyncgrpo.toy:larger_reward`, or the "
+                          "path of a sequence-classification checkpoint (a reward model)")
+    try:
+        return RewardModel(ref, **(kwargs or {}))
+    except TypeError as exc:
+        raise ConfigError("reward_kwargs", f"reward model {ref}: {exc}", "it takes `batch_size` only") from exc
 
 
 # ---- built-in reward functions ----------------------------------------------------------------------------------
@@ -253,30 +292,86 @@ def extract_reference(reference) -> Fraction | None:
     return extract_answer(reference)
 
 
-def math_accuracy(prompts, completions, *, answer_column: str = "answer", parsed=None,
+def math_verify_installed() -> bool:
+    """Whether `math-verify` can grade (`pip install math-verify`); without it math_accuracy compares numbers."""
+    return importlib.util.find_spec("math_verify") is not None
+
+
+def math_accuracy(prompts, completions, *, answer_column: str = "answer", grader: str = "auto", parsed=None,
                   **columns) -> list[float | None]:
-    """1.0 when the completion's final answer equals the reference numerically, else 0.0; None for a row whose
-    reference holds no number (not applicable).
+    """1.0 when the completion's final answer equals the reference, else 0.0; None for a row whose reference holds
+    no answer (not applicable).
 
     The reference comes from the `answer_column` column (GSM8K: `answer`, ending in `#### 42`). The completion's
-    answer is its last `\\boxed{}`, else `<answer>` tag, else text after `####`, else its last number; with a parsed
-    message only its `content` is read (not the reasoning). Numbers compare exactly after removing thousands
-    commas, `$` and `%`: `1,000` == `1000`, `42.0` == `42`, `\\frac{1}{2}` == `0.5`.
+    answer is read from its last `<answer>` tag, else the text after `####`, else the whole text; with a parsed
+    message only its `content` is read (not the reasoning). With `math-verify` installed it extracts and compares
+    the answers symbolically (`\\boxed{}`, LaTeX, fractions, expressions: `\\frac{1}{2}` == `0.5`, `2\\sqrt{2}` ==
+    `\\sqrt{8}`); without it, numbers compare exactly after removing thousands commas, `$` and `%` (the last
+    `\\boxed{}`, else the last number). `grader`: `auto` (math-verify when installed), `math-verify` or `numbers`
+    (the number comparison costs ~0.1 ms per completion, math-verify ~10 ms).
     """
     if answer_column not in columns:
         raise ValueError(f"math_accuracy needs the reference column {answer_column!r}; columns: {sorted(columns)} "
                          f"(set `reward_kwargs: {{math_accuracy: {{answer_column: NAME}}}}`)")
-    references = columns[answer_column]
+    if grader not in ("auto", "math-verify", "numbers"):
+        raise ValueError(f"math_accuracy's grader is auto, math-verify or numbers, not {grader!r}")
+    if grader == "math-verify" and not math_verify_installed():
+        raise ValueError("math_accuracy's grader math-verify is not installed: pip install math-verify")
+    use_math_verify = grader == "math-verify" or (grader == "auto" and math_verify_installed())
+    grade = _grade_math_verify if use_math_verify else _grade_numbers
     parsed = parsed if parsed is not None else [None] * len(completions)
-    out: list[float | None] = []
-    for completion, reference, message in zip(completions, references, parsed):
-        expected = extract_reference(reference)
-        if expected is None:
-            out.append(None)
-            continue
-        got = extract_answer(completion_text(completion, message))
-        out.append(1.0 if got is not None and got == expected else 0.0)
-    return out
+    return [grade(completion_text(completion, message), reference)
+            for completion, reference, message in zip(completions, columns[answer_column], parsed)]
+
+
+def _import_math_verify() -> None:
+    if math_verify_installed():
+        import math_verify  # noqa: F401  heavy: sympy and its LaTeX parser, seconds on first import
+
+
+math_accuracy.warm_up = _import_math_verify  # RewardScorer calls it when it loads the function
+
+
+def _grade_numbers(text: str, reference) -> float | None:
+    """The fallback without math-verify: exact numeric comparison of the extracted numbers."""
+    expected = extract_reference(reference)
+    if expected is None:
+        return None
+    got = extract_answer(text)
+    return 1.0 if got is not None and got == expected else 0.0
+
+
+def _answer_region(text: str) -> str:
+    """Where a completion states its answer: its last `<answer>` tag, else what follows `####`, else all of it."""
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    if tagged:
+        return tagged[-1]
+    return text.rsplit("####", 1)[1] if "####" in text else text
+
+
+def _parse_math(parse, text: str, timeout: int | None) -> list:
+    """math-verify's parse; LaTeX without delimiters (`\\frac12`, as datasets store answers and `<answer>` tags
+    hold them) is read as math mode."""
+    bare = "\\" in text and not any(d in text for d in ("$", "\\boxed", "\\(", "\\["))
+    return parse(f"${text.strip()}$" if bare else text, parsing_timeout=timeout)
+
+
+def _grade_math_verify(text: str, reference) -> float | None:
+    """math-verify's extraction and symbolic comparison. Its timeouts use SIGALRM, which only the main thread may
+    set: off it (request threads) they are off, and `reward_timeout` bounds the call instead."""
+    from math_verify import parse, verify  # heavy: sympy, only when math_accuracy grades
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    if isinstance(reference, numbers.Real) and not isinstance(reference, bool):
+        reference = str(reference)
+    if not isinstance(reference, str) or not reference.strip():
+        return None
+    reference = reference.rsplit("####", 1)[1] if "####" in reference else reference
+    gold = _parse_math(parse, reference, timeout)
+    if not gold:
+        return None
+    answer = _parse_math(parse, _answer_region(text), timeout)
+    return 1.0 if answer and verify(gold, answer, timeout_seconds=timeout) else 0.0
 
 
 @functools.lru_cache(maxsize=32)

@@ -209,14 +209,12 @@ def _reward_path(name: str) -> str:
 # meaning (`per_device_eval_batch_size` is not `per_device_train_batch_size`).
 TRL_ONLY = frozenset("""
 attn_implementation bf16_full_eval cache_implementation cast_lm_head_to_fp32 data_seed dataset_streaming
-dataset_test_split disable_dropout entropy_coef eval_on_start eval_steps eval_strategy fp16_full_eval fsdp
-fsdp_config generation_batch_size label_names load_best_model_at_end load_in_4bit load_in_8bit log_completions
-log_completions_hub_repo log_unique_prompts logging_dir lora_modules_to_save lora_target_parameters
-metric_for_best_model num_completions_to_print num_generations_eval
-overwrite_output_dir pad_to_multiple_of per_device_eval_batch_size ref_model_mixup_alpha
-ref_model_sync_steps report_to reward_model_name_or_path router_aux_loss_coef run_name save_on_each_node
-save_only_model steps_per_generation tf32 torch_compile use_cpu
-use_transformers_paged vllm_structured_outputs_regex
+dataset_test_split disable_dropout entropy_coef eval_on_start fp16_full_eval fsdp fsdp_config
+generation_batch_size label_names load_best_model_at_end load_in_4bit load_in_8bit log_completions_hub_repo
+log_unique_prompts logging_dir lora_modules_to_save lora_target_parameters metric_for_best_model
+overwrite_output_dir pad_to_multiple_of per_device_eval_batch_size ref_model_mixup_alpha ref_model_sync_steps
+reward_model_name_or_path router_aux_loss_coef save_on_each_node save_only_model steps_per_generation tf32
+torch_compile use_cpu use_transformers_paged vllm_structured_outputs_regex
 """.split())
 # difflib's ratio: `learning_rat` -> `learning_rate` is 0.96, `num_train_epochs` -> `num_iterations` only 0.67.
 SUGGEST_CUTOFF = 0.85

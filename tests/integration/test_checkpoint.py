@@ -106,8 +106,8 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
                                                                                           "train/loss")
     assert [s for s, _ in loss_b] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in tb_scalars(b_out / "tensorboard", "policy/version")] == [1, 2, 3, 4, 5, 6]
-    reward_a = tb_scalars(tmp_path / "a" / "tensorboard", "reward/mean")
-    assert tb_scalars(b_out / "tensorboard", "reward/mean") == reward_a  # the same completions were sampled
+    reward_a = tb_scalars(tmp_path / "a" / "tensorboard", "train/reward")
+    assert tb_scalars(b_out / "tensorboard", "train/reward") == reward_a  # the same completions were sampled
     assert max(abs(va - vb) for (_, va), (_, vb) in zip(loss_a, loss_b)) < 1e-5
     rates = [v for _, v in tb_scalars(b_out / "tensorboard", "train/learning_rate")]
     assert rates == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])  # the warm-up continued after the resume

@@ -44,10 +44,10 @@ def test_the_correction_sees_one_version_of_staleness_and_nothing_on_policy(vllm
     tb = tmp_path / "tensorboard"
     staleness = [v for _, v in tb_scalars(tb, "staleness/max")]
     assert staleness == [0.0] + [1.0] * (STEPS - 1)
-    ratio_mean = [v for _, v in tb_scalars(tb, "sampling/importance_sampling_ratio/mean")]
-    ratio_max = [v for _, v in tb_scalars(tb, "sampling/importance_sampling_ratio/max")]
-    kl = [v for _, v in tb_scalars(tb, "sampling/kl_behaviour")]
-    capped = [v for _, v in tb_scalars(tb, "sampling/is_capped_fraction")]
+    ratio_mean = [v for _, v in tb_scalars(tb, "train/sampling/importance_sampling_ratio/mean")]
+    ratio_max = [v for _, v in tb_scalars(tb, "train/sampling/importance_sampling_ratio/max")]
+    kl = [v for _, v in tb_scalars(tb, "train/sampling/kl_behaviour")]
+    capped = [v for _, v in tb_scalars(tb, "train/sampling/is_capped_fraction")]
     # Step 0 is on-policy (fp32 on both sides): the weight is 1 up to numerical noise and nothing is capped.
     assert abs(ratio_mean[0] - 1.0) < 1e-4 and ratio_max[0] < 1.001 and kl[0] < 1e-6 and capped[0] == 0.0
     # One optimizer step later at learning rate 1e-2 the trainer has moved away from the sampler: the weights are no

@@ -80,8 +80,8 @@ def test_a_local_gsm8k_file_trains_end_to_end_in_one_process(own_data_run, clien
 
 def test_each_reward_function_has_its_own_mean_in_tensorboard(own_data_run, tb_scalars):
     out, _, _ = own_data_run
-    accuracy = [v for _, v in tb_scalars(out / "tensorboard", "reward/math_accuracy")]
-    penalty = [v for _, v in tb_scalars(out / "tensorboard", "reward/length_penalty")]
+    accuracy = [v for _, v in tb_scalars(out / "tensorboard", "train/rewards/math_accuracy/mean")]
+    penalty = [v for _, v in tb_scalars(out / "tensorboard", "train/rewards/length_penalty/mean")]
     assert len(accuracy) == 3 and all(0.0 <= v <= 1.0 for v in accuracy)
     assert len(penalty) == 3 and all(-1.0 <= v <= 0.0 for v in penalty)
 
@@ -89,7 +89,7 @@ def test_each_reward_function_has_its_own_mean_in_tensorboard(own_data_run, tb_s
 def test_chat_completions_reach_the_users_reward_function_parsed(own_data_run, tb_scalars):
     """The toy tokenizer has no response template of its own; transformers ships one for its model type (qwen2)."""
     out, _, _ = own_data_run
-    assert [v for _, v in tb_scalars(out / "tensorboard", "reward/parsed_reply")] == [1.0, 1.0, 1.0]
+    assert [v for _, v in tb_scalars(out / "tensorboard", "train/rewards/parsed_reply/mean")] == [1.0, 1.0, 1.0]
 
 
 def test_over_long_prompts_are_skipped_and_counted(own_data_run, tb_scalars):

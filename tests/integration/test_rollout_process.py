@@ -45,7 +45,7 @@ def test_a_run_with_its_rollout_side_in_a_child_process_trains_and_publishes(two
     out, summary, proc = two_process_run
     assert summary["steps"] == 3 and summary["version"] == 3
     assert [v for _, v in tb_scalars(out / "tensorboard", "policy/version")] == [1.0, 2.0, 3.0]
-    assert len(tb_scalars(out / "tensorboard", "reward/mean")) == 3  # the trainer's stats, written by the child
+    assert len(tb_scalars(out / "tensorboard", "train/reward")) == 3  # the trainer's stats, written by the child
     assert len(tb_scalars(out / "tensorboard", "sync/server_s")) == 4  # the child's own publish timings (v0..v3)
     child = _child_pid(proc.stderr)  # rank 0 logs the pid it spawned; the child logs its own and its parent's
     assert re.search(rf"\[rollout\] .* rollout side started in process {child} \(parent \d+\)", proc.stderr)

@@ -50,7 +50,7 @@ def test_reward_workers_score_a_two_process_run_and_stop_with_it(train_two_proce
                              "--reward_workers", "2", "--reward_funcs", "[asyncgrpo.toy.task:slow_larger_reward]",
                              "--reward_kwargs", "{slow_larger_reward: {ms_per_completion: 1}}")
     (pids,) = re.findall(r"reward scoring in 2 worker processes \(pids (\d+ \d+)\)", proc.stderr)  # rank 0 only
-    rewards = [v for _, v in tb_scalars(tmp_path / "tensorboard", "reward/mean")]
+    rewards = [v for _, v in tb_scalars(tmp_path / "tensorboard", "train/reward")]
     assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards) and max(rewards) > 0.0
     assert [v for _, v in tb_scalars(tmp_path / "tensorboard", "reward/fallbacks_total")] == [0.0] * 3
     for pid in map(int, pids.split()):

@@ -1,3 +1,6 @@
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 
@@ -127,3 +130,18 @@ def test_reward_kwargs_are_bound_by_name_or_reference_and_typos_are_config_error
     with pytest.raises(ConfigError) as err:
         RewardScorer([f"{__name__}:scaled"], kwargs={"scaled": {"facter": 3.0}})
     assert err.value.field == "reward_kwargs" and "no argument(s) ['facter']; it takes ['factor']" in str(err.value)
+
+
+async def async_length_reward(prompts, completions, **columns):
+    await asyncio.sleep(0)  # a real await: the function is a coroutine function, run to completion by the scorer
+    return [float(len(c)) for c in completions]
+
+
+def test_an_async_reward_function_is_awaited_in_the_scoring_thread():
+    s = RewardScorer([f"{__name__}:async_length_reward"], weights=[2.0])
+    assert s.score(["p", "p"], ["ab", "abcd"], {}) == ([4.0, 8.0], {"async_length_reward": [2.0, 4.0]})
+    results = []
+    thread = threading.Thread(target=lambda: results.append(s.score(["p"], ["abc"], {})[0]))  # as request threads do
+    thread.start()
+    thread.join()
+    assert results == [[6.0]]

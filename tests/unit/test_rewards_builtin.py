@@ -1,10 +1,22 @@
-"""The built-in reward functions on real-format strings: GSM8K references, boxed answers, commas, no answer."""
+"""The built-in reward functions on real-format strings: GSM8K references, boxed answers, commas, no answer.
+math_accuracy's cases run twice: graded by math-verify, and by the number comparison it falls back to without it."""
 
 import pytest
 
+from asyncgrpo import rewards
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import (RewardScorer, extract_answer, extract_reference, format_reward, length_penalty,
                                math_accuracy)
+
+
+@pytest.fixture(params=["math-verify", "numbers"], autouse=True)
+def grader(request, monkeypatch):
+    """Every test here runs once with math-verify grading and once with the fallback (math-verify not installed)."""
+    if request.param == "math-verify":
+        assert rewards.math_verify_installed(), "math-verify is a test dependency (pip install math-verify)"
+    else:
+        monkeypatch.setattr(rewards, "math_verify_installed", lambda: False)
+    return request.param
 
 # A GSM8K training row's reference, verbatim in format (calculator annotations, `#### answer` last).
 GSM8K_REFERENCE = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -21,7 +33,6 @@ def score(completion, reference=GSM8K_REFERENCE, **kw):
     ("48 + 24 = 72, but the answer is \\boxed{72}.", 1.0),  # boxed
     ("First 72... no wait. \\boxed{70}", 0.0),  # a boxed answer wins over numbers before it
     ("The total is \\boxed{72.0}", 1.0),  # trailing .0
-    ("The total is \\boxed{\\text{72 clips}}", 1.0),
     ("<think>48 and 24</think><answer>72</answer>", 1.0),  # answer tags
     ("48+24 = <<48+24=72>>72\n#### 72", 1.0),  # GSM8K's own format
     ("I cannot tell.", 0.0),  # no answer
@@ -30,6 +41,20 @@ def score(completion, reference=GSM8K_REFERENCE, **kw):
 ])
 def test_math_accuracy_on_gsm8k_reference(completion, expected):
     assert score(completion) == expected
+
+
+def test_a_boxed_answer_with_its_unit_in_text_counts_only_for_the_number_comparison(grader):
+    # math-verify reads `\text{...}` in a box as text, not as the number 72; the fallback takes the number.
+    assert score("The total is \\boxed{\\text{72 clips}}") == (1.0 if grader == "numbers" else 0.0)
+
+
+@pytest.mark.parametrize("reference,completion,without", [
+    ("\\sqrt{8}", "<answer>2\\sqrt{2}</answer>", 0.0),  # bare LaTeX: the numbers 8 and 2 differ
+    ("\\boxed{x^2+2x+1}", "\\boxed{(x+1)^2}", 0.0),  # the same polynomial, last numbers 1 and 2
+    ("\\boxed{3 + x^2}", "so \\boxed{x^2 + 3}", 0.0),  # terms in another order
+])
+def test_math_verify_compares_expressions_the_number_comparison_cannot(grader, reference, completion, without):
+    assert score(completion, reference) == (1.0 if grader == "math-verify" else without)
 
 
 @pytest.mark.parametrize("reference,completion", [
@@ -94,3 +119,14 @@ def test_length_penalty_is_zero_until_soft_length_then_linear_to_minus_one():
     assert length_penalty(["q"], ["x" * 90], max_length=100, soft_length=80) == [-0.5]  # characters without ids
     with pytest.raises(ValueError, match="soft_length < max_length"):
         length_penalty(["q"], ["x"], max_length=10, soft_length=10)
+
+
+def test_the_grader_can_be_named_and_a_wrong_name_says_the_choices(grader):
+    assert score("<answer>2\\sqrt{2}</answer>", "\\sqrt{8}", grader="numbers") == 0.0  # whatever is installed
+    if grader == "math-verify":
+        assert score("<answer>2\\sqrt{2}</answer>", "\\sqrt{8}", grader="math-verify") == 1.0
+    else:
+        with pytest.raises(ValueError, match="math-verify is not installed: pip install math-verify"):
+            score("1", "#### 1", grader="math-verify")
+    with pytest.raises(ValueError, match="auto, math-verify or numbers, not 'sympy'"):
+        score("1", "#### 1", grader="sympy")

@@ -218,7 +218,7 @@ def test_every_problem_of_a_file_comes_in_one_message(tmp_path):
     assert [e.field for e in err.value.errors] == ["per_device_train_batch_size", "loss_type", "sync_mode"]
 
 
-@pytest.mark.parametrize("key", ["num_train_epoch", "report_to", "eval_steps", "run_name", "vllm_server_url_x"])
+@pytest.mark.parametrize("key", ["num_train_epoch", "per_device_eval_batch_size", "eval_on_start", "vllm_server_url_x"])
 def test_an_unknown_key_gets_no_suggestion_of_another_meaning(key):
     with pytest.raises(ConfigError) as err:
         cfg(**{key: 1})

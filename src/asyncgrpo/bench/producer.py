@@ -40,7 +40,10 @@ TAKE_TIMEOUT_S = 60.0  # the consumer's wait for a batch; the load generator ans
 REWARD = "asyncgrpo.rewards:math_accuracy"
 # The workload: 32 prompts x 8 completions of 256 tokens per batch, generation one batch ahead (max_staleness 1).
 SETTINGS = ["--num_generations", "8", "--max_completion_length", "256", "--per_device_train_batch_size", "256",
-            "--max_staleness", "1", "--max_inflight_requests", "32", "--reward_funcs", REWARD]
+            "--max_staleness", "1", "--max_inflight_requests", "32", "--reward_funcs", REWARD,
+            # the number comparison (~0.1 ms per completion) as when the figures in benchmarks.md were measured;
+            # math-verify, the default when installed, costs ~10 ms and would measure sympy instead of the producer
+            "--reward_kwargs", "{math_accuracy: {grader: numbers}}"]
 # A GSM8K-style worked solution: what math_accuracy reads (its last `#### N`) and about as long as real ones.
 SOLUTION = ("Natalia sold 48 / 2 = 24 clips in May. Natalia sold 48 + 24 = 72 clips altogether in April and May. "
             "She earns 12 / 60 = 0.2 dollars per minute of babysitting; working 50 minutes, she earned 0.2 x 50 = 10 "

@@ -34,9 +34,10 @@ TRAINER_DELAY_S = 0.3  # per optimizer step: longer than generating one batch on
 DEFAULT_WORKDIR = "runs/bench-staleness"
 WORKLOAD = ["--max_steps", "60", "--per_device_train_batch_size", "256", "--torch_num_threads", "1",
             "--num_iterations", "1", "--weight_sync_steps", "1", "--sync_mode", "versioned"]
-METRICS = ("staleness/mean", "staleness/max", "sampling/importance_sampling_ratio/mean",
-           "sampling/importance_sampling_ratio/max", "sampling/is_capped_fraction", "sampling/kl_behaviour",
-           "train/clip_fraction", "train/loss", "train/grad_norm", "train/max_abs_log_ratio")
+METRICS = ("staleness/mean", "staleness/max", "train/sampling/importance_sampling_ratio/mean",
+           "train/sampling/importance_sampling_ratio/max", "train/sampling/is_capped_fraction",
+           "train/sampling/kl_behaviour", "train/clip_ratio/region_mean", "train/loss", "train/grad_norm",
+           "train/max_abs_log_ratio")
 
 
 def cell_overrides(staleness: int, correction: str, seed: int, groups_per_step: int) -> list[str]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncgrpo.data import PromptRow, load_prompt_set, model_type_of, response_template_for, server_max_model_len
+from asyncgrpo.data import (PromptRow, load_eval_prompts, load_prompt_set, model_type_of, response_template_for,
+                            server_max_model_len)
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rewards import RewardScorer
@@ -36,6 +37,7 @@ class RolloutParts:
     scorer: GroupScorer  # decodes and scores groups: in the request threads or in reward worker processes
     producer: RolloutProducer  # keeps requests in flight and fills the queue (not started)
     prompts_skipped_too_long: int  # prompts dropped at load: no room left for max_completion_length tokens
+    eval_rows: list[PromptRow]  # eval_dataset's prompts (empty without one)
 
 
 # Not mutated (make mutate): it needs real servers (the doctor's checks first); every integration test that trains
@@ -63,6 +65,7 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
     # server answers for what all share: the base model, max_model_len.
     prompts = load_prompt_set(cfg, tokenizer, model_path=model_path,
                               server_max_model_len=server_max_model_len(clients[0].models()))
+    eval_rows = load_eval_prompts(cfg, tokenizer, server_max_model_len=server_max_model_len(clients[0].models()))
     queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards, dynamic_sampling=cfg.dynamic_sampling)
     # With tools or an environment, completions are episodes (docs/agents.md); else this is None.
     episodes = build_episode_runner(cfg, tokenizer, model_path, server_max_model_len(clients[0].models()))
@@ -76,7 +79,8 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
         scorer.close()  # reward worker processes, if any: nothing else will
         raise
     return RolloutParts(clients=clients, store=store, recovery=recovery, publisher=publisher, queue=queue,
-                        scorer=scorer, producer=producer, prompts_skipped_too_long=prompts.skipped_too_long)
+                        scorer=scorer, producer=producer, prompts_skipped_too_long=prompts.skipped_too_long,
+                        eval_rows=eval_rows)
 
 
 def build_producer(cfg, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,

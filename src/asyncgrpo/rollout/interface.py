@@ -50,13 +50,21 @@ class RolloutInterface(Protocol):
 
     @property
     def tensorboard_dir(self) -> Path:
-        """Where the rollout side writes TensorBoard (in another process: an absolute path on its host)."""
+        """Where the rollout side writes TensorBoard with `report_to: tensorboard` (in another process: an absolute
+        path on its host)."""
 
     def stats(self) -> dict[str, float]:
         """Rollout, queue and reward counters now, under their TensorBoard names (docs/metrics.md)."""
 
     def log(self, values: dict[str, float], step: int) -> None:
-        """Write `values` to TensorBoard at `step`: the one writer of a run's metrics."""
+        """Write `values` at `step` to every tracker in `report_to`: the one writer of a run's metrics."""
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """Write a table (e.g. the step's completions) at `step` to every tracker that shows tables."""
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out reward of `eval_dataset` under the live adapter, once its publish is done (`eval/...`
+        metrics), logged at `step` and returned."""
 
     def halt(self) -> None:
         """On SIGTERM/SIGINT: resume every server a sync in progress has paused; no later sync pauses one."""

@@ -85,6 +85,12 @@ class RolloutProcess:
     def log(self, values: dict[str, float], step: int) -> None:
         self._call("log", values, step)
 
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self._call("log_table", name, columns, rows, step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self._call("evaluate", step)
+
     def halt(self) -> None:
         """On SIGTERM/SIGINT (either thread of shutdown.py, maybe twice): have the other side resume any server a
         sync in progress paused, close the side and exit (the peer signals the child, or shuts the socket down). Not

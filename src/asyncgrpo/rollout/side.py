@@ -1,9 +1,10 @@
 """RolloutSide: rank 0's rollout side in this process, everything that talks to the inference servers.
 
 It owns the parts rollout/build.py builds (clients, recovery, adapter store, publisher, scorer, queue, producer) plus
-the publish thread and the TensorBoard writer, and alone knows which version is live under which adapter name. It
-implements RolloutInterface (rollout/interface.py, which documents each call); the trainer hands it tensors and takes
-batches: start, publish(0, wait=True), then take and publish each step, wait_published, close.
+the publish thread, the trackers (`report_to`) and the held-out prompts (`eval_dataset`), and alone knows which
+version is live under which adapter name. It implements RolloutInterface (rollout/interface.py, which documents each
+call); the trainer hands it tensors and takes batches: start, publish(0, wait=True), then take and publish each step,
+wait_published, close.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from pathlib import Path
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference
 from asyncgrpo.rollout.build import build_parts
+from asyncgrpo.rollout.evaluation import evaluate_served
+from asyncgrpo.trackers import Trackers, resolve_report_to
 
 log = logging.getLogger(__name__)
 
+EVAL_CONCURRENCY = 16  # held-out requests in flight at once, beside the producer's (evaluation waits for them all)
+
 
 class RolloutSide:
-    """Clients, recovery, store, publisher, scorer, queue, producer and the TensorBoard writer of one run (rank 0).
+    """Clients, recovery, store, publisher, scorer, queue, producer and the trackers of one run (rank 0).
 
     `step`: the trainer's step at start (a resumed run's checkpoint step: the producer fills that step's batch first
     and TensorBoard drops what a killed run logged after it); `data_position`: where the data stream resumes;
@@ -41,7 +46,8 @@ class RolloutSide:
         self.version: int | None = None  # the version the servers serve (None: none published yet)
         # Set by start(); None until then, so that halt() and close() work after a start that failed part-way.
         self.clients: list = []
-        self.recovery = self.store = self.publisher = self.scorer = self.queue = self.producer = self.writer = None
+        self.recovery = self.store = self.publisher = self.scorer = self.queue = self.producer = self.trackers = None
+        self.eval_rows: list = []  # eval_dataset's prompts, tokenised at start
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
         self._publishing: Future | None = None
 
@@ -51,17 +57,19 @@ class RolloutSide:
     def start(self) -> None:  # pragma: no mutate block
         """Check every server (`asyncgrpo doctor`: fail now, naming the fix), load the prompts, start the producer.
         It sends nothing before the first `publish`."""
-        from torch.utils.tensorboard import SummaryWriter  # heavy: tensorboard, only once a side starts
-
         parts = build_parts(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path, run_id=self.run_id,
                             groups_per_step=self.groups_per_step, start_position=self.data_position,
                             start_batch=self.start_step // self.cfg.num_iterations)  # a resumed run's batch
         self.clients, self.store, self.recovery, self.publisher = (parts.clients, parts.store, parts.recovery,
                                                                    parts.publisher)
         self.scorer, self.queue, self.producer = parts.scorer, parts.queue, parts.producer
+        self.eval_rows = parts.eval_rows
         resumed = self.previous_run_id is not None
         # Resuming: hide what a killed run logged after its checkpoint (TensorBoard purges steps >= purge_step).
-        self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=self.start_step + 1 if resumed else None)
+        self.trackers = Trackers.open(resolve_report_to(self.cfg.report_to), output_dir=self.cfg.output_dir,
+                                      run_name=self.cfg.run_name or f"{Path(self.cfg.output_dir).name}-{self.run_id}",
+                                      config=self.cfg.to_dict(),
+                                      purge_step=self.start_step + 1 if resumed else None)
         self.log({"data/prompts_skipped_too_long": parts.prompts_skipped_too_long}, self.start_step)
         if resumed:
             self._unload_previous_run()
@@ -115,7 +123,7 @@ class RolloutSide:
 
     def _publish(self, version: int, tensors: dict, step: int) -> None:
         """On the publish thread: write the version, activate it, point new requests at it, retire what nothing
-        uses; its timings go to TensorBoard at `step`."""
+        uses; its timings go to the trackers at `step`."""
         t0 = time.perf_counter()
         path = self.store.write(version, tensors, self.peft_config, base_model=base_model_reference(self.model_path))
         written = time.perf_counter()
@@ -135,7 +143,7 @@ class RolloutSide:
 
     # ---- logging --------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Rollout, queue and reward counters now (TensorBoard names; the run summary reads them too)."""
+        """Rollout, queue and reward counters now (tracker names; the run summary reads them too)."""
         producer, queue = self.producer, self.queue
         elapsed = time.monotonic() - producer.started_at
         episodes = producer.episodes.stats.values() if producer.episodes is not None else {}  # with tools only
@@ -148,10 +156,26 @@ class RolloutSide:
                 "queue/inflight_requests": producer.inflight}
 
     def log(self, values: dict[str, float], step: int) -> None:
-        """Write `values` to TensorBoard at `step`: every metric the side writes goes through here (the publish
+        """Write `values` at `step` to every tracker: every metric the side writes goes through here (the publish
         thread's sync timings too)."""
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
+        self.trackers.log(values, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """Write a table at `step` to every tracker that shows tables."""
+        self.trackers.log_table(name, columns, rows, step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """`eval_dataset`'s held-out reward under the live adapter (`num_generations_eval` completions per prompt at
+        the training temperature), scored as training scores; logged at `step` and returned."""
+        self.wait_published()  # the adapter the trainer just published, and no retirement during the evaluation
+        cfg = self.cfg
+        result = evaluate_served(self.clients[0], self.publisher.current_name, self.eval_rows, self.scorer,
+                                 max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                 n=cfg.num_generations_eval or cfg.num_generations,
+                                 concurrency=EVAL_CONCURRENCY)
+        metrics = result.metrics()
+        self.log(metrics, step)
+        return metrics
 
     # ---- the end --------------------------------------------------------------------------------------
     def halt(self) -> None:
@@ -169,5 +193,5 @@ class RolloutSide:
             self.scorer.close()
         if self.publisher is not None:  # free the servers' adapter slots this run held
             self.publisher.unload_all(keep=self.publisher.current_name if keep_final else None)
-        if self.writer is not None:
-            self.writer.close()
+        if self.trackers is not None:
+            self.trackers.close()

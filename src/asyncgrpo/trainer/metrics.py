@@ -1,4 +1,4 @@
-"""One optimizer step's metrics, collected in one object under their TensorBoard names (docs/metrics.md).
+"""One optimizer step's metrics, collected in one object under their tracker names (docs/metrics.md).
 
 `StepMetrics` gathers what the batch held, what the optimizer step measured, how long the weight sync took and the
 rollout side's counters, each through a small named method, and hands them to the logger. `LossTotals` adds up a
@@ -82,7 +82,8 @@ def histogram_quantile(hist: list[float], q: float, top: float = ENTROPY_MAX) ->
 
 @dataclass
 class StepMetrics:
-    """What one optimizer step measured, by TensorBoard name; rank 0 hands `values` to the logger."""
+    """What one optimizer step measured, by tracker name; rank 0 hands `values` to the logger. Quantities TRL's
+    GRPOTrainer logs too carry its names as its trackers show them (`train/` before each: transformers adds it)."""
 
     values: dict[str, float] = field(default_factory=dict)
 
@@ -95,20 +96,22 @@ class StepMetrics:
         staleness = [version - g.version for g in groups]
         rewards = torch.tensor([r for g in groups for r in g.rewards])
         completions = len(groups) * num_generations
-        self._put({"time/wait_for_data_s": waited_s, "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+        lengths = [len(c) for g in groups for c in g.completion_ids]
+        self._put({"time/wait_for_data_s": waited_s, "train/reward": rewards.mean(), "train/reward_std": rewards.std(),
                    "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
-                   # TRL's name: groups of this batch whose rewards are all equal (0 with dynamic_sampling)
-                   "reward/frac_reward_zero_std": sum(max(g.rewards) == min(g.rewards) for g in groups) / len(groups),
-                   "completion/mean_length": sum(g.n_completion_tokens for g in groups) / completions,
+                   # groups of this batch whose rewards are all equal (0 with dynamic_sampling)
+                   "train/frac_reward_zero_std": sum(max(g.rewards) == min(g.rewards) for g in groups) / len(groups),
+                   "train/completions/mean_length": sum(lengths) / completions,
+                   "train/completions/min_length": min(lengths), "train/completions/max_length": max(lengths),
                    # hit max_completion_length (left out of the loss with mask_truncated_completions)
-                   "completion/truncated_fraction": sum(r == "length" for g in groups for r in g.finish_reasons)
+                   "train/completions/clipped_ratio": sum(r == "length" for g in groups for r in g.finish_reasons)
                    / completions})
         episodes = [g for g in groups if g.loss_mask]
         if episodes:
             self._put(episode_values(episodes, version))
         for name, mean in reward_means([g.reward_parts for g in groups]).items():
             if mean is not None:  # None: the function applied to no completion of this batch
-                self._put({f"reward/{name}": mean})
+                self._put({f"train/rewards/{name}/mean": mean})
 
     def micro_batches(self, count: int) -> None:
         """This rank's micro-batches for a new batch (the same count on every rank with a token budget)."""
@@ -129,17 +132,17 @@ class StepMetrics:
                           for q in ENTROPY_QUANTILES}})
         if sums.get("masked"):  # tokens off_policy_mask_threshold or top_entropy_quantile left out of the loss
             self._put({"train/masked_fraction": sums["masked"] / per_token})
-        self._put({"train/loss": sums["loss"], "train/clip_fraction": sums["clipped"] / per_token,
+        self._put({"train/loss": sums["loss"], "train/clip_ratio/region_mean": sums["clipped"] / per_token,
                    "train/kl": sums["kl"] / per_token, "train/ratio_mean": sums["ratio"] / per_token,
                    "train/tokens": n_tokens, "train/learning_rate": lr,
                    # Per token, trainer vs the server's behaviour logprobs: numerical noise when on-policy.
                    "train/max_abs_log_ratio": maxima["max_abs_log_ratio"],
                    # Off-policy: the IS ratio proximal (or current) / behaviour before any cap, the fraction of
                    # tokens the correction truncated or masked, and the k3 estimate of KL(behaviour || trainer).
-                   "sampling/importance_sampling_ratio/mean": sums["is_ratio"] / per_token,
-                   "sampling/importance_sampling_ratio/max": maxima["is_ratio_max"],
-                   "sampling/is_capped_fraction": sums["is_capped"] / per_token,
-                   "sampling/kl_behaviour": sums["kl_behaviour"] / per_token})
+                   "train/sampling/importance_sampling_ratio/mean": sums["is_ratio"] / per_token,
+                   "train/sampling/importance_sampling_ratio/max": maxima["is_ratio_max"],
+                   "train/sampling/is_capped_fraction": sums["is_capped"] / per_token,
+                   "train/sampling/kl_behaviour": sums["kl_behaviour"] / per_token})
 
     def sync(self, gather_s: float, wait_previous_publish_s: float, gathered_bytes: int) -> None:
         """Rank 0: the weight sync's gather and its wait for the previous publish."""
@@ -152,10 +155,10 @@ class StepMetrics:
 
     @property
     def reward_mean(self) -> float:
-        return self.values["reward/mean"]
+        return self.values["train/reward"]
 
     def log(self, logger, step: int) -> None:
-        """Hand the values to `logger` (the rollout side: `log(values, step)` writes TensorBoard)."""
+        """Hand the values to `logger` (the rollout side: `log(values, step)` writes every tracker)."""
         logger.log(self.values, step)
 
 

@@ -24,6 +24,7 @@ from asyncgrpo.data import base_model_reference, count_training_rows, resolve_mo
 from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
                                    require_shared_dir, scatter_object, setup_logging)
 from asyncgrpo.inference.recovery import batch_wait_s, check_outage_fits_ddp_timeout
+from asyncgrpo.rewards import reward_name
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
 from asyncgrpo.store import export_adapter
@@ -31,6 +32,7 @@ from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device
 from asyncgrpo.trainer.checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint,
                                           resolve_checkpoint, restore_rng, save_checkpoint)
+from asyncgrpo.trainer.completions import CompletionLog
 from asyncgrpo.trainer.gather import backend_of, gather_lora_state
 from asyncgrpo.trainer.logprobs import sequence_logprobs
 from asyncgrpo.trainer.loss import LossSpec, grpo_loss, loss_normaliser
@@ -67,6 +69,8 @@ class AsyncGRPOTrainer:
         self._batch: TrainBatch | None = None  # the batch being trained on (num_iterations steps)
         self.finished = False  # train() ran to max_steps (cleanup then keeps the final adapter loaded)
         self._published: dict[str, torch.Tensor] | None = None  # rank 0: the LoRA tensors of the last sync
+        self.completion_log: CompletionLog | None = None  # rank 0 with log_completions
+        self.eval_metrics: dict[str, float] = {}  # rank 0: the last evaluation's (eval_strategy: steps)
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -127,6 +131,9 @@ class AsyncGRPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         clean_partial(out)  # what a save killed midway left behind
         self.cfg.save(out / "config.yaml")
+        if self.cfg.log_completions:
+            self.completion_log = CompletionLog(out, self.tokenizer, [reward_name(r) for r in self.cfg.reward_funcs],
+                                                self.cfg.num_completions_to_print)
         self.rollout = open_rollout_side(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path,
                                           peft_config=self.peft_config, groups_per_step=self.groups_per_step,
                                           step=self.step, data_position=self.data_position,
@@ -144,6 +151,8 @@ class AsyncGRPOTrainer:
                 self.sync(metrics)
             if self.main:
                 self._log(metrics, bar)
+                if self._should_evaluate():
+                    self.eval_metrics = self.rollout.evaluate(self.step)  # the version just published
             if self._should_save():
                 self.save_checkpoint()
         if self.main:
@@ -339,12 +348,24 @@ class AsyncGRPOTrainer:
                     dynamic_ncols=True)
 
     def _log(self, metrics: StepMetrics, bar) -> None:
-        """Rank 0: the step's metrics with the rollout side's counters, to TensorBoard every `logging_steps`."""
+        """Rank 0: the step's metrics with the rollout side's counters, and with `log_completions` the table of its
+        completions, to every tracker every `logging_steps`."""
         metrics.rollout(self.rollout.stats(), self.version)
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
             metrics.log(self.rollout, self.step)
+            if self.completion_log is not None:
+                rows = self.completion_log.table(self._batch.groups, self.step)
+                self.completion_log.append(rows)
+                self.rollout.log_table("completions", self.completion_log.columns, rows, self.step)
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}", v=self.version, refresh=False)
         bar.update(1)
+
+    def _should_evaluate(self) -> bool:
+        """Every `eval_steps` (a multiple of weight_sync_steps: right after a sync) and at the last step, with
+        `eval_strategy: steps`."""
+        cfg = self.cfg
+        return cfg.eval_strategy == "steps" and (self.step % cfg.evaluation_interval == 0
+                                                 or self.step == cfg.max_steps)
 
     def _finish(self, seconds: float) -> dict:
         summary = {}
@@ -356,7 +377,7 @@ class AsyncGRPOTrainer:
                        "tensorboard": str(self.rollout.tensorboard_dir.resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),
                        "trainable_dtype": self._trainable_dtype(), "optimizer_state_dtype": self._state_dtype(),
-                       "start_step": self.start_step,
+                       "start_step": self.start_step, **self.eval_metrics,
                        "resumed_from": str(self.resumed_from) if self.resumed_from is not None else None,
                        # every other version is unloaded at cleanup; this one too unless keep_final_adapter
                        "adapter_left_loaded": self.rollout.adapter_name if self.cfg.keep_final_adapter else None}

@@ -98,7 +98,7 @@ def test_step_history_reads_what_the_trainer_logged(tmp_path):
     for step, (stale, tokens) in enumerate([(0.0, 10.0), (1.0, 30.0)], start=1):
         writer.add_scalar("staleness/mean", stale, step)
         writer.add_scalar("train/tokens", tokens, step)
-        writer.add_scalar("reward/mean", 0.5, step)
+        writer.add_scalar("train/reward", 0.5, step)
     writer.close()
     assert step_history(tmp_path) == [{"staleness/mean": 0.0, "train/tokens": 10.0},
                                       {"staleness/mean": 1.0, "train/tokens": 30.0}]

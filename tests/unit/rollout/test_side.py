@@ -25,6 +25,7 @@ from asyncgrpo.rollout import side as side_module
 from asyncgrpo.rollout.side import RolloutSide
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.store import CONFIG_NAME, AdapterStore
+from asyncgrpo.trackers import Trackers
 
 DEADLINE_S = 15.0  # every wait here is milliseconds when the code is right
 
@@ -43,17 +44,26 @@ def adapter_server() -> FakeVLLM:
     return server
 
 
-class Writer:
-    """TensorBoard's add_scalar, recorded."""
+class Recorder:
+    """A tracker (accelerate's GeneralTracker calls) that records each scalar as (tag, value, step)."""
+
+    name = "recorder"
 
     def __init__(self):
         self.scalars: list[tuple[str, float, int]] = []
 
-    def add_scalar(self, tag, value, step):
-        self.scalars.append((tag, value, step))
+    def log(self, values, step=None):
+        self.scalars.extend((tag, value, step) for tag, value in values.items())
 
-    def close(self):
+    def finish(self):
         pass
+
+
+def recording(side) -> Recorder:
+    """Give `side` one recording tracker and return it."""
+    recorder = Recorder()
+    side.trackers = Trackers([recorder])
+    return recorder
 
 
 class Lora:
@@ -81,7 +91,7 @@ def side_on_stub(rollout_on_stub, tmp_path):
         side.store = AdapterStore(tmp_path / "adapters" / side.run_id)
         side.publisher = AdapterPublisher([server], f"demo-{side.run_id}", sync_mode,
                                           adapter_root=tmp_path / "adapters")
-        side.writer = Writer()
+        side.recorder = recording(side)
         side.producer.start()
         made.append(side)
         return side, server
@@ -120,7 +130,7 @@ def test_versions_go_live_in_order_on_the_background_thread_and_new_requests_use
     assert loads(server) == [f"{prefix}-v0", f"{prefix}-v1", f"{prefix}-v2"]
     assert (side.version, side.adapter_name, side.adapter_path) == (2, f"{prefix}-v2", side.store.path(2))
     assert (side.producer.schedule.version, side.producer.schedule.adapter) == (2, f"{prefix}-v2")
-    assert [step for tag, _, step in side.writer.scalars if tag == "sync/write_s"] == [0, 1, 2]
+    assert [step for tag, _, step in side.recorder.scalars if tag == "sync/write_s"] == [0, 1, 2]
 
 
 def test_a_failed_background_publish_is_raised_by_the_next_call_and_nothing_later_is_loaded(side_on_stub):
@@ -292,9 +302,9 @@ def test_the_token_rate_over_less_than_a_second_is_not_capped_and_at_time_zero_i
 
 def test_log_writes_each_value_under_its_name_at_the_given_step(tmp_path):
     side = bare_side(tmp_path)
-    side.writer = Writer()
+    side.recorder = recording(side)
     side.log({"train/loss": 0.25, "rollout/lost_groups_total": 3}, step=7)
-    assert side.writer.scalars == [("train/loss", 0.25, 7), ("rollout/lost_groups_total", 3, 7)]
+    assert side.recorder.scalars == [("train/loss", 0.25, 7), ("rollout/lost_groups_total", 3, 7)]
 
 
 def test_publish_returns_the_seconds_it_waited_before_handing_over_and_logs_the_syncs_timings_at_its_step(side_on_stub,
@@ -308,7 +318,7 @@ def test_publish_returns_the_seconds_it_waited_before_handing_over_and_logs_the_
     clock(monkeypatch, perf_counter=[10.0, 12.5, 20.0, 20.25])
     assert side.publish(0, tensors(0), step=7, wait=True) == 2.5
     (timing,) = timings
-    assert side.writer.scalars == [("sync/write_s", 0.25, 7), ("sync/server_s", timing.server_s, 7),
+    assert side.recorder.scalars == [("sync/write_s", 0.25, 7), ("sync/server_s", timing.server_s, 7),
                                    ("sync/paused_s", timing.paused_s, 7), ("sync/load_s", timing.load_s, 7)]
 
 
@@ -318,7 +328,7 @@ def test_the_sync_timings_go_through_the_sides_one_log_method(side_on_stub):
     side.log = lambda values, step: logged.append((sorted(values), step))
     side.publish(0, tensors(0), step=4, wait=True)
     assert logged == [(["sync/load_s", "sync/paused_s", "sync/server_s", "sync/write_s"], 4)]
-    assert side.writer.scalars == []  # nothing written past it
+    assert side.recorder.scalars == []  # nothing written past it
 
 
 def test_a_published_version_names_the_resolved_model_path_as_its_base_model(side_on_stub, tmp_path):

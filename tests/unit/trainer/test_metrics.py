@@ -29,12 +29,14 @@ def test_batch_metrics_by_hand():
     metrics = StepMetrics()
     metrics.batch(groups, version=5, num_generations=2, waited_s=1.5)
     v = metrics.values
-    assert v["reward/mean"] == 1.25 and v["reward/std"] == pytest.approx(torch.tensor([1.0, 0, 2, 2]).std().item())
+    assert v["train/reward"] == 1.25
+    assert v["train/reward_std"] == pytest.approx(torch.tensor([1.0, 0, 2, 2]).std().item())
     assert (v["staleness/mean"], v["staleness/max"], v["time/wait_for_data_s"]) == (1.0, 2.0, 1.5)
-    assert v["reward/frac_reward_zero_std"] == 0.5
-    assert (v["completion/mean_length"], v["completion/truncated_fraction"]) == (3.0, 0.25)
-    assert v["reward/fmt"] == pytest.approx(2 / 3)  # over the three completions it applied to
-    assert "reward/never" not in v  # a function that applied to nothing is not logged
+    assert v["train/frac_reward_zero_std"] == 0.5
+    assert (v["train/completions/mean_length"], v["train/completions/clipped_ratio"]) == (3.0, 0.25)
+    assert (v["train/completions/min_length"], v["train/completions/max_length"]) == (1.0, 4.0)
+    assert v["train/rewards/fmt/mean"] == pytest.approx(2 / 3)  # over the three completions it applied to
+    assert "train/rewards/never/mean" not in v  # a function that applied to nothing is not logged
     assert all(type(x) is float for x in v.values())
 
 
@@ -62,13 +64,15 @@ def test_optimiser_metrics_are_per_token_of_the_global_batch():
             "kl_behaviour": 0.4}
     metrics.optimiser(sums, {"max_abs_log_ratio": 0.2, "is_ratio_max": 3.0}, n_tokens=8.0, lr=1e-5)
     v = metrics.values
-    assert (v["train/loss"], v["train/clip_fraction"], v["train/kl"], v["train/ratio_mean"]) == (-0.5, 0.25, 0.125, 1.0)
+    assert (v["train/loss"], v["train/clip_ratio/region_mean"], v["train/kl"], v["train/ratio_mean"]) == \
+        (-0.5, 0.25, 0.125, 1.0)
     assert (v["train/tokens"], v["train/learning_rate"], v["train/max_abs_log_ratio"]) == (8.0, 1e-5, 0.2)
-    assert v["sampling/importance_sampling_ratio/mean"] == 0.75 and v["sampling/importance_sampling_ratio/max"] == 3.0
-    assert (v["sampling/is_capped_fraction"], v["sampling/kl_behaviour"]) == (0.125, 0.05)
+    assert v["train/sampling/importance_sampling_ratio/mean"] == 0.75
+    assert v["train/sampling/importance_sampling_ratio/max"] == 3.0
+    assert (v["train/sampling/is_capped_fraction"], v["train/sampling/kl_behaviour"]) == (0.125, 0.05)
     empty = StepMetrics()  # every token masked: statistics of nothing are 0, not a division by zero
     empty.optimiser(dict.fromkeys(sums, 0.0), {"max_abs_log_ratio": 0.0, "is_ratio_max": 0.0}, n_tokens=0.0, lr=0.1)
-    assert empty.values["train/clip_fraction"] == 0.0 and empty.values["train/tokens"] == 0.0
+    assert empty.values["train/clip_ratio/region_mean"] == 0.0 and empty.values["train/tokens"] == 0.0
 
 
 def test_sync_rollout_micro_batch_and_grad_norm_metrics_keep_their_names():
@@ -100,7 +104,9 @@ def test_the_run_summary_reads_its_four_counters():
 
 def test_every_name_docs_metrics_promises_is_written_somewhere_in_the_code():
     doc = (ROOT / "docs" / "metrics.md").read_text()
-    names = set(re.findall(r"`([a-z_]+/[a-z_/]+)`", doc)) | {"sampling/importance_sampling_ratio/max"}  # "`/max`"
+    names = set(re.findall(r"`([a-z_]+/[a-z_/]+)`", doc)) | {"train/sampling/importance_sampling_ratio/max"}  # "/max"
+    names -= {"train/rewards/", "eval/rewards/"}  # per function: `train/rewards/<name>/mean`, checked below
+    assert "train/rewards/{name}/mean" in (ROOT / "src" / "asyncgrpo" / "trainer" / "metrics.py").read_text()
     assert {"train/loss", "policy/version", "sync/write_s"} <= names  # the pattern finds the names
     code = "\n".join(p.read_text() for p in (ROOT / "src" / "asyncgrpo").rglob("*.py"))
     missing = sorted(n for n in names if f'"{n}"' not in code)

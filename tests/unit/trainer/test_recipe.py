@@ -10,6 +10,7 @@ from fakes import cfg as make_cfg
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.trainer.loss import LossSpec
+from asyncgrpo.trainer.completions import CompletionLog
 from asyncgrpo.trainer.metrics import StepMetrics
 from asyncgrpo.trainer import recipe
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
@@ -47,6 +48,7 @@ class FakeRollout:  # not in fakes.py: a rollout side as the trainer logs it, no
 
     def __init__(self, tmp_path):
         self.logged: list[tuple[int, dict]] = []
+        self.tables: list[tuple] = []
         self.tensorboard_dir = tmp_path / "tensorboard"
 
     def stats(self) -> dict[str, float]:
@@ -56,6 +58,9 @@ class FakeRollout:  # not in fakes.py: a rollout side as the trainer logs it, no
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.logged.append((step, dict(values)))
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.tables.append((name, columns, rows, step))
 
 
 class FakeBar:  # not in fakes.py: tqdm's progress bar, used here only
@@ -71,7 +76,8 @@ class FakeBar:  # not in fakes.py: tqdm's progress bar, used here only
 
 def _trainer(tmp_path, **cfg_values):
     values = {"logging_steps": 2, "max_steps": 5, "output_dir": str(tmp_path), **cfg_values}
-    return SimpleNamespace(cfg=SimpleNamespace(**values), rollout=FakeRollout(tmp_path), version=3, step=0)
+    return SimpleNamespace(cfg=SimpleNamespace(**values), rollout=FakeRollout(tmp_path), version=3, step=0,
+                           completion_log=None, eval_metrics={})
 
 
 def test_a_step_is_logged_with_the_rollout_counters_and_the_version_every_logging_steps_and_at_the_end(tmp_path):
@@ -84,7 +90,7 @@ def test_a_step_is_logged_with_the_rollout_counters_and_the_version_every_loggin
     assert [step for step, _ in trainer.rollout.logged] == [2, 4, 5]  # every 2 steps, and the last (5)
     values = trainer.rollout.logged[0][1]
     assert values["policy/version"] == 3.0 and values["queue/dropped_stale_total"] == 3.0
-    assert values["reward/mean"] == 0.5 and values["time/wait_for_data_s"] == 0.25
+    assert values["train/reward"] == 0.5 and values["time/wait_for_data_s"] == 0.25
     assert bar.postfix == {"reward": "0.500", "v": 3, "refresh": False} and bar.updates == 5
 
 
@@ -104,6 +110,41 @@ def test_the_run_summary_keeps_its_keys_and_reads_the_rollout_counters(tmp_path,
     assert (summary["dropped_stale"], summary["dropped_zero_std"], summary["lost_groups"],
             summary["resent_groups"]) == (3, 5, 1, 2)
     assert json.loads((tmp_path / "run_summary.json").read_text()) == summary and trainer.finished
+
+
+class CharTokenizer:  # not in fakes.py: decoding is all a completions table needs
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_with_log_completions_each_logged_step_writes_its_table_to_the_trackers_and_the_file(tmp_path):
+    trainer, bar = _trainer(tmp_path), FakeBar()
+    trainer.completion_log = CompletionLog(tmp_path, CharTokenizer(), ["fmt", "never"], limit=3)
+    groups = [_group([1.0, 0.0], lengths=[2, 1]), _group([0.5, 0.25], lengths=[3, 1])]
+    groups[0].reward_parts = {"fmt": [1.0, None], "never": [None, None]}
+    groups[0].advantages = [0.5, -0.5]
+    trainer._batch = SimpleNamespace(groups=groups)
+    for step in (1, 2):
+        trainer.step = step
+        metrics = StepMetrics()
+        metrics.batch(groups, version=3, num_generations=2, waited_s=0.0)
+        AsyncGRPOTrainer._log(trainer, metrics, bar)
+    (name, columns, rows, step), = trainer.rollout.tables  # logging_steps 2: step 2 only
+    assert (name, step) == ("completions", 2)
+    assert columns == ["step", "prompt", "completion", "fmt", "never", "reward", "advantage"]
+    assert rows == [[2, "p", "dd", 1.0, None, 1.0, 0.5], [2, "p", "d", None, None, 0.0, -0.5],
+                    [2, "p", "ddd", None, None, 0.5, 0.0]]  # the first 3 completions; the second group has no parts
+    lines = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert lines == [dict(zip(columns, row)) for row in rows]
+
+
+def test_evaluation_runs_every_eval_steps_and_at_the_last_step_only_with_eval_strategy_steps():
+    def evaluates(strategy, interval=2, max_steps=5):
+        cfg = SimpleNamespace(eval_strategy=strategy, evaluation_interval=interval, max_steps=max_steps)
+        return [s for s in range(1, max_steps + 1) if AsyncGRPOTrainer._should_evaluate(SimpleNamespace(cfg=cfg,
+                                                                                                          step=s))]
+    assert evaluates("steps") == [2, 4, 5]
+    assert evaluates("no") == []
 
 
 # ---- micro-batches ---------------------------------------------------------------------------------------------------
