@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup demo test test-unit bench mutate
+.PHONY: setup demo test test-unit bench mutate slurm-check
 
 setup:
 	@bash scripts/setup.sh
@@ -30,3 +30,7 @@ bench: setup
 mutate: setup
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[mutate]"
 	$(VENV)/bin/python scripts/mutate.py
+
+# launch/slurm/train.sbatch (CPU variant) under a real one-host Slurm; needs root; ~4-5 min; not part of `make test`.
+slurm-check: setup
+	VENV=$(abspath $(VENV)) scripts/slurm_check.sh
