@@ -105,8 +105,10 @@ say "node $host idle ($cpus CPUs, $mem_mb MB) after $SECONDS s"
 
 # ---- the job: the real train.sbatch, CPU variant --------------------------------------------------------------------
 world="$(PYTHONPATH="${PYTHONPATH:-}" "$VENV/bin/python" -m asyncgrpo.toy.world)"
-model_dir="$(printf '%s' "$world" | "$VENV/bin/python" -c 'import json, sys; print(json.load(sys.stdin)["model_dir"])')"
-free_port() { "$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+model_dir="$("$VENV/bin/python" -c 'import json, sys; print(json.loads(sys.argv[1])["model_dir"])' "$world")"
+free_port() {
+    "$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 ACCELERATE_USE_CPU=true
 export CPU=1 CONFIG=configs/demo.yaml MODEL="$model_dir" SHARED_DIR="$STATE/shared" RUN_NAME=check
 export ACCELERATE_CONFIG=launch/accelerate/ddp_cpu.yaml GPUS_PER_NODE=2 VLLM_BIND=127.0.0.1

@@ -135,7 +135,8 @@ def test_sbatch_cpu_variant_shares_one_node_between_the_cpu_server_and_the_train
     bin_dir.mkdir(), record.mkdir()
     _fake_cluster(bin_dir, record)
     _stand_in(bin_dir, "scontrol", 'echo vm')
-    _stand_in(bin_dir, "srun", f'echo "$*" >> {record}/srun.args; while [[ "$1" == --* ]]; do shift; done; exec "$@"')
+    drop_options = 'while [[ "$1" == --* ]]; do shift; done; exec "$@"'
+    _stand_in(bin_dir, "srun", f'echo "$*" >> {record}/srun.args; {drop_options}')
     _stand_in(bin_dir, "python", f'echo "$*" > {record}/vllm.args; exec sleep 60')
     env = _env(bin_dir, SLURM_JOB_NODELIST="vm", SLURM_JOB_ID="7", CONFIG="configs/demo.yaml", MODEL="/m",
                SHARED_DIR=str(tmp_path), CPU="1", GPUS_PER_NODE="2", MAX_LORA_RANK="8",
