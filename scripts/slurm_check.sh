@@ -66,12 +66,29 @@ PartitionName=check Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
 
 # ---- daemons ------------------------------------------------------------------------------------------------------
-started=()
-stop_daemons() {
-    local pidfile pid
-    for pidfile in "${started[@]}"; do
-        pid="$(cat "$pidfile" 2>/dev/null || true)"
-        [[ -n "$pid" ]] && kill "$pid" 2>/dev/null || true
+started=()   # pid files of the daemons this run started, in start order
+job=""
+job_state() { scontrol show job -o "$1" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p'; }
+wait_job_end() {   # job, seconds: poll until the job has left the queue's active states
+    local end=$(( SECONDS + $2 ))
+    while [[ "$(job_state "$1")" =~ ^(PENDING|CONFIGURING|RUNNING|COMPLETING|SUSPENDED)$ ]]; do
+        (( SECONDS < end )) || return 1
+        sleep 2
+    done
+}
+stop_daemons() {   # the job first (its steps hold the vLLM server), then the daemons in reverse order
+    local i pid end
+    if [[ -n "$job" ]] && ! wait_job_end "$job" 0; then
+        scancel "$job" 2>/dev/null || true
+        wait_job_end "$job" 90 || say "job $job did not end within 90 s of scancel"
+    fi
+    for (( i = ${#started[@]} - 1; i >= 0; i-- )); do
+        pid="$(cat "${started[i]}" 2>/dev/null || true)"
+        [[ -n "$pid" ]] || continue
+        kill "$pid" 2>/dev/null || continue
+        end=$(( SECONDS + 30 ))
+        while kill -0 "$pid" 2>/dev/null && (( SECONDS < end )); do sleep 1; done
+        kill -9 "$pid" 2>/dev/null || true
     done
 }
 trap stop_daemons EXIT
@@ -120,19 +137,13 @@ job="$(cd "$root" && sbatch --parsable --nodes 1 --gpus-per-node=0 --time 30 --c
 out="${out//%j/$job}"
 say "submitted job $job (output $out)"
 
-deadline=$(( SECONDS + JOB_TIMEOUT ))
-state=""
-while :; do
-    info="$(scontrol show job -o "$job")"
-    state="$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")"
-    case "$state" in PENDING|CONFIGURING|RUNNING|COMPLETING|"") ;; *) break ;; esac
-    if (( SECONDS >= deadline )); then
-        say "job $job still $state after ${JOB_TIMEOUT} s: cancelling"
-        scancel "$job" || true
-        break
-    fi
-    sleep 2
-done
+if ! wait_job_end "$job" "$JOB_TIMEOUT"; then
+    say "job $job still $(job_state "$job") after ${JOB_TIMEOUT} s: cancelling"
+    scancel "$job" || true
+    wait_job_end "$job" 90 || true
+fi
+info="$(scontrol show job -o "$job")"
+state="$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")"
 exit_code="$(sed -n 's/.*ExitCode=\([0-9:]*\).*/\1/p' <<<"$info")"
 say "job $job: $state, exit code $exit_code"
 echo "---- tail of $out ----" >&2
