@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup demo test test-unit bench mutate gpu-check
+.PHONY: setup demo test test-unit bench mutate gpu-check slurm-check
 
 setup:
 	@bash scripts/setup.sh
@@ -34,3 +34,7 @@ mutate: setup
 # The trainer's step on every backend on one GPU (docs/gpus.md); needs torch, transformers, peft and accelerate only.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# launch/slurm/train.sbatch (CPU variant) under a real one-host Slurm; needs root; ~4-5 min; not part of `make test`.
+slurm-check: setup
+	VENV=$(abspath $(VENV)) scripts/slurm_check.sh

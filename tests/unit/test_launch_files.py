@@ -129,6 +129,43 @@ def test_sbatch_refuses_a_vllm_layout_larger_than_the_node(tmp_path):
     assert not (record / "vllm.args").exists()
 
 
+def test_sbatch_cpu_variant_shares_one_node_between_the_cpu_server_and_the_trainers(tmp_path):
+    """The layout scripts/slurm_check.sh runs under a real Slurm; here, which commands it gives srun."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir(), record.mkdir()
+    _fake_cluster(bin_dir, record)
+    _stand_in(bin_dir, "scontrol", 'echo vm')
+    drop_options = 'while [[ "$1" == --* ]]; do shift; done; exec "$@"'
+    _stand_in(bin_dir, "srun", f'echo "$*" >> {record}/srun.args; {drop_options}')
+    _stand_in(bin_dir, "python", f'echo "$*" > {record}/vllm.args; exec sleep 60')
+    env = _env(bin_dir, SLURM_JOB_NODELIST="vm", SLURM_JOB_ID="7", CONFIG="configs/demo.yaml", MODEL="/m",
+               SHARED_DIR=str(tmp_path), CPU="1", GPUS_PER_NODE="2", MAX_LORA_RANK="8",
+               ACCELERATE_CONFIG="launch/accelerate/ddp_cpu.yaml")
+    proc = subprocess.run(["bash", "launch/slurm/train.sbatch"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    serve = (record / "vllm.args").read_text().split()
+    assert serve[:4] == ["-m", "asyncgrpo.inference.server", "--model", "/m"]
+    assert dict(zip(serve, serve[1:]))["--max-lora-rank"] == "8"
+    steps = (record / "srun.args").read_text().splitlines()
+    assert len(steps) == 3 and all("--nodelist=vm" in step for step in steps)  # vLLM, the probe, the trainers
+    assert all("--overlap" in step for step in steps)  # else the trainer step waits for the vLLM step's CPUs
+    launch = (record / "accelerate.args").read_text()
+    assert "--num_machines 1 --num_processes 2" in launch and "--vllm_server_base_url http://vm:8000" in launch
+
+
+def test_sbatch_gpu_layout_refuses_one_node(tmp_path):
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir(), record.mkdir()
+    _fake_cluster(bin_dir, record)
+    _stand_in(bin_dir, "scontrol", 'echo node1')
+    env = _env(bin_dir, SLURM_JOB_NODELIST="node1", SLURM_JOB_ID="7", CONFIG="c.yaml", MODEL="m",
+               SHARED_DIR=str(tmp_path))
+    proc = subprocess.run(["bash", "launch/slurm/train.sbatch"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 2 and "need at least 2 nodes" in proc.stderr
+    assert not (record / "vllm.args").exists()
+
 def test_every_vllm_image_named_in_the_repository_is_the_version_the_tests_run():
     files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("launch/**/*"), *ROOT.glob("configs/*.yaml")]
     named = [m.group(1).rstrip(".") for f in files if f.is_file()
