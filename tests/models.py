@@ -39,3 +39,22 @@ def tiny_lora(d: int = 5, h: int = 9, *, r: int = 3, seed: int = 0, lora_seed: i
                 if "lora_" in name:
                     param.copy_(torch.randn_like(param))
     return model.to(dtype)
+
+
+def lora_qv(model):
+    """`model` with a rank-4 LoRA on q_proj and v_proj, initialised away from zero, in train mode."""
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False)).train()
+
+
+def two_padded_sequences(vocab: int = 300) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, mask) of two sequences of different lengths (right padding), their completion
+    positions starting at different offsets: prompt 5 + 7 completion tokens, and prompt 3 + 6 then padding."""
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, vocab, (2, 12), generator=g)
+    attention = torch.ones(2, 12, dtype=torch.long)
+    attention[1, 9:] = 0
+    mask = torch.zeros(2, 11)
+    mask[0, 4:11] = 1.0
+    mask[1, 2:8] = 1.0
+    return input_ids, attention, mask

@@ -192,3 +192,14 @@ def held_sync(url: str, out: Path, *extra: str, env: dict | None = None, others:
                     p.wait()
             with InferenceClient(url) as client:
                 client.resume()
+
+
+def in_process_config(server_url: str, out: Path, *overrides: str):
+    """The demo's config for a trainer run in this process against `server_url`, writing under `out`, with
+    `overrides` (`--key value` pairs) on top."""
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.demo import default_config_path
+
+    return AsyncGRPOConfig.load(default_config_path(), [
+        *overrides, "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
+        "--vllm_server_base_url", server_url])

@@ -5,9 +5,8 @@ import math
 import torch
 from safetensors.torch import load_file
 
-from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.demo import default_config_path
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from integration.runs import in_process_config
 
 PROMPT = [3 + b for b in b"80,08>"]
 BF16_PROB_TOLERANCE = 5e-2  # on token probabilities (worst seen in 5 runs: 1.0e-2); logprob errors grow for unlikely tokens (4.4e-2
@@ -15,10 +14,8 @@ BF16_PROB_TOLERANCE = 5e-2  # on token probabilities (worst seen in 5 runs: 1.0e
 
 
 def test_a_bf16_base_trains_fp32_lora_and_matches_the_server_within_bf16_precision(vllm_server, client, tmp_path):
-    cfg = AsyncGRPOConfig.load(default_config_path(), [
-        "--max_steps", "2", "--per_device_train_batch_size", "64", "--torch_dtype", "bfloat16",
-        "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
-        "--vllm_server_base_url", vllm_server.base_url])
+    cfg = in_process_config(vllm_server.base_url, tmp_path,
+                            "--max_steps", "2", "--per_device_train_batch_size", "64", "--torch_dtype", "bfloat16")
     trainer = AsyncGRPOTrainer(cfg)
     try:
         trainer.setup()

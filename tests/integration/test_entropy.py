@@ -3,16 +3,13 @@ range, and `top_entropy_quantile` leaves the lower-entropy share of the tokens o
 
 import math
 
-from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.demo import default_config_path
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from integration.runs import in_process_config
 
 
 def test_entropy_is_logged_with_its_quantiles_and_top_entropy_quantile_masks_the_rest(vllm_server, tmp_path):
-    cfg = AsyncGRPOConfig.load(default_config_path(), [
-        "--max_steps", "2", "--per_device_train_batch_size", "64", "--top_entropy_quantile", "0.25",
-        "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
-        "--vllm_server_base_url", vllm_server.base_url])
+    cfg = in_process_config(vllm_server.base_url, tmp_path,
+                            "--max_steps", "2", "--per_device_train_batch_size", "64", "--top_entropy_quantile", "0.25")
     trainer = AsyncGRPOTrainer(cfg)
     try:
         trainer.setup()

@@ -1,15 +1,12 @@
 """beta > 0: the KL to the base model (the same model with the adapter disabled) is computed and trained against."""
 
-from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.demo import default_config_path
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from integration.runs import in_process_config
 
 
 def test_kl_to_the_adapter_free_model_is_zero_at_the_start_and_positive_once_the_adapter_moved(vllm_server, tmp_path):
-    cfg = AsyncGRPOConfig.load(default_config_path(), [
-        "--max_steps", "3", "--per_device_train_batch_size", "64", "--beta", "0.04", "--learning_rate", "1e-2",
-        "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
-        "--vllm_server_base_url", vllm_server.base_url])
+    cfg = in_process_config(vllm_server.base_url, tmp_path,
+                            "--max_steps", "3", "--per_device_train_batch_size", "64", "--beta", "0.04", "--learning_rate", "1e-2")
     trainer = AsyncGRPOTrainer(cfg)
     try:
         trainer.setup()

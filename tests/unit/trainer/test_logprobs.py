@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from asyncgrpo.trainer.logprobs import chunked_token_logprobs, find_scoring_head, sequence_logprobs, token_logprobs
+from models import lora_qv, two_padded_sequences
 
 
 def _qwen2(vocab=300, **extra):
@@ -26,27 +27,8 @@ def _gemma3(softcap=5.0):
     return Gemma3ForCausalLM(config)
 
 
-def _lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    return model.train()
-
-
-def _batch(vocab=300):
-    """Two sequences of different lengths (right padding), completion positions from different offsets."""
-    g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, vocab, (2, 12), generator=g)
-    attention = torch.ones(2, 12, dtype=torch.long)
-    attention[1, 9:] = 0
-    mask = torch.zeros(2, 11)
-    mask[0, 4:11] = 1.0  # prompt of 5 tokens, 7 completion tokens
-    mask[1, 2:8] = 1.0  # prompt of 3 tokens, 6 completion tokens, then padding
-    return input_ids, attention, mask
-
-
 def _both_paths(model, temperature, chunk_size=3):
-    input_ids, attention, mask = _batch(model.config.vocab_size)
+    input_ids, attention, mask = two_padded_sequences(model.config.vocab_size)
     head = find_scoring_head(model)
     assert head is not None
     results = []
@@ -61,7 +43,7 @@ def _both_paths(model, temperature, chunk_size=3):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_policy_logprobs_chunked_equal_the_full_logits_path_with_lora_gradients(temperature):
-    mask, ((naive, naive_grads), (chunked, chunked_grads)) = _both_paths(_lora(_qwen2()), temperature)
+    mask, ((naive, naive_grads), (chunked, chunked_grads)) = _both_paths(lora_qv(_qwen2()), temperature)
     assert chunked.shape == (2, 11) and chunked.dtype == torch.float32
     assert torch.equal(chunked[mask == 0], torch.zeros(int((mask == 0).sum())))  # zeros off the completion
     assert torch.allclose(chunked, naive, atol=1e-5, rtol=0)
@@ -72,13 +54,13 @@ def test_policy_logprobs_chunked_equal_the_full_logits_path_with_lora_gradients(
 
 
 def test_policy_logprobs_chunked_apply_gemma_final_logit_softcapping_once():
-    model = _lora(_gemma3(softcap=0.2))  # small: random logits are small too
+    model = lora_qv(_gemma3(softcap=0.2))  # small: random logits are small too
     mask, ((naive, _), (chunked, _)) = _both_paths(model, 0.9)
     assert find_scoring_head(model).softcap == 0.2
     assert torch.allclose(chunked, naive, atol=1e-5, rtol=0)
     assert model.config.final_logit_softcapping == 0.2  # restored after the call
     assert "forward" not in vars(model.get_output_embeddings())  # the head's own forward is back
-    without = sequence_logprobs(_lora(_gemma3(softcap=None)), None, *_batch(), 0.9)
+    without = sequence_logprobs(lora_qv(_gemma3(softcap=None)), None, *two_padded_sequences(), 0.9)
     assert (without - naive).abs().max() > 1e-3  # the softcap moved the values: the check above has teeth
 
 
@@ -107,7 +89,7 @@ def _phi():
 
 
 def test_policy_logprobs_chunked_add_the_head_s_bias():
-    mask, ((naive, naive_grads), (chunked, chunked_grads)) = _both_paths(_lora(_phi()), 1.0)
+    mask, ((naive, naive_grads), (chunked, chunked_grads)) = _both_paths(lora_qv(_phi()), 1.0)
     assert torch.allclose(chunked, naive, atol=1e-5, rtol=0)
     for name, grad in naive_grads.items():
         assert torch.allclose(chunked_grads[name], grad, atol=1e-5, rtol=0), name
@@ -117,7 +99,7 @@ def test_policy_logprobs_chunked_add_the_head_s_bias():
 def test_tokens_the_attention_mask_hides_do_not_change_the_logprobs(chunked):
     """Left padding: the first tokens of row 0 are hidden by its attention mask, so what they are cannot matter."""
     model = _qwen2()
-    input_ids, attention, mask = _batch()
+    input_ids, attention, mask = two_padded_sequences()
     attention[0, :3] = 0
     head = find_scoring_head(model) if chunked else None
     with torch.no_grad():

@@ -8,6 +8,7 @@ import torch
 
 from asyncgrpo.trainer.logprobs import chunked_token_logprobs, find_scoring_head, sequence_logprobs, token_entropy
 from asyncgrpo.trainer.loss import LossSpec, grpo_loss, high_entropy_mask
+from models import lora_qv, two_padded_sequences
 
 
 def _qwen2():
@@ -28,27 +29,8 @@ def _gemma3(softcap):
                                               final_logit_softcapping=softcap, sliding_window=8))
 
 
-def _lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False)).train()
-
-
-def _batch(vocab=300):
-    """Two sequences of different lengths (right padding), completion positions from different offsets."""
-    g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, vocab, (2, 12), generator=g)
-    attention = torch.ones(2, 12, dtype=torch.long)
-    attention[1, 9:] = 0
-    mask = torch.zeros(2, 11)
-    mask[0, 4:11] = 1.0
-    mask[1, 2:8] = 1.0
-    return input_ids, attention, mask
-
-
 def _full_logits_entropy(model, temperature):
-    input_ids, attention, mask = _batch(model.config.vocab_size)
+    input_ids, attention, mask = two_padded_sequences(model.config.vocab_size)
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float() / temperature
     p = torch.softmax(logits, -1)
@@ -57,9 +39,9 @@ def _full_logits_entropy(model, temperature):
 
 @pytest.mark.parametrize("make, temperature", [(_qwen2, 1.0), (_qwen2, 0.7), (lambda: _gemma3(softcap=0.2), 0.9)])
 def test_chunked_entropy_equals_the_full_logits_entropy_and_leaves_logprobs_and_gradients_alone(make, temperature):
-    model = _lora(make())
+    model = lora_qv(make())
     want, mask = _full_logits_entropy(model, temperature)
-    input_ids, attention, _ = _batch(model.config.vocab_size)
+    input_ids, attention, _ = two_padded_sequences(model.config.vocab_size)
     head = find_scoring_head(model)
     results = []
     for h in (head, None):  # the chunked head (3 positions a chunk), then the full-logits fallback
