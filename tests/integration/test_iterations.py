@@ -26,7 +26,7 @@ def test_each_batch_is_taken_once_trained_twice_and_its_reference_computed_once(
     try:
         trainer.setup()
         scored = trainer.policy_logprobs
-        trainer.policy_logprobs = lambda batch: forwards.append(trainer.step) or scored(batch)
+        trainer.policy_logprobs = lambda batch, **kw: forwards.append(trainer.step) or scored(batch, **kw)
         trainer.train()
     finally:
         trainer.cleanup()

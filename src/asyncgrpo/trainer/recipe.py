@@ -209,11 +209,12 @@ class AsyncGRPOTrainer:
             parts = [[singles[i] for i in sorted(b)] for b in packed]
         return [to_device(collate(part, self.pad_id), self.acc.device) for part in parts]
 
-    def policy_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def policy_logprobs(self, batch: dict[str, torch.Tensor], with_entropy: bool = False):
         """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32, zero where
-        `mask` is 0. The LM head runs on the completion positions only, in chunks (logprobs.py): no (B, T, V) tensor."""
+        `mask` is 0 (and, `with_entropy`, each position's entropy beside them). The LM head runs on the completion
+        positions only, in chunks (logprobs.py): no (B, T, V) tensor."""
         return sequence_logprobs(self.model, self.scoring_head, batch["input_ids"], batch["attention_mask"],
-                                 batch["mask"], self.cfg.temperature)
+                                 batch["mask"], self.cfg.temperature, with_entropy=with_entropy)
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's own fp32 logprob of every completion token (for policy-equivalence checks)."""
@@ -257,9 +258,7 @@ class AsyncGRPOTrainer:
             # never changes, so a batch trained on again (num_iterations) keeps it.
             with torch.no_grad(), self.acc.unwrap_model(self.model).disable_adapter():
                 ref = batch["ref"] = self.policy_logprobs(batch)
-        logprobs, entropy = sequence_logprobs(self.model, self.scoring_head, batch["input_ids"],
-                                              batch["attention_mask"], batch["mask"], self.cfg.temperature,
-                                              with_entropy=True)  # entropy: logged, and top_entropy_quantile's mask
+        logprobs, entropy = self.policy_logprobs(batch, with_entropy=True)  # entropy: logged; top_entropy_quantile
         proximal = None
         if spec.importance_weighted:
             # Decoupled PPO: the proximal policy is the trainer when it starts on this batch (PPO's "old" policy,
