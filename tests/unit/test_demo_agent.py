@@ -62,3 +62,11 @@ def test_cli_offers_the_agent_world(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--world", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_agent_demo_stops_before_building_when_the_build_cannot_train_agents(capsys):
+    known = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    if set(AGENT_KEYS) <= known:
+        pytest.skip("this build has the episode runner: the demo would build and train")
+    assert main(["demo", "--world", "agent"]) == 2  # returns at once: no world is built, no server started
+    assert "no multi-turn episodes" in capsys.readouterr().err
