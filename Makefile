@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup demo test test-unit bench mutate
+.PHONY: setup demo test test-unit bench mutate gpu-check
 
 setup:
 	@bash scripts/setup.sh
@@ -30,3 +30,7 @@ bench: setup
 mutate: setup
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[mutate]"
 	$(VENV)/bin/python scripts/mutate.py
+
+# The trainer's step on every backend on one GPU (docs/gpus.md); needs torch, transformers, peft and accelerate only.
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One-GPU check of the trainer's CUDA + NCCL path, in a few minutes, without vLLM or DeepSpeed:
-# a Qwen2.5-1.5B-shaped model (random bf16 weights) with LoRA r16 under FSDP2 on an NCCL group of one rank,
-# train steps through the project's loss, the LoRA gather, and a device check on every collective asyncgrpo makes.
-# Prints ONE JSON line (peak CUDA memory, step time, device checks); exit 0 all checks passed, 1 one failed, 2 no CUDA.
+# The trainer's own training step on every backend (DDP, FSDP1, FSDP2, ZeRO-2, ZeRO-3), on one GPU under NCCL, with
+# the real launch/accelerate/*.yaml files and Qwen2.5-1.5B's shape (random bf16 weights, built locally: nothing is
+# downloaded). Prints ONE JSON line; exit 0 every backend passed, 1 one failed, 2 no CUDA. docs/gpus.md explains.
 #
-#   scripts/gpu_check.sh                       # on a GPU host, from a checkout (no `pip install` needed)
-#   scripts/gpu_check.sh --cpu-smoke           # tiny sizes on CPU with gloo (tests/unit/bench/test_gpu_check.py)
-#   scripts/gpu_check.sh --layers 4 --steps 3  # every size is a flag: scripts/gpu_check.sh --help
+#   scripts/gpu_check.sh                               # on a GPU host, from a checkout (no `pip install` needed)
+#   scripts/gpu_check.sh --backends fsdp2,zero3        # some backends
+#   scripts/gpu_check.sh --cpu-smoke --backends ddp    # the CPU variant: 2 gloo ranks, the toy model
 #
-# Needs python with torch, transformers, peft and accelerate (PYTHON=/path/to/python to pick one).
+# Needs python with torch, transformers, peft and accelerate (PYTHON=/path/to/python to pick one); ZeRO also needs
+# DeepSpeed, installed from ./wheels when it is missing (docs/gpus.md: carrying DeepSpeed).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"

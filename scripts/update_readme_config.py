@@ -10,7 +10,7 @@ from asyncgrpo.config import reference_markdown
 
 page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 text = page.read_text()
-head = text[: text.index("| key | default | what it does |")]
+head = text[: text.index("| key | type | default | what it does |")]
 new = head + reference_markdown() + "\n"
 if "--check" in sys.argv[1:]:
     if new != text:

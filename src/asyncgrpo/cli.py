@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from asyncgrpo.bench import run_bench
-from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config import AsyncGRPOConfig, reference
 from asyncgrpo.demo import run_demo
 from asyncgrpo.demo_agent import run_agent_demo
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, PeerFailed
@@ -49,6 +50,11 @@ def cmd_doctor(args, overrides: list[str]) -> int:
     return run_doctor(args, overrides)
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """`0,2,4` -> (0, 2, 4)."""
+    return tuple(int(v) for v in text.split(","))
+
+
 def cmd_bench(args, overrides: list[str]) -> int:
     return run_bench(args, overrides)
 
@@ -76,12 +82,27 @@ def cmd_rollout_serve(args, overrides: list[str]) -> int:
     return serve_one_run(args.listen, paths)
 
 
+FIRST_SENTENCE = re.compile(r"(?<=[\w)`])\.\s+(?=[A-Z`])")  # a full stop after a word, before a capital
+
+
+def config_keys_help() -> str:
+    """Every config key with its type, default and the first sentence of its doc (the source of
+    docs/configuration.md), for `asyncgrpo train --help`."""
+    lines = ["config keys (YAML `key: value`, or `--key value` after --config; TRL's names are read too, "
+             "docs/configuration.md#trl-keys):"]
+    for name, kind, default, doc in reference():
+        first = FIRST_SENTENCE.split(doc, maxsplit=1)[0].rstrip(".")
+        lines += [f"  --{name} {kind} (default: {default})", f"      {first}."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__.split("\n\n")[0])
     # The `deepspeed` launcher puts --local_rank=N before the subcommand; each rank reads LOCAL_RANK instead.
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train (run it under accelerate launch / torchrun for several ranks)")
+    train = sub.add_parser("train", help="train (run it under accelerate launch / torchrun for several ranks)",
+                           epilog=config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", help="YAML config file; any `--key value` after it overrides a config key")
     demo = sub.add_parser("demo", help="toy world + local vLLM + a 2-process accelerate run, with a summary")
     demo.add_argument("--config", default=None, help="default: configs/demo.yaml")
@@ -111,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="producer: seconds of each timed run (after a 1 s warm-up)")
     bench.add_argument("--vocab_size", type=int, default=151936, help="memory: vocabulary of the random model")
     bench.add_argument("--completion_tokens", type=int, default=1024, help="memory: completion tokens in the step")
+    bench.add_argument("--num_iterations", type=int, default=1, help="staleness: optimizer steps per batch")
+    bench.add_argument("--grid", type=_ints, default=None, help="staleness: max_staleness values, e.g. 0,2,4")
+    bench.add_argument("--seeds", type=_ints, default=None, help="staleness: seeds, e.g. 0,1,2")
+    bench.add_argument("--corrections", type=lambda t: tuple(t.split(",")), default=None,
+                       help="staleness: e.g. none,default,token_truncate (none: delta null, no correction)")
     serve = sub.add_parser("rollout-serve", help="run the rollout side for one trainer run, which connects to it "
                                                  "(`rollout_address`), e.g. on another host (docs/running.md)")
     serve.add_argument("--listen", required=True, metavar="HOST:PORT",

@@ -23,12 +23,13 @@ from typing import Any
 
 import yaml
 
+from asyncgrpo import trl_compat
 from asyncgrpo.errors import ConfigError, ConfigErrors
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)
 # Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -42,18 +43,23 @@ class AsyncGRPOConfig:
     # ---- model and LoRA -------------------------------------------------------------------------
     model_name_or_path: str = "toy"
     """Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
-    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory."""
+    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory; `shape:<name>` (e.g.
+    `shape:qwen2.5-1.5b`) a random-weight model of a real checkpoint's shape in `torch_dtype` (docs/models.md).
+    Every adapter records it as `base_model_name_or_path`: a hub id as written, a local directory as an absolute
+    path."""
     toy_seed: int = 0
     """Seed of the toy world, used only when `model_name_or_path: toy` or `dataset_name: toy`."""
     torch_dtype: str = "float32"
     """Dtype the trainer loads the base model in: `float32`, `bfloat16` or `float16`. The LoRA weights stay fp32
-    over a half-precision base (PEFT's default), and the loss is computed in fp32. On GPUs use `bfloat16`."""
+    over a half-precision base (PEFT's default), and the loss is computed in fp32. On GPUs use `bfloat16`. TRL's
+    `dtype`, `model_init_kwargs: {dtype: ...}`, `bf16: true` and `fp16: true` set it (docs/configuration.md#trl-keys);
+    so does a DeepSpeed json whose `bf16.enabled` is on."""
     use_lora: bool = True
-    """Train a LoRA adapter on a frozen base. Requires `lora_adapter_path`. Full fine-tuning is not supported yet."""
+    """Train a LoRA adapter on a frozen base (TRL's `use_peft`). Full fine-tuning is not supported yet."""
     lora_adapter_path: str | None = None
     """Directory where published adapter versions are written: `<lora_adapter_path>/<run id>/v000001`, ... (PEFT
     `save_pretrained` format, written atomically). With `adapter_delivery: shared_fs` the inference servers must read
-it at the same path; with `http` it stays on the trainer's side."""
+    it at the same path; with `http` it stays on the trainer's side. Unset: `<output_dir>/adapters`."""
     lora_name: str = "policy"
     """Name generation requests use for the trained adapter on the inference server. A run id is appended
     so that names stay unique for the server's lifetime (vLLM refuses to re-load a name)."""
@@ -65,7 +71,8 @@ it at the same path; with `http` it stays on the trainer's side."""
     """Dropout on the LoRA input during training. Keep 0 for exact trainer/server policy equivalence."""
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    """Module names that get a LoRA adapter."""
+    """Module names that get a LoRA adapter, or `all-linear` (PEFT's: every linear layer of the language model but
+    the output head)."""
 
     # ---- data and rewards -----------------------------------------------------------------------
     dataset_name: str = "toy"
@@ -127,6 +134,25 @@ it at the same path; with `http` it stays on the trainer's side."""
     naming the function that was running and the prompt. In a reward worker (`reward_workers` > 0) the worker is
     killed and replaced; in-thread (`reward_workers: 0`) the call's thread cannot be stopped and is left running."""
 
+    # ---- agents: multi-turn, tool-calling episodes (docs/agents.md) ------------------------------
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call, as `package.module:function` (sync or async, type hints and a Google docstring,
+    as TRL). Their schemas (transformers' `get_json_schema`) go to the chat template; a completion becomes an
+    episode: model turn, tool calls, tool results, next turn. Empty with no `environment_factory`: one completion
+    per prompt, as always."""
+    environment_factory: str | None = None
+    """A class as `package.module:Class`, one instance per episode (TRL's contract): `reset(**row)` gets the whole
+    dataset row and may return text appended to the last user message; its public methods other than
+    reset/get_reward are tools; an optional `get_reward()` is an extra reward named after the class."""
+    max_turns: int = 8
+    """Most model turns in one episode; an episode that still calls a tool then ends there (not truncated)."""
+    max_episode_tokens: int | None = None
+    """Most tokens of an episode after its prompt (sampled, tool and template tokens). An episode that reaches it
+    is truncated (`mask_truncated_completions` applies). Unset: only the server's `max_model_len` bounds it. Each
+    model turn samples at most `max_completion_length` tokens."""
+    tool_timeout: float = 30.0
+    """Seconds one tool call may take; past it the call is abandoned and the model reads an error saying so."""
+
     # ---- generation -----------------------------------------------------------------------------
     num_generations: int = 8
     """Completions sampled per prompt (the GRPO group size)."""
@@ -164,8 +190,9 @@ it at the same path; with `http` it stays on the trainer's side."""
     optimizer step on every backend, and saved in checkpoints."""
     warmup_ratio: float = 0.0
     """Fraction of `max_steps` over which the learning rate rises linearly from 0 (transformers' `warmup_ratio`)."""
-    warmup_steps: int = 0
-    """Warm-up length in optimizer steps; overrides `warmup_ratio` when > 0 (transformers' `warmup_steps`)."""
+    warmup_steps: float = 0
+    """Warm-up length: optimizer steps when >= 1, a fraction of `max_steps` when below 1 (transformers 5's
+    `warmup_steps`, which took over `warmup_ratio`); overrides `warmup_ratio` when > 0."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -175,7 +202,12 @@ it at the same path; with `http` it stays on the trainer's side."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm; 0 disables clipping."""
     max_steps: int = 100
-    """Optimizer steps to run."""
+    """Optimizer steps to run. A file that gives `num_train_epochs` and no max_steps (or transformers' unset value
+    `max_steps: -1`) runs the epochs instead."""
+    num_train_epochs: float | None = None
+    """Passes over the training prompts: at start, rank 0 counts the training split's rows and the run takes
+    ceil(num_train_epochs x rows x num_iterations / prompts per step) optimizer steps (a batch is trained on
+    `num_iterations` times). A max_steps given beside it wins, as in transformers. Unset: `max_steps`."""
     num_iterations: int = 1
     """Optimizer steps taken on each generated batch (TRL's `num_iterations`, the GRPO paper's mu): a batch is taken
     from the rollout queue once, collated once (and its reference logprobs computed once when `beta` > 0), and
@@ -189,16 +221,24 @@ it at the same path; with `http` it stays on the trainer's side."""
     epsilon_high: float | None = None
     """Upper clip range; unset = `epsilon` (DAPO: 0.28). With `loss_type: cispo` it is the cap on the ratio itself
     (TRL's and ScaleRL's epsilon_max; 5.0 recommended)."""
-    delta: float | None = None
-    """Upper bound on the unclipped importance ratio (TRL's `delta`, INTELLECT-2's two-sided clip). It matters for
-    negative advantages, where the clipped surrogate is otherwise unbounded in the ratio (a token 12 nats more likely
-    under the trainer than under the sampler weighs e^12 = 1.6e5 times its advantage); beyond `delta` such a token
-    gets no gradient. Must be > 1 + epsilon_high; 4 is typical. Unset (TRL's default): no bound."""
+    delta: float | None = 3.0
+    """Upper bound on the unclipped importance ratio (TRL's `delta`, INTELLECT-2's two-sided clip, verl's dual-clip
+    `clip_ratio_c`). It matters for negative advantages, where the clipped surrogate is otherwise unbounded in the
+    ratio (a token 12 nats more likely under the trainer than under the sampler weighs e^12 = 1.6e5 times its
+    advantage); beyond `delta` such a token gets no gradient. Must be > 1 + epsilon_high. Default 3 (verl's value;
+    TRL's default is unset): training is asynchronous by default, and this keeps every token's weight bounded.
+    `null`: no bound (docs/losses.md, "Bounds", says what then happens past e^20)."""
     loss_type: str = "dapo"
     """Loss aggregation/objective (TRL's `loss_type`; docs/losses.md): `dapo` (default: token mean over the global
     batch), `grpo` (each sequence's token mean, then the mean over sequences: length-biased), `bnpo` (token mean
     per micro-batch), `dr_grpo` (token sum / (sequences x max_completion_length): no length bias), `cispo` (the
-    capped, detached ratio weights the log-probability: no token loses its gradient; needs epsilon_high > 1)."""
+    capped, detached ratio weights the log-probability: no token loses its gradient; needs epsilon_high > 1),
+    `sapo` (a soft sigmoid gate in place of the clip, aggregated as `grpo`), `luspo` (each sequence's token sum,
+    then the mean over sequences; meant for `importance_sampling_level: sequence`)."""
+    sapo_temperature_pos: float = 1.0
+    """`loss_type: sapo`: the gate's temperature for tokens with a positive advantage (TRL's name and default)."""
+    sapo_temperature_neg: float = 1.05
+    """`loss_type: sapo`: the gate's temperature for tokens with a zero or negative advantage (TRL's default)."""
     importance_sampling_level: str = "token"
     """`token`: one importance ratio per token; `sequence`: the sequence's geometric-mean ratio for all its tokens
     (GSPO; TRL's `importance_sampling_level`). GSPO's paper pairs it with `loss_type: grpo` and tiny clip ranges
@@ -217,6 +257,21 @@ it at the same path; with `http` it stays on the trainer's side."""
     `sequence_mask` (the product over the sequence's tokens, capped or masked for the whole sequence)."""
     vllm_importance_sampling_cap: float = 3.0
     """The cap C of `vllm_importance_sampling_mode` (TRL's `vllm_importance_sampling_cap`); >= 1."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound of the importance weight (TRL's name): `*_truncate` modes raise weights below it to it, `*_mask`
+    modes set them to 0. Unset (TRL's default): no lower bound. Must be below the cap."""
+    off_policy_mask_threshold: float | None = None
+    """TRL's off-policy sequence mask (DeepSeek-V3.2): a completion with a negative advantage whose mean per-token
+    log(behaviour / trainer) exceeds this is left out of the loss. Unset (TRL's default): off; 0.5 is TRL's
+    example."""
+    use_bias_correction_kl: bool = False
+    """Multiply the KL term by the (differentiable) importance ratio, which makes its gradient the unbiased
+    reverse-KL gradient (DeepSeek-V3.2; TRL's name). TRL's default is true; ours false keeps the KL term as it was.
+    Only matters with `beta` > 0."""
+    top_entropy_quantile: float = 1.0
+    """Train only on the highest-entropy tokens (TRL's name): the loss keeps the tokens whose entropy under the
+    trainer is in the top `top_entropy_quantile` of each micro-batch's completion tokens (TRL pools all ranks'; 0.2
+    is the paper's value). 1.0 (default): every token."""
     beta: float = 0.0
     """KL coefficient to the base model (the same model with the adapter disabled). 0 = no KL term."""
     scale_rewards: str | bool = "group"
@@ -305,7 +360,9 @@ it at the same path; with `http` it stays on the trainer's side."""
 
     # ---- output and logging ---------------------------------------------------------------------
     output_dir: str = "runs/asyncgrpo"
-    """Where TensorBoard logs and the final adapter go."""
+    """Where the run writes: the final adapter in PEFT format (`adapter_model.safetensors` and `adapter_config.json`
+    in output_dir itself, as TRL's `save_model` writes them), `checkpoint-<step>/`, `tensorboard/`, `config.yaml`
+    and `run_summary.json`."""
     logging_steps: int = 1
     """Optimizer steps between TensorBoard scalar writes."""
     save_steps: int = 0
@@ -316,13 +373,16 @@ it at the same path; with `http` it stays on the trainer's side."""
     save_total_limit: int | None = None
     """Keep only the newest this many checkpoints (older ones are deleted after each save). Unset = keep all."""
     resume_from_checkpoint: str | None = None
-    """Continue a run: `latest` (the newest `checkpoint-<step>` in `output_dir`; an error when there is none) or a
-    checkpoint directory. Step numbers and policy versions continue; the adapter is re-published to every server
+    """Continue a run: `latest` (or `true`, as in transformers: the newest `checkpoint-<step>` in `output_dir`; an
+    error when there is none) or a checkpoint directory. Step numbers and policy versions continue; the adapter is
+    re-published to every server
     before generation starts."""
     deepspeed: str | None = None
     """A DeepSpeed JSON config (e.g. `launch/deepspeed/zero3.json`) for runs started by the `deepspeed` launcher
     (or `torchrun`), which, unlike `accelerate launch --config_file ...`, tell the trainer nothing about DeepSpeed.
-    Ignored, with a warning, when `accelerate launch` already configured DeepSpeed."""
+    Ignored, with a warning, when `accelerate launch` already configured DeepSpeed. A json whose `bf16.enabled` is
+    on (`true`, or `auto` under bf16 mixed precision) is translated: the base model is held in bf16, while the LoRA
+    weights and their optimizer state stay fp32 (DeepSpeed's own bf16 mode is switched off)."""
     ddp_timeout: int = 3600
     """Seconds a collective may wait for the other ranks before the run fails (lower in tests); the default covers
     every wait below with the default timeouts, `adapter_delivery: http` included. With several ranks it
@@ -336,6 +396,8 @@ it at the same path; with `http` it stays on the trainer's side."""
     def __post_init__(self) -> None:
         if isinstance(self.scale_rewards, bool):  # TRL's booleans
             self.scale_rewards = "group" if self.scale_rewards else "none"
+        if self.lora_adapter_path is None:
+            self.lora_adapter_path = str(Path(self.output_dir) / "adapters")
         self.validate()
 
     @property
@@ -363,6 +425,12 @@ it at the same path; with `http` it stays on the trainer's side."""
         """Prompt groups in one optimizer step's global batch over `world_size` ranks."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size // self.num_generations
 
+    def steps_for_epochs(self, rows: int, world_size: int) -> int:
+        """Optimizer steps of `num_train_epochs` passes over `rows` prompts: each generated batch takes
+        `groups_per_step` prompts and is trained on `num_iterations` times (at least 1 step)."""
+        passes = self.num_train_epochs * rows * self.num_iterations / self.groups_per_step(world_size)
+        return max(1, math.ceil(passes))
+
     def inflight_requests(self, groups_per_step: int) -> int:
         """Generation requests the producer keeps in flight: `max_inflight_requests`, or when unset a whole step's
         groups (two steps' worth when generation may run ahead), at least 2 per server."""
@@ -372,13 +440,21 @@ it at the same path; with `http` it stays on the trainer's side."""
         return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
 
     def validate(self) -> None:
-        """Every value alone (VALUE_RANGES, names, URLs: all problems reported at once), then the cross-field
-        checks; each error names the key to change."""
+        """Every value alone (VALUE_RANGES, names, URLs), then each group of cross-field checks; every problem found
+        is reported at once (one line each), each naming the key to change."""
         problems = value_problems(self)
-        if len(problems) == 1:
-            raise problems[0]
-        if problems:
-            raise ConfigErrors(problems)
+        if not problems:
+            for check in (self._validate_training, self._validate_checkpoints, self._validate_loss,
+                          self._validate_schedule, self._validate_generation, self._validate_data,
+                          self._validate_agents, self._validate_delivery, self._validate_rollout_address):
+                try:
+                    check()
+                except ConfigError as exc:
+                    problems.append(exc)
+        raise_all(problems)
+
+    def _validate_training(self) -> None:
+        """Checks of the adapter, the batch and the staleness keys."""
         if self.use_lora and not self.lora_adapter_path:
             raise ConfigError("lora_adapter_path", "is required when use_lora is true",
                               "set lora_adapter_path to a directory the inference server can read, "
@@ -391,7 +467,6 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"({self.num_generations}); groups cannot be split across ranks",
                               f"use a multiple of {self.num_generations}, e.g. "
                               f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}")
-        self._validate_checkpoints()
         if self.max_staleness == 0 and self.num_iterations % self.weight_sync_steps:
             raise ConfigError("max_staleness", f"0 promises that every batch is sampled by the weights its training "
                               f"starts from, but with num_iterations {self.num_iterations} and weight_sync_steps "
@@ -399,15 +474,17 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"version that sampled them was published",
                               f"make weight_sync_steps divide num_iterations (e.g. weight_sync_steps: "
                               f"{self.num_iterations}), or allow staleness with max_staleness: 1")
-        self._validate_loss()
-        self._validate_schedule()
+
+    def _validate_generation(self) -> None:
+        """Checks of the sampling, dtype, DeepSpeed, sync and reward function keys."""
         if self.top_p != 1.0:
             # The server would sample from the nucleus and report logprobs renormalised over it, while the loss
             # scores the full softmax: every step would be off-policy (measured: max |log ratio| 0.66 at top_p 0.5).
             raise ConfigError("top_p", f"{self.top_p} is not supported: the trainer scores the full distribution, "
                               f"the server would sample from the top-p nucleus only", "set `top_p: 1.0` (the default)")
         if self.torch_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16")
+            raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16 "
+                              "(`auto` is not read from the checkpoint: name the dtype)")
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
             raise ConfigError("deepspeed", f"file {self.deepspeed!r} does not exist",
                               "pass a DeepSpeed JSON such as launch/deepspeed/zero3.json (relative to where you launch)")
@@ -425,9 +502,6 @@ it at the same path; with `http` it stays on the trainer's side."""
             if ":" not in ref:
                 raise ConfigError("reward_funcs", f"{ref!r} is not of the form package.module:function",
                                   "write e.g. `asyncgrpo.toy:larger_reward`")
-        self._validate_data()
-        self._validate_delivery()
-        self._validate_rollout_address()
 
     def _validate_rollout_address(self) -> None:
         if self.rollout_address is None:
@@ -443,6 +517,27 @@ it at the same path; with `http` it stays on the trainer's side."""
                               f"true` (one connects to a rollout side running elsewhere, the other spawns one on rank "
                               f"0's host)", "drop `rollout_process: true` to connect to the rollout server, or drop "
                               "rollout_address to spawn the rollout side")
+
+    @property
+    def uses_tools(self) -> bool:
+        """Completions are episodes: tools or an environment are configured."""
+        return bool(self.tools) or self.environment_factory is not None
+
+    def _validate_agents(self) -> None:
+        """Checks of the tool and environment keys."""
+        for key, refs in (("tools", self.tools), ("environment_factory", [self.environment_factory] * (
+                self.environment_factory is not None))):
+            for ref in refs:
+                if not isinstance(ref, str) or ":" not in ref:
+                    raise ConfigError(key, f"{ref!r} is not of the form package.module:name",
+                                      "write e.g. `my_agent.tools:lookup` (a function) or `my_agent.env:MyEnv` (a class)")
+        if self.uses_tools and self.reward_workers:
+            raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
+                              "are scored in the rollout process, where their environments live",
+                              "set `reward_workers: 0`")
+        if self.uses_tools and self.prompt_format == "raw":
+            raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
+                              "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
 
     def _validate_delivery(self) -> None:
         """Checks of `adapter_delivery` and its receivers."""
@@ -472,9 +567,15 @@ it at the same path; with `http` it stays on the trainer's side."""
         if self.loss_type == "cispo" and self.epsilon_upper <= 1.0:
             raise ConfigError("epsilon_high", f"is {self.epsilon_upper}, but with loss_type cispo it caps the ratio "
                               f"itself (a cap <= 1 down-weights every token)", "set epsilon_high: 5.0 (ScaleRL, TRL)")
-        if self.delta is not None and self.delta <= 1.0 + self.epsilon_upper:
+        clipped = self.loss_type not in ("cispo", "sapo")  # the loss types with PPO's clip, which delta extends
+        if self.delta is not None and clipped and self.delta <= 1.0 + self.epsilon_upper:
             raise ConfigError("delta", f"{self.delta} is not above 1 + epsilon_high ({1.0 + self.epsilon_upper}); it "
-                              f"would cut into the clip range", "use delta: 4.0 (INTELLECT-2), or unset it")
+                              f"would cut into the clip range", "use a delta above it, or `delta: null` (no bound)")
+        clip_min = self.vllm_importance_sampling_clip_min
+        if clip_min is not None and clip_min >= self.vllm_importance_sampling_cap:
+            raise ConfigError("vllm_importance_sampling_clip_min", f"{clip_min} is not below the cap "
+                              f"({self.vllm_importance_sampling_cap})", "use a value below the cap, e.g. 0.5, or "
+                              "unset it")
 
     def _validate_schedule(self) -> None:
         """Checks of the learning-rate schedule keys."""
@@ -487,9 +588,11 @@ it at the same path; with `http` it stays on the trainer's side."""
 
     @property
     def num_warmup_steps(self) -> int:
-        """Warm-up length in optimizer steps: `warmup_steps`, else `warmup_ratio` x max_steps rounded up (as
-        transformers does)."""
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.max_steps)
+        """Warm-up length in optimizer steps: `warmup_steps` (>= 1: steps, below 1: a fraction of max_steps), else
+        `warmup_ratio` x max_steps; fractions are rounded up (as transformers does)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * self.max_steps)
 
     def _validate_checkpoints(self) -> None:
         if self.save_steps and self.save_steps % self.weight_sync_steps:
@@ -525,17 +628,29 @@ it at the same path; with `http` it stays on the trainer's side."""
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, values: dict) -> "AsyncGRPOConfig":
-        """Build from a plain mapping (a parsed YAML file); unknown keys and wrong types are errors."""
+        """Build from a plain mapping (a parsed YAML file) in this project's or TRL's key names (trl_compat.py).
+        Unknown keys, wrong types, TRL values that cannot be honoured and bad values are all reported at once."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
+        values, problems = trl_compat.translate(values)
         kwargs = {}
         for key, value in values.items():
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                fix = f"did you mean `{close[0]}`?" if close else "remove it (see docs/configuration.md)"
-                raise ConfigError(key, "unknown key", fix)
-            kwargs[key] = _coerce(key, value, hints[key])
-        return cls(**kwargs)
+            if key == "max_tool_calling_iterations" and value is not None:  # TRL's name: tool rounds, not turns
+                key, value = "max_turns", int(value) + 1
+            try:
+                if key not in known:
+                    raise trl_compat.unknown_key(key, known)
+                kwargs[key] = _coerce(key, value, hints[key])
+            except ConfigError as exc:
+                problems.append(exc)
+        try:
+            config = cls(**kwargs)  # the keys that were right: their values and combinations are checked too
+        except ConfigErrors as exc:
+            problems.extend(exc.errors)
+        except ConfigError as exc:
+            problems.append(exc)
+        raise_all(problems)
+        return config
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "AsyncGRPOConfig":
@@ -603,6 +718,9 @@ VALUE_RANGES: dict[str, Range] = {
     "reward_fallback": Range(fix="use a finite reward such as 0.0, or unset it"),
     "reward_workers": Range(0, 1024, fix="use 0 to score in the request threads, or a few worker processes"),
     "reward_timeout": Range(0, low_open=True, fix="give the seconds one group's scoring may take, e.g. 60"),
+    "max_turns": Range(1, fix="use the most model turns an episode may take, e.g. 8"),
+    "max_episode_tokens": Range(1, fix="use the most tokens an episode may have after its prompt, or unset it"),
+    "tool_timeout": Range(0, low_open=True, fix="give the seconds one tool call may take, e.g. 30"),
     "num_generations": Range(2, fix="use 2 or more for group-relative advantages (8 is typical)"),
     "max_completion_length": Range(1, fix="use the most tokens a completion may have, e.g. 256"),
     "temperature": Range(0, low_open=True, fix="sample with temperature 1.0 (the policy's own distribution)"),
@@ -612,17 +730,23 @@ VALUE_RANGES: dict[str, Range] = {
     "gradient_accumulation_steps": Range(1, fix="use 1 or more"),
     "learning_rate": Range(0, low_open=True, fix="use e.g. 1e-5 (LoRA: 1e-5 to 1e-3)"),
     "warmup_ratio": Range(0, 1, high_open=True, fix="use e.g. 0.05"),
-    "warmup_steps": Range(0, fix="use 0 or e.g. 10"),
+    "warmup_steps": Range(0, fix="use 0, a number of steps such as 10, or a fraction of max_steps such as 0.05"),
     "weight_decay": Range(0, fix="use 0 or e.g. 0.01"),
     "adam_beta1": Range(0, 1, high_open=True, fix="use 0.9 (the default)"),
     "adam_beta2": Range(0, 1, high_open=True, fix="use 0.999 (the default)"),
     "max_grad_norm": Range(0, fix="use 1.0, or 0 to disable clipping"),
     "max_steps": Range(1, fix="use 1 or more"),
+    "num_train_epochs": Range(0, low_open=True, fix="use e.g. 1, or unset it and set max_steps"),
     "num_iterations": Range(1, fix="use 1 (TRL's default) or a few"),
     "epsilon": Range(0, low_open=True, fix="use epsilon: 0.2"),
     "epsilon_high": Range(0, low_open=True, fix="use 0.28 (DAPO), or unset it to use epsilon"),
-    "delta": Range(1, low_open=True, fix="use delta: 4.0 (INTELLECT-2), or unset it"),
+    "delta": Range(1, low_open=True, fix="use delta: 3.0 (the default), or `delta: null` for no bound"),
     "vllm_importance_sampling_cap": Range(1, fix="use 2.0-5.0 (TRL's default is 3.0)"),
+    "vllm_importance_sampling_clip_min": Range(0, fix="use e.g. 0.5, or unset it"),
+    "off_policy_mask_threshold": Range(0, fix="use e.g. 0.5 (TRL's example), or unset it"),
+    "top_entropy_quantile": Range(0, 1, low_open=True, fix="use e.g. 0.2 (the top fifth), or 1.0 for every token"),
+    "sapo_temperature_pos": Range(0, low_open=True, fix="use 1.0 (TRL's default)"),
+    "sapo_temperature_neg": Range(0, low_open=True, fix="use 1.05 (TRL's default)"),
     "beta": Range(0, fix="use 0 (no KL) or a small value like 0.04"),
     "seed": Range(0, fix="use a seed >= 0, e.g. 0"),
     "max_tokens_per_microbatch": Range(0, fix="use 0 (off) or a token budget such as 16384"),
@@ -645,6 +769,14 @@ LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
 # The secrets asyncgrpo reads from the environment; reward workers start without them (rollout/reward_pool.py).
 SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
+
+
+def raise_all(problems: list[ConfigError]) -> None:
+    """Raise the one problem as it is, several as one ConfigErrors (one line each); nothing when there is none."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigErrors(problems)
 
 
 def value_problems(cfg: AsyncGRPOConfig) -> list[ConfigError]:
@@ -802,14 +934,29 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+def reference() -> list[tuple[str, str, object, str]]:
+    """(key, type, default, doc) of every field, in order: the one source of docs/configuration.md and of
+    `asyncgrpo train --help`."""
+    fields = AsyncGRPOConfig.__dataclass_fields__
+    hints = typing.get_type_hints(AsyncGRPOConfig)
+    rows = []
+    for name, doc in field_docs().items():
+        f = fields[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        rows.append((name, _type_name(hints[name]), default, doc))
+    return rows
+
+
+def _type_name(hint) -> str:
+    """`str | list[str]`, `dict[str, Any] | None`, ... as a user reads them."""
+    return str(hint).replace("typing.", "") if typing.get_origin(hint) else hint.__name__
+
+
 def reference_markdown() -> str:
     """The config reference table for docs/configuration.md: `python -m asyncgrpo.config`."""
-    defaults = AsyncGRPOConfig.__dataclass_fields__
-    rows = ["| key | default | what it does |", "| --- | --- | --- |"]
-    for name, doc in field_docs().items():
-        f = defaults[name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        rows.append(f"| `{name}` | `{default}` | {doc} |")
+    rows = ["| key | type | default | what it does |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{name}` | `{kind.replace('|', chr(92) + '|')}` | `{default}` | {doc} |"  # `\|`: not a cell edge
+             for name, kind, default, doc in reference()]
     return "\n".join(rows)
 
 

@@ -28,6 +28,16 @@ class Group:
     finish_reasons: list[str] = field(default_factory=list)
     index: int = -1  # the prompt's position in the producer's data stream (orders a batch; checkpoints resume after it)
     masked: list[bool] = field(default_factory=list)  # completions left out of the loss (mask_truncated_completions)
+    # Episodes (multi-turn, tools: docs/agents.md); empty for plain completions, whose every token was sampled.
+    loss_mask: list[list[int]] = field(default_factory=list)  # per token: 1 sampled, 0 tool/template (context only)
+    versions: list[list[int]] = field(default_factory=list)  # per token: the policy version that sampled it
+
+    @property
+    def n_sampled_tokens(self) -> int:
+        """Tokens the model sampled (what the loss trains on): all completion tokens unless a loss mask says less."""
+        if not self.loss_mask:
+            return self.n_completion_tokens
+        return sum(sum(m) for m in self.loss_mask)
 
     @property
     def n_completion_tokens(self) -> int:
@@ -39,7 +49,17 @@ class Group:
                                    behaviour_logprobs=[self.behaviour_logprobs[j]], rewards=[self.rewards[j]],
                                    advantages=[self.advantages[j]], finish_reasons=self.finish_reasons[j:j + 1],
                                    reward_parts={k: [v[j]] for k, v in self.reward_parts.items()},
-                                   masked=self.masked[j:j + 1])
+                                   masked=self.masked[j:j + 1], loss_mask=self.loss_mask[j:j + 1],
+                                   versions=self.versions[j:j + 1])
+
+
+def finish_reason_from_tokens(finish_reason: str, token_ids: list[int], end_token_ids: frozenset[int]) -> str:
+    """The server's finish reason, read against the tokens: `length` becomes `stop` when the last sampled token is an
+    end token. vLLM checks the length before the end token, so an EOS sampled as the `max_tokens`-th token is
+    reported as `length`, although the completion is whole; only a completion cut off by the limit is truncated."""
+    if finish_reason == "length" and token_ids and token_ids[-1] in end_token_ids:
+        return "stop"
+    return finish_reason
 
 
 def centred_advantages(rewards: list[float], scale: str, eps: float = 1e-4) -> list[float]:

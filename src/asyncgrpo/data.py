@@ -85,10 +85,21 @@ class PromptFormat:
 
 # ---- the toy world and the model path ------------------------------------------------------------------
 def resolve_model_path(cfg) -> str:
-    """`model_name_or_path: toy` -> the cached toy model directory (built on first use)."""
+    """`model_name_or_path: toy` -> the cached toy model directory, `shape:<name>` -> the cached random-weight model
+    of that checkpoint's shape in `torch_dtype` (each built on first use); anything else as given."""
+    if cfg.model_name_or_path.startswith("shape:"):
+        from asyncgrpo.toy.shapes import shape_model_dir  # heavy: builds with torch and transformers
+
+        return shape_model_dir(cfg.model_name_or_path, cfg.torch_dtype)
     if cfg.model_name_or_path != "toy":
         return cfg.model_name_or_path
     return str(toy_world(cfg).model_dir)
+
+
+def base_model_reference(model_path: str) -> str:
+    """What an adapter records as `base_model_name_or_path`: a local directory as an absolute path (valid from any
+    working directory), anything else, a hub id, exactly as the user wrote it."""
+    return str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path
 
 
 def local_model_dir(path: str) -> str:
@@ -131,6 +142,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # ---- reading a split -------------------------------------------------------------------------------------
+def count_training_rows(cfg) -> int:
+    """Rows of the training split (for `num_train_epochs`)."""
+    return len(read_records(cfg)[0])
+
+
 def read_records(cfg) -> tuple[list[dict], str]:
     """The training split as (rows, a description of where they came from, for messages)."""
     if cfg.dataset_name == "toy":

@@ -119,22 +119,34 @@ def _wrap_lora_separately(accelerator, peft_model) -> None:
     plugin.auto_wrap_policy = fsdp_auto_wrap_policy(peft_model)
 
 
+def deepspeed_mode_on(accelerator, mode: str) -> bool:
+    """Whether the DeepSpeed config turns `mode` (`bf16` / `fp16`) on: `true` in the json, or `auto` that accelerate
+    filled from `mixed_precision`."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return False
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    return str(ds.get(mode, {}).get("enabled", False)).lower() == "true"
+
+
 def _fp32_buffers_and_reduction(accelerator) -> None:
     """accelerate's `mixed_precision: bf16` makes FSDP1 cast every buffer to bf16 (the rotary `inv_freq`: with rope
     theta 1e6 that is ~0.6 rad of angle error at position 512, a policy that drifts from the server's) and reduce
     gradients in bf16 on both FSDP versions. Keep the compute dtype, but reduce in fp32 and keep buffers fp32.
-    DeepSpeed's bf16/fp16 modes cast the whole module, buffers included: refused (the base is bf16 through
-    `torch_dtype` and the LoRA weights train in fp32 without them)."""
+    DeepSpeed's bf16 mode would cast the LoRA weights to bf16 too (their fp32 masters living in the optimizer): it is
+    switched off here, the base already built in bf16 for it (policy.py), so the LoRA weights, their gradients and
+    Adam's state stay fp32. Its fp16 mode (loss scaling) is refused."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if deepspeed_mode_on(accelerator, "fp16"):
+            raise AsyncGRPOError(
+                "DeepSpeed's fp16 mode is on (accelerate `mixed_precision: fp16` or `\"fp16\": {\"enabled\": true}` in "
+                "the DeepSpeed json): it trains the LoRA weights in fp16 with loss scaling. Fix: `\"enabled\": "
+                "\"auto\"` or false in the json's fp16 block and no fp16 mixed precision; for a 16-bit base set "
+                "`torch_dtype: bfloat16` (or float16)")
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
-        for mode in ("bf16", "fp16"):
-            if str(ds.get(mode, {}).get("enabled", False)).lower() == "true":
-                raise AsyncGRPOError(
-                    f"DeepSpeed's {mode} mode is on (accelerate `mixed_precision: {accelerator.mixed_precision}` or "
-                    f"`\"{mode}\": {{\"enabled\": true}}` in the DeepSpeed json): it casts every buffer, the rotary "
-                    "embedding's inv_freq included, to 16 bits, so the trainer's policy drifts from the server's. Fix: "
-                    "`mixed_precision: 'no'` in the accelerate config and `\"enabled\": \"auto\"` in the json; the base "
-                    "model is still bf16 through the config key `torch_dtype: bfloat16` (launch/accelerate/zero*.yaml)")
+        if deepspeed_mode_on(accelerator, "bf16"):
+            ds["bf16"] = {**ds["bf16"], "enabled": False}
+            logging.getLogger(__name__).info("DeepSpeed's bf16 mode is translated: the base model is held in bf16, "
+                                             "the LoRA weights and their optimizer state in fp32")
         return
     plugin = _fsdp_plugin(accelerator)
     policy = getattr(plugin, "mixed_precision_policy", None)

@@ -79,3 +79,8 @@ class RolloutProcessError(AsyncGRPOError):
     """The rollout process (`rollout_process: true`, or `asyncgrpo rollout-serve` at `rollout_address`) could not be
     reached, died, stopped answering, or raised an error that could not be rebuilt in the trainer with its own type
     (the message then carries that type, its message and its traceback)."""
+
+
+class ToolError(AsyncGRPOError):
+    """A user's tool or environment broke the episode itself (not an error the model can read and recover from):
+    a tool that ended its worker thread (SystemExit and the like), an environment that cannot be built or reset."""

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 # Sub-modules of multimodal checkpoints outside the language model (Gemma 3/4, LLaVA-style, Qwen2-VL).
 MULTIMODAL_TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector", "visual")
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 TOWER_PATTERN = rf"(.*\.)?({'|'.join(MULTIMODAL_TOWERS)})\..*"  # PEFT full-matches a str exclude_modules
 
 
@@ -30,8 +31,11 @@ def lora_config(cfg, model):
     dropout and `lora_target_modules`, inside the language model only."""
     from peft import LoraConfig  # heavy: peft (and transformers), only once an adapter is built
 
+    targets = list(cfg.lora_target_modules)
+    if targets == [ALL_LINEAR]:
+        targets = ALL_LINEAR  # PEFT reads the word only as a string; in a list it is a module name that matches nothing
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM", bias="none",
+                      target_modules=targets, task_type="CAUSAL_LM", bias="none",
                       exclude_modules=tower_exclusion(name for name, _ in model.named_modules()))
 
 

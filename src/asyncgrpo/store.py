@@ -116,6 +116,29 @@ class AdapterStore:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def export_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], peft_config, base_model: str) -> Path:
+    """The adapter in PEFT's `save_pretrained` layout straight into `directory` (a run's output_dir, as TRL's
+    `save_model` writes it), beside whatever else is there. Both files are written and fsynced in a temporary
+    directory first, then renamed over the old ones, the config last: a reader never sees a half-written file."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".tmp-final-{host_name()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_NAME),
+                  metadata={"format": "pt"})
+        fsync_path(tmp / WEIGHTS_NAME)
+        AdapterStore._write_config(tmp, peft_config, base_model)
+        for name in (WEIGHTS_NAME, CONFIG_NAME):
+            os.chmod(tmp / name, FILE_MODE)
+            os.replace(tmp / name, directory / name)
+        fsync_path(directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
 def write_manifest(directory: Path, names: list[str]) -> None:
     """Record each file's size and sha256 as written (read back from disk, so it is what the server will read)."""
     manifest = {name: {"size": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}

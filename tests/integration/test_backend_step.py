@@ -5,8 +5,8 @@
   update (fp32, 1e-5), and every backend gives the update DDP gives (so DeepSpeed honours `max_grad_norm`);
 - every tensor asyncgrpo hands to torch.distributed during a step and a sync lies on the collective device, made
   `meta` here (not the CPU, as a GPU under NCCL, which has no CPU backend);
-- under accelerate's `mixed_precision: bf16` the rotary `inv_freq` buffers stay fp32 and FSDP reduces in fp32;
-  DeepSpeed's bf16 mode (which casts every buffer) is refused with the fix.
+- under accelerate's `mixed_precision: bf16` the rotary `inv_freq` buffers stay fp32 and FSDP reduces in fp32
+  (DeepSpeed's bf16 mode is translated into a bf16 base under fp32 LoRA weights: test_backends.py).
 """
 
 import json
@@ -26,7 +26,7 @@ WORKER = Path(__file__).with_name("backend_worker.py")
 BACKENDS = ["ddp", "fsdp1", "fsdp2", "zero2", "zero3"]
 # Collectives each backend's step + gather must have made through asyncgrpo (dist_sum/dist_max in the step; the
 # sharded gathers' own calls).
-EXPECTED_OPS = {"ddp": {"all_reduce"}, "fsdp1": {"all_reduce"}, "fsdp2": {"all_reduce", "all_gather", "gather"},
+EXPECTED_OPS = {"ddp": {"all_reduce"}, "fsdp1": {"all_reduce"}, "fsdp2": {"all_reduce", "all_gather", "send", "irecv"},
                 "zero2": {"all_reduce"}, "zero3": {"all_reduce", "gather"}}
 
 
@@ -75,6 +75,14 @@ def test_one_optimizer_step_per_trainer_step_whatever_the_micro_batches(results,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_checks_verdict_passes_on_every_backend_under_gloo(results, backend):
+    # scripts/gpu_check.sh judges its GPU launches with this same function: here it keeps them from rotting.
+    from asyncgrpo.bench.backend_check import failures
+
+    assert failures(_result(results, backend)) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_every_collective_tensor_lies_on_the_collective_device(results, backend):
     audit = _result(results, backend)["audit"]
     assert {rec["op"] for rec in audit} >= EXPECTED_OPS[backend]
@@ -98,14 +106,15 @@ def test_every_backend_makes_the_update_ddp_makes(results, backend, tmp_path_fac
 
 @pytest.mark.parametrize("backend", ["fsdp1", "fsdp2"])
 def test_bf16_mixed_precision_keeps_rotary_buffers_and_gradient_reduction_fp32(backend, tmp_path):
-    r = run_worker(backend, tmp_path, "--mixed_precision", "bf16", worker_args=["--dtype", "bfloat16"])
+    r = run_worker(backend, tmp_path, "--mixed_precision", "bf16", worker_args=["--torch_dtype", "bfloat16"])
     assert r["mixed_precision"] == "bf16"
     assert r["inv_freq_dtypes"] == ["torch.float32"]
     assert r["fsdp_reduce_dtype"] == "torch.float32"
     assert (r["optimizer_steps_a"], r["optimizer_steps_b"]) == (1, 1)
+    # Gradients accumulated over 2 micro-batches (no_sync) make the update one micro-batch makes, within bf16's
+    # rounding (gpu_check's bound, 0.1 of the update's norm; measured 0.044 FSDP1, 0.047 FSDP2): FSDP1 does not
+    # accumulate the LoRA gradients more lossily than FSDP2.
+    from asyncgrpo.bench.backend_check import failures
 
+    assert failures(r) == []
 
-def test_deepspeed_bf16_mode_is_refused_with_the_fix(tmp_path):
-    proc = launch("zero2", tmp_path, "--mixed_precision", "bf16")
-    assert proc.returncode != 0
-    assert "inv_freq" in proc.stderr and "mixed_precision: 'no'" in proc.stderr

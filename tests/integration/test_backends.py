@@ -1,9 +1,9 @@
 """The LoRA-only sync on every sharding backend: a real 2-process launch per backend (gloo, CPU) against the real
-vLLM server, with an fp32 and with a bf16 base. After the last sync, the adapter the server serves is the one
-written, it is non-trivial (every LoRA B moved off its zero init, so no backend wrote empty or zero tensors), stays
-fp32 over a bf16 base, and loaded with PEFT onto the unsharded base it gives the server's logprobs. Every gather
-moved exactly the adapter's bytes, and on-policy (max_staleness 0) the trainer's own logprobs matched the server's
-behaviour logprobs token by token."""
+vLLM server, with an fp32 and with a bf16 base (also one a ZeRO json's bf16 block asks for). After the last sync,
+the adapter the server serves is the one written, it is non-trivial (every LoRA B moved off its zero init, so no
+backend wrote empty or zero tensors), stays fp32 over a bf16 base, and loaded with PEFT onto the unsharded base it
+gives the server's logprobs. Every gather moved exactly the adapter's bytes, and on-policy (max_staleness 0) the
+trainer's own logprobs matched the server's behaviour logprobs token by token."""
 
 import json
 import os
@@ -95,6 +95,33 @@ def test_sharded_training_publishes_the_trained_adapter(backend, dtype, vllm_ser
         assert f"partitioned as it was built (zero.Init), in {dtype}" in proc.stderr
     check_published_adapter(tmp_path, backend, dtype, client, peft_logprobs, tb_scalars,
                             packed=packs_by_tokens(backend, dtype))
+
+
+# A ZeRO json as users write it: bf16 on (`auto` under accelerate's bf16 mixed precision, or `true`), torch_dtype left
+# at float32. The run translates it: a bf16 base, the LoRA weights and Adam's moments in fp32.
+DEEPSPEED_BF16 = [("zero2", "auto", "launch/deepspeed/zero2.json"), ("zero3", True, "launch/deepspeed/zero3_cpu.json")]
+
+
+@pytest.mark.parametrize("backend,enabled,ds_json", DEEPSPEED_BF16)
+def test_a_zero_json_with_bf16_on_trains_a_bf16_base_under_an_fp32_adapter(backend, enabled, ds_json, vllm_server,
+                                                                           client, peft_logprobs, tb_scalars,
+                                                                           tmp_path):
+    ds = json.loads((REPO / ds_json).read_text())
+    ds["bf16"] = {"enabled": enabled}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    accelerate = (REPO / f"launch/accelerate/{backend}_cpu.yaml").read_text()
+    (tmp_path / "accelerate.yaml").write_text(accelerate.replace(ds_json, str(tmp_path / "ds.json")))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
+           "--main_process_port", str(find_free_port()), *(["--mixed_precision", "bf16"] if enabled == "auto" else []),
+           "-m", "asyncgrpo", "train", *COMMON, "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
+           "--vllm_server_base_url", vllm_server.base_url]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "DeepSpeed's bf16 mode is translated" in proc.stderr
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert (summary["trainable_dtype"], summary["optimizer_state_dtype"]) == ("float32", "float32")
+    check_published_adapter(out, backend, "bfloat16", client, peft_logprobs, tb_scalars)  # base bf16, adapter fp32
 
 
 def test_deepspeed_launcher_runs_the_same_train_command(vllm_server, client, peft_logprobs, tb_scalars, tmp_path):

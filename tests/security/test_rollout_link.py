@@ -391,6 +391,8 @@ def test_past_the_handshake_limit_the_oldest_is_evicted_so_a_flood_of_silent_cli
         assert [sock.recv(1) for sock in silent[1:]] == [b"", b""]  # evicted by the trainer, then cut once it won
     evictions = [r.getMessage() for r in caplog.records if "2 handshakes were in progress" in r.getMessage()]
     assert len(evictions) == 2
+    # The log names whom it dropped: the first silent client, by the address it connected from.
+    assert evictions[0].startswith("dropped the connection from %s:%d: " % silent[0].getsockname()), evictions
     proxy.close(keep_final=False)
     server.join()
     for sock in silent:

@@ -10,9 +10,10 @@ from asyncgrpo.errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_use_lora_without_adapter_path_names_the_field_and_fix():
+def test_unset_adapter_path_is_under_output_dir_and_an_empty_one_names_the_fix():
+    assert AsyncGRPOConfig.from_dict({"output_dir": "/tmp/run7"}).lora_adapter_path == "/tmp/run7/adapters"
     with pytest.raises(ConfigError) as err:
-        AsyncGRPOConfig.from_dict({"use_lora": True})
+        AsyncGRPOConfig.from_dict({"use_lora": True, "lora_adapter_path": ""})
     assert err.value.field == "lora_adapter_path"
     assert "set lora_adapter_path" in str(err.value)
 

@@ -9,9 +9,9 @@ from asyncgrpo.errors import ConfigError
 from asyncgrpo.rollout.scheduler import version_needed
 
 
-def test_defaults_keep_todays_loss():
+def test_defaults_bound_the_unclipped_ratio_with_delta_3_and_keep_the_rest_of_the_loss():
     c = cfg()
-    assert (c.loss_type, c.importance_sampling_level, c.scale_rewards, c.delta) == ("dapo", "token", "group", None)
+    assert (c.loss_type, c.importance_sampling_level, c.scale_rewards, c.delta) == ("dapo", "token", "group", 3.0)
     assert c.vllm_importance_sampling_correction is False and c.mask_truncated_completions is False
     assert c.lr_scheduler_type == "constant" and c.num_warmup_steps == 0
 
@@ -34,7 +34,7 @@ def test_scale_rewards_override_from_the_command_line():
     ({"importance_sampling_level": "seq"}, "importance_sampling_level", "token, sequence"),
     ({"vllm_importance_sampling_mode": "truncate"}, "vllm_importance_sampling_mode", "token_truncate"),
     ({"loss_type": "cispo"}, "epsilon_high", "epsilon_high: 5.0"),
-    ({"delta": 1.1}, "delta", "delta: 4.0"),
+    ({"delta": 1.1}, "delta", "`delta: null`"),
     ({"vllm_importance_sampling_cap": 0.5}, "vllm_importance_sampling_cap", "3.0"),
     ({"lr_scheduler_type": "cosine_with_restarts"}, "lr_scheduler_type", "constant, constant_with_warmup"),
 ])
@@ -68,3 +68,48 @@ def test_max_staleness_0_is_accepted_exactly_when_every_batch_is_sampled_by_the_
         return
     for b in range(12):
         assert version_needed(b, c) * weight_sync_steps == b * num_iterations, b
+
+
+@pytest.mark.parametrize("values, key, fix", [
+    ({"vllm_importance_sampling_clip_min": 3.0}, "vllm_importance_sampling_clip_min", "below the cap"),
+    ({"vllm_importance_sampling_clip_min": -0.5}, "vllm_importance_sampling_clip_min", "0.5"),
+    ({"top_entropy_quantile": 0.0}, "top_entropy_quantile", "0.2"),
+    ({"top_entropy_quantile": 1.5}, "top_entropy_quantile", "1.0"),
+    ({"off_policy_mask_threshold": -1.0}, "off_policy_mask_threshold", "0.5"),
+    ({"sapo_temperature_neg": 0.0}, "sapo_temperature_neg", "1.05"),
+    ({"loss_type": "sapoo"}, "loss_type", "did you mean sapo"),
+])
+def test_trls_new_knobs_are_checked_naming_the_key_and_the_fix(values, key, fix):
+    with pytest.raises(ConfigError, match=f"config `{key}`") as err:
+        cfg(**values)
+    assert fix in str(err.value)
+
+
+def test_trls_new_knobs_take_trls_defaults_except_the_bias_corrected_kl():
+    c = cfg()
+    assert c.vllm_importance_sampling_clip_min is None and c.off_policy_mask_threshold is None
+    assert c.top_entropy_quantile == 1.0
+    assert (c.sapo_temperature_pos, c.sapo_temperature_neg, c.use_bias_correction_kl) == (1.0, 1.05, False)
+    c = cfg(loss_type="sapo", vllm_importance_sampling_clip_min=0.5, off_policy_mask_threshold=0.5,
+            top_entropy_quantile=0.2, use_bias_correction_kl=True)
+    assert (c.loss_type, c.vllm_importance_sampling_clip_min, c.top_entropy_quantile) == ("sapo", 0.5, 0.2)
+
+
+def test_the_default_delta_does_not_stand_in_the_way_of_cispos_cap_or_sapo():
+    assert cfg(loss_type="cispo", epsilon_high=5.0).delta == 3.0  # cispo has no clip for delta to cut into
+    assert cfg(loss_type="sapo", epsilon_high=4.0).delta == 3.0
+    with pytest.raises(ConfigError, match="config `delta`.*delta: null"):
+        cfg(epsilon_high=2.5)  # a clip range past the default delta: set delta above it, or null
+    assert cfg(epsilon_high=2.5, delta=None).delta is None
+
+
+def test_sequence_level_ratios_with_a_token_sum_loss_warn_as_trl_does(caplog):
+    from asyncgrpo.trainer.loss import LossSpec
+
+    with caplog.at_level("WARNING"):
+        LossSpec.from_config(cfg(importance_sampling_level="sequence"))  # dapo sums tokens
+    assert "weighs each sequence by its completion length" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        LossSpec.from_config(cfg(importance_sampling_level="sequence", loss_type="grpo"))
+    assert caplog.text == ""

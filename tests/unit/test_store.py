@@ -253,3 +253,24 @@ def test_a_deleted_adapter_file_is_named_with_the_reason_and_the_fix(tmp_path):
         verify_adapter_files(path)
     assert str(err.value) == (f"adapter file {path / CONFIG_NAME} cannot be read before loading it ([Errno 2] No such "
                               f"file or directory: {str(path / CONFIG_NAME)!r}); {FIX}")
+
+
+def test_the_final_adapter_is_exported_into_output_dir_beside_what_is_there(tmp_path):
+    (tmp_path / "run_summary.json").write_text("{}")
+    (tmp_path / CONFIG_NAME).write_text("{\"stale\": true}")  # a previous run's: replaced whole
+    tensors = {"base_model.model.layer.lora_A.weight": torch.ones(2, 3)}
+    assert store_module.export_adapter(tmp_path, tensors, LoraConfig(r=2, target_modules=["q_proj"]),
+                                       base_model="Qwen/Qwen2.5-0.5B") == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME, "run_summary.json"]
+    assert json.loads((tmp_path / CONFIG_NAME).read_text())["base_model_name_or_path"] == "Qwen/Qwen2.5-0.5B"
+    assert torch.equal(load_file(str(tmp_path / WEIGHTS_NAME))["base_model.model.layer.lora_A.weight"],
+                       torch.ones(2, 3))
+
+
+def test_a_hub_id_stays_an_id_and_a_local_base_becomes_absolute(tmp_path, monkeypatch):
+    from asyncgrpo.data import base_model_reference
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    assert base_model_reference("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # no such directory: a hub id
+    assert base_model_reference("models/mine") == str(tmp_path / "models" / "mine")

@@ -25,8 +25,13 @@ def run_bench(args, overrides: list[str]) -> int:
             result = module.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens)
         elif args.name in ("rank0", "policy_equivalence"):
             result = module.run(server_url=args.server, overrides=overrides)
-        elif args.name in ("throughput", "staleness"):
+        elif args.name == "throughput":
             result = module.run(server_url=args.server, overrides=overrides, plot=args.plot)
+        elif args.name == "staleness":
+            grid = {k: v for k, v in (("stalenesses", args.grid), ("corrections", args.corrections),
+                                      ("seeds", args.seeds)) if v is not None}
+            result = module.run(server_url=args.server, overrides=overrides, plot=args.plot,
+                                num_iterations=args.num_iterations, **grid)
         elif args.name == "producer":
             result = module.run(overrides=overrides, duration_s=args.duration)
         else:

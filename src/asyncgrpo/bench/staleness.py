@@ -1,5 +1,5 @@
-"""`asyncgrpo bench staleness --json [--plot FILE.png] [--max_steps 60]`: does the off-policy correction hold the
-held-out reward at high staleness?
+"""`asyncgrpo bench staleness --json [--plot FILE.png] [--num_iterations 3] [--grid 0,2,4] [--corrections ...]`: does
+the loss hold the held-out reward at high staleness?
 
 The toy task trained at each `max_staleness` with each correction (`CORRECTIONS`) and several seeds against one vLLM
 CPU server; `TRAINER_DELAY_S` of sleep after each step lets the producer run ahead, as on a trainer-bound cluster.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -24,7 +25,10 @@ from asyncgrpo.inference.server import VLLMServer, find_free_port
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 STALENESS = (0, 2, 4, 8)
+# What each correction adds to the config: `none` is the loss before `delta` became a default (no bound on the
+# unclipped ratio, no importance weight), `default` the config's defaults, the IS modes the correction on top of them.
 CORRECTIONS = ("none", "token_truncate", "token_mask")
+CORRECTION_OVERRIDES = {"none": ["--delta", "null"], "default": []}
 SEEDS = (0, 1, 2)
 TRAINER_DELAY_S = 0.3  # per optimizer step: longer than generating one batch on the toy (~0.3 s/batch, throughput.py)
 DEFAULT_WORKDIR = "runs/bench-staleness"
@@ -32,16 +36,16 @@ WORKLOAD = ["--max_steps", "60", "--per_device_train_batch_size", "256", "--torc
             "--num_iterations", "1", "--weight_sync_steps", "1", "--sync_mode", "versioned"]
 METRICS = ("staleness/mean", "staleness/max", "sampling/importance_sampling_ratio/mean",
            "sampling/importance_sampling_ratio/max", "sampling/is_capped_fraction", "sampling/kl_behaviour",
-           "train/clip_fraction")
+           "train/clip_fraction", "train/loss", "train/grad_norm", "train/max_abs_log_ratio")
 
 
 def cell_overrides(staleness: int, correction: str, seed: int, groups_per_step: int) -> list[str]:
     """The config overrides of one cell (on top of WORKLOAD and the user's overrides)."""
     extra = ["--max_staleness", str(staleness), "--seed", str(seed),
              "--max_inflight_requests", str(groups_per_step * (staleness + 1))]
-    if correction != "none":
-        extra += ["--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_mode", correction]
-    return extra
+    if correction in CORRECTION_OVERRIDES:
+        return extra + CORRECTION_OVERRIDES[correction]
+    return extra + ["--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_mode", correction]
 
 
 def summarise(cells: list[dict]) -> list[dict]:
@@ -103,17 +107,20 @@ def run_cell(cfg, world, client) -> dict:
     finally:
         trainer.cleanup()
     history = step_history(Path(cfg.output_dir) / "tensorboard", tags=METRICS)
-    # Per cell: the mean over steps of each step metric, and for the `.../max` ones their maximum over steps.
-    means = {k.replace("/", "_"): round((max if k.endswith("max") else statistics.fmean)(
+    # Per cell: the mean over steps of each step metric, and for the maxima (`.../max`, `max_...`) their maximum.
+    means = {k.replace("/", "_"): round((max if k.endswith("max") or "/max_" in k else statistics.fmean)(
         [h[k] for h in history if k in h]), 4) for k in METRICS if any(k in h for h in history)}
+    nonfinite = sum(not math.isfinite(h[k]) for h in history for k in ("train/loss", "train/grad_norm") if k in h)
     rewards = heldout_rewards(cfg, client, adapter, world)
     return {"heldout_reward": round(rewards["sampled"], 4), "heldout_greedy_accuracy": round(rewards["greedy"], 4),
-            "groups_dropped_stale": trainer.rollout.queue.dropped_stale, **means}
+            "groups_dropped_stale": trainer.rollout.queue.dropped_stale, "nonfinite_steps": nonfinite, **means}
 
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
-        stalenesses=STALENESS, corrections=CORRECTIONS, seeds=SEEDS) -> dict:
-    """Build the toy world, start a vLLM server unless `server_url` is given, run every cell."""
+        stalenesses=STALENESS, corrections=CORRECTIONS, seeds=SEEDS, num_iterations: int = 1) -> dict:
+    """Build the toy world, start a vLLM server unless `server_url` is given, run every cell. `num_iterations`:
+    optimizer steps per generated batch (the same `max_steps` optimizer steps, so fewer batches)."""
+    overrides = ["--num_iterations", str(num_iterations), *overrides]
     base = AsyncGRPOConfig.load(default_config_path(), [*WORKLOAD, *overrides])
     world = toy_world(base)
     groups_per_step = base.groups_per_step(world_size=1)
@@ -150,8 +157,9 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
                           f"{cells[-1]['heldout_reward']} ({time.monotonic() - started:.0f} s)", file=sys.stderr,
                           flush=True)
     rows = summarise(cells)
-    result = {"cells": cells, "summary": rows, "trainer_delay_s": TRAINER_DELAY_S,
-              "workload": dict(zip(WORKLOAD[::2], WORKLOAD[1::2])), "overrides": overrides,
+    result = {"cells": cells, "summary": rows, "trainer_delay_s": TRAINER_DELAY_S, "num_iterations": num_iterations,
+              "workload": dict(zip(WORKLOAD[::2], WORKLOAD[1::2])) | {"--num_iterations": str(num_iterations)},
+              "overrides": overrides,
               "total_s": round(time.monotonic() - started, 1)}
     if plot:
         result["plot"] = str(plot_cells(rows, plot))

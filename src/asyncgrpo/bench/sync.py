@@ -25,7 +25,8 @@ from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference.server import VLLMServer, find_free_port, served_lora_rank
+from asyncgrpo.toy.shapes import shape_model_dir
 
 # The environment each backend needs on a CPU host (docs/cpu-hosts.md): accelerate needs ACCELERATE_USE_CPU for
 # DDP/FSDP but must not see it for DeepSpeed, which needs DS_ACCELERATOR=cpu instead.
@@ -105,14 +106,18 @@ def run(backend: str, server_url: str | None, overrides: list[str], model: str |
         raise ConfigError("--backend", f"{backend!r} is not one of {', '.join(BACKENDS)} or all", "pick one of those")
     if servers < 1:
         raise ConfigError("--servers", f"{servers} is not a number of servers", "give 1 or more")
-    world = toy_world(AsyncGRPOConfig.load(default_config_path(), []))
+    cfg = AsyncGRPOConfig.load(default_config_path(), overrides)  # the trainer's dtype and rank: the server's too
+    world = toy_world(cfg)
     cache = Path(os.environ.get("ASYNCGRPO_CACHE") or default_cache_dir())
+    if model and model.startswith("shape:"):
+        model = shape_model_dir(model, cfg.torch_dtype, cache)
     model_dir = Path(model) if model else bench_model_dir(cache, str(world.model_dir))
     results = {}
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-sync-")))
         if server_url is None:
-            server_url = ",".join(_start_servers(stack, servers, model_dir, work))
+            server_url = ",".join(_start_servers(stack, servers, model_dir, work, dtype=cfg.torch_dtype,
+                                                 max_lora_rank=served_lora_rank(cfg.lora_r)))
         for name in backends:
             result = launch_worker(name, model_dir, server_url, work / name / "result.json", overrides)
             results[name] = {"backend": name, "sync_mode": sync_mode, **result["modes"][sync_mode],
@@ -122,18 +127,22 @@ def run(backend: str, server_url: str | None, overrides: list[str], model: str |
     return {"backends": results, "load_average": os.getloadavg()}
 
 
-def _start_servers(stack, n: int, model_dir: Path, work: Path) -> list[str]:
-    """Start `n` small vLLM CPU servers on free ports (1 GiB of KV cache each, ~2.5 GiB of memory), all at once,
-    stopped when `stack` closes; returns their URLs once every one answers /health."""
+def _start_servers(stack, n: int, model_dir: Path, work: Path, *, dtype: str, max_lora_rank: int) -> list[str]:
+    """Start `n` small vLLM CPU servers on free ports (1 GiB of KV cache each; ~2.5 GiB of memory on the bench
+    model), all at once, serving in the trainer's dtype; stopped when `stack` closes; returns their URLs once every
+    one answers /health."""
     started = []
     for i in range(n):
-        server = VLLMServer(model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
-                            kv_cache_gib=1, log_path=work / f"vllm-{i}.log")
+        server = VLLMServer(model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
+                            dtype=dtype, kv_cache_gib=1, log_path=work / f"vllm-{i}.log")
         stack.callback(server.stop)
         server.start()
         started.append(server)
+    weights_gib = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2**30
     for server in started:
-        server.wait_ready(timeout_s=300.0 * n)  # start-up is CPU-bound: n servers on a few cores take n times longer
+        # Start-up is CPU-bound: n servers on a few cores take n times longer, and a real-shape model adds its load
+        # and warm-up (Qwen2.5-1.5B's 2.9 GiB in bf16: ~2.5 min on 2 busy cores).
+        server.wait_ready(timeout_s=300.0 * n * max(1.0, weights_gib))
     return [server.base_url for server in started]
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import requests
 
-from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.errors import ConfigError, InferenceServerError
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,20 @@ def tail_lines(path: Path | None, n: int = LOG_TAIL_LINES, offset: int = 0) -> s
         return b"".join(lines).decode(errors="replace").rstrip() or "(log is empty)"
     except OSError as exc:
         return f"(cannot read {path}: {exc})"
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for `--max-lora-rank`."""
+
+
+def served_lora_rank(lora_r: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that serves a rank-`lora_r` adapter (LoRA buffers are sized by
+    it: a larger one costs memory on every layer for nothing)."""
+    fitting = [rank for rank in VLLM_LORA_RANKS if rank >= lora_r]
+    if not fitting:
+        raise ConfigError("lora_r", f"{lora_r} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})",
+                          f"use lora_r <= {VLLM_LORA_RANKS[-1]}")
+    return fitting[0]
 
 
 class VLLMServer:

@@ -8,17 +8,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncgrpo.data import PromptRow, load_prompt_set, server_max_model_len
+from asyncgrpo.data import PromptRow, load_prompt_set, model_type_of, response_template_for, server_max_model_len
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.delivery import make_delivery
+from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, environment_reward
 from asyncgrpo.rollout.preflight import require_healthy_setup
 from asyncgrpo.rollout.producer import RolloutProducer
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
 from asyncgrpo.rollout.scoring import GroupScorer, InThreadScoring
+from asyncgrpo.rollout.tools import load_environment_factory, load_tools
 from asyncgrpo.store import AdapterStore, clean_stale_temporaries
 
 
@@ -37,9 +39,10 @@ class RolloutParts:
 
 
 # Not mutated (make mutate): it needs real servers (the doctor's checks first); every integration test that trains
-# runs it, and each part it builds has unit tests of its own (docs/testing.md).
-def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step: int,  # pragma: no mutate block
-                start_position: int = 0, start_batch: int = 0) -> RolloutParts:
+# runs it, and each part it builds has unit tests of its own (docs/testing.md). mutmut reads the pragma only at the
+# end of the line that opens the body (the `:`), not on the first line of a two-line `def`.
+def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step: int,
+                start_position: int = 0, start_batch: int = 0) -> RolloutParts:  # pragma: no mutate block
     """Check every server (`asyncgrpo doctor`: fail now, naming the fix), then build the parts of one run's rollout
     side. `start_position`: where the data stream resumes; `start_batch`: the first batch the producer fills."""
     clients = [InferenceClient(url, api_key=cfg.api_key, timeout_s=cfg.vllm_request_timeout)
@@ -61,11 +64,14 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
     prompts = load_prompt_set(cfg, tokenizer, model_path=model_path,
                               server_max_model_len=server_max_model_len(clients[0].models()))
     queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards, dynamic_sampling=cfg.dynamic_sampling)
+    # With tools or an environment, completions are episodes (docs/agents.md); else this is None.
+    episodes = build_episode_runner(cfg, tokenizer, model_path, server_max_model_len(clients[0].models()))
     scorer = make_group_scorer(cfg, tokenizer, prompts.response_template)
     try:
         producer = build_producer(cfg, clients=clients, rows=prompts.rows, scorer=scorer, queue=queue,
                                   groups_per_step=groups_per_step, recovery=recovery, start_position=start_position,
-                                  start_batch=start_batch)
+                                  start_batch=start_batch, end_token_ids=end_token_ids(tokenizer, model_path),
+                                  episodes=episodes)
     except BaseException:
         scorer.close()  # reward worker processes, if any: nothing else will
         raise
@@ -75,23 +81,59 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
 
 def build_producer(cfg, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
                    queue: RolloutQueue, groups_per_step: int, recovery: ServerRecovery | None = None,
-                   start_position: int = 0, start_batch: int = 0) -> RolloutProducer:
+                   start_position: int = 0, start_batch: int = 0,
+                   end_token_ids: frozenset[int] = frozenset(),
+                   episodes: EpisodeRunner | None = None) -> RolloutProducer:
     """A producer (not started) whose schedule hears what changes its send rule: a server going down or coming back
     (`recovery`; a fresh one if None) and groups leaving the queue. The unit tests and `asyncgrpo bench producer`
     build theirs here too, so that theirs is wired the same way."""
     recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
     producer = RolloutProducer(clients=clients, rows=rows, scorer=scorer, queue=queue, groups_per_step=groups_per_step,
-                               cfg=cfg, recovery=recovery, start_position=start_position, start_batch=start_batch)
+                               cfg=cfg, recovery=recovery, start_position=start_position, start_batch=start_batch,
+                               end_token_ids=end_token_ids, episodes=episodes)
     recovery.listeners.append(producer.schedule.wake)  # a server went down or came back: decide again
     queue.removal_listeners.append(producer.schedule.removed)  # groups taken or dropped free their batch's slots
     return producer
+
+
+def end_token_ids(tokenizer, model_path: str) -> frozenset[int]:
+    """The tokens vLLM stops a completion on by default: the tokenizer's EOS and the model's generation config's
+    `eos_token_id` (one id or a list), which vLLM adds to every request's stop tokens."""
+    # heavy: transformers is imported already (the tokenizer); GenerationConfig reads generation_config.json only
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} - {None}
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):  # no (readable) generation_config.json: the tokenizer's EOS alone
+        eos = None
+    ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    return frozenset(ids)
 
 
 def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupScorer:
     """The scorer `reward_workers` asks for. The pool's workers load the tokenizer from the directory the trainer
     loaded it from (`tokenizer.name_or_path`, a local directory: `data.local_model_dir`)."""
     scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
+    factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
+    if factory is not None and callable(getattr(factory, "get_reward", None)):
+        # TRL: an environment's get_reward() is one more reward, named after its class, weight 1
+        scorer.refs.append(f"{factory.__module__}:{factory.__name__}")
+        scorer.functions.append(environment_reward)
+        scorer.weights = [*scorer.weights, 1.0]
     if cfg.reward_workers == 0:
         return InThreadScoring(scorer, tokenizer, response_template, timeout_s=cfg.reward_timeout)
     return RewardPool(cfg.reward_workers, scorer, TokenizerRef.of(tokenizer), response_template,
                       timeout_s=cfg.reward_timeout)
+
+
+def build_episode_runner(cfg, tokenizer, model_path: str, max_model_len: int | None) -> EpisodeRunner | None:
+    """The runner of multi-turn episodes when `tools` or `environment_factory` is set, else None (one completion
+    per prompt). Turns end at the tokenizer's eos or one of generation_config.json's (the server stops there too)."""
+    if not cfg.uses_tools:
+        return None
+    stop_ids = set(end_token_ids(tokenizer, model_path))
+    fmt = ChatFormat(tokenizer, response_template_for(tokenizer, model_type_of(model_path)), stop_ids=stop_ids,
+                     template_kwargs=cfg.chat_template_kwargs, system_prompt=cfg.system_prompt)
+    factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
+    return EpisodeRunner(fmt, cfg, tools=load_tools(cfg.tools), factory=factory, max_model_len=max_model_len)

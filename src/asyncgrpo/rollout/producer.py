@@ -13,13 +13,15 @@ import math
 import threading
 import time
 from collections import deque
+from types import SimpleNamespace
 
 from asyncgrpo.data import PromptRow, PromptStream
 from asyncgrpo.errors import AdapterNotLoadedError, BehaviourLogprobError, InferenceServerError, ServerUnreachableError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.timeline import Timeline
-from asyncgrpo.contracts import Group, centred_advantages
+from asyncgrpo.contracts import Group, centred_advantages, finish_reason_from_tokens
+from asyncgrpo.rollout.episodes import EpisodeRunner, TurnAborted, episode_group
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.scheduler import RolloutSchedule
 from asyncgrpo.rollout.scoring import GroupScorer
@@ -64,8 +66,10 @@ class RolloutProducer:
 
     def __init__(self, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
                  queue: RolloutQueue, groups_per_step: int, cfg, recovery: ServerRecovery, start_position: int = 0,
-                 start_batch: int = 0):
+                 start_batch: int = 0, end_token_ids: frozenset[int] = frozenset(),
+                 episodes: EpisodeRunner | None = None):
         self._clients = list(clients)
+        self.end_token_ids = end_token_ids  # the tokens a completion ends on: it is truncated if its last is not one
         self.servers = ServerPicker(clients)  # requests in flight per server: the next goes to the least loaded
         # A server that stops answering is recovered in the background (re-registered before it gets requests again)
         self.recovery = recovery
@@ -75,6 +79,7 @@ class RolloutProducer:
                                         servers_up=lambda: any(self.recovery.is_up(c) for c in self._clients),
                                         batches_taken=start_batch)
         self.scorer = scorer  # decodes and scores a group: in the request thread, or in reward worker processes
+        self.episodes = episodes  # with tools/environment_factory: completions are multi-turn episodes
         self.queue = queue
         self.groups_per_step = groups_per_step
         self.cfg = cfg
@@ -260,6 +265,8 @@ class RolloutProducer:
                   adapter: str) -> Group | None:
         cfg = self.cfg
         seed = request_seed(cfg.seed, index, cfg.num_generations) if cfg.seeded_generation else None
+        if self.episodes is not None:
+            return self._generate_episodes(client, row, index, version, adapter, seed)
         self.server_busy.enter()
         try:
             completions = client.complete(adapter, row.prompt_ids, n=cfg.num_generations,
@@ -274,9 +281,10 @@ class RolloutProducer:
             return None
         check_behaviour_logprobs(completions, server=client.base_url, prompt_index=index, adapter=adapter)
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
-        truncated = [c.finish_reason == "length" for c in completions]  # hit max_completion_length
-        rewards, parts = self.scorer.score_group(row, [c.token_ids for c in completions],
-                                                 [c.finish_reason for c in completions])
+        # Truncated: cut off at max_completion_length, read from the tokens (an EOS as the last allowed token is not).
+        reasons = [finish_reason_from_tokens(c.finish_reason, c.token_ids, self.end_token_ids) for c in completions]
+        truncated = [reason == "length" for reason in reasons]
+        rewards, parts = self.scorer.score_group(row, [c.token_ids for c in completions], reasons)
         # `batch` scaling needs the whole batch: the group is centred here and the queue scales it when it is taken.
         scale = "none" if cfg.scale_rewards == "batch" else cfg.scale_rewards
         advantages = centred_advantages(rewards, scale)
@@ -284,5 +292,31 @@ class RolloutProducer:
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],
                      rewards=rewards, reward_parts=parts, advantages=advantages, version=version, adapter=adapter,
-                     finish_reasons=[c.finish_reason for c in completions], index=index,
+                     finish_reasons=reasons, index=index,
                      masked=truncated if cfg.mask_truncated_completions else [])
+
+    def _generate_episodes(self, client: InferenceClient, row: PromptRow, index: int, version: int, adapter: str,
+                           seed: int | None) -> Group | None:
+        """`_generate` for episodes (rollout/episodes.py): every turn of the group's episodes on `adapter`."""
+        self.server_busy.enter()
+        try:
+            episodes = self.episodes.run_group(client, row, n=self.cfg.num_generations, adapter=adapter,
+                                               version=version, seed=seed)
+        except TurnAborted:
+            episodes = None
+        finally:
+            self.server_busy.exit()
+        if not self._begin_processing():
+            return None
+        if episodes is None:
+            self._lose_group(row, index)  # a turn was aborted by a sync with sync_pause_mode: abort
+            return None
+        check_behaviour_logprobs([SimpleNamespace(token_ids=e.ids, logprobs=e.logprobs) for e in episodes],
+                                 server=client.base_url, prompt_index=index, adapter=adapter)
+        self.generated_tokens += sum(sum(e.loss_mask) for e in episodes)
+        environments = [e.environment for e in episodes] if self.cfg.environment_factory else None
+        rewards, parts = self.scorer.score_episodes(row, [e.prompt for e in episodes], [e.messages for e in episodes],
+                                                    [e.ids for e in episodes], [e.finish_reason for e in episodes],
+                                                    environments)
+        return episode_group(row, episodes, rewards, parts, index=index, version=version, adapter=adapter,
+                             cfg=self.cfg)

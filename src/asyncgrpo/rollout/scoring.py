@@ -60,6 +60,22 @@ def score_group(scorer: RewardScorer, tokenizer, response_template: dict | None,
                         truncated=truncated)
 
 
+def score_episodes(scorer: RewardScorer, row: PromptRow, prompts: list, messages: list[list[dict]],
+                   completion_ids: list[list[int]], finish_reasons: list[str],
+                   environments: list | None) -> tuple[list[float], dict[str, list]]:
+    """Score a group of episodes (docs/agents.md): as TRL, `completions[i]` is episode i's messages after its prompt
+    (assistant, tool, ..., assistant), `prompts[i]` its prompt (with a reset observation), and `environments` the
+    episodes' environment instances, in order, when there are any; `parsed` is each episode's last assistant
+    message."""
+    n = len(messages)
+    columns = {k: [v] * n for k, v in row.columns.items()}
+    if environments is not None:
+        columns["environments"] = environments
+    parsed = [next((m for m in reversed(ms) if m.get("role") == "assistant"), None) for ms in messages]
+    return scorer.score(prompts, messages, columns, completion_ids=completion_ids, parsed=parsed,
+                        truncated=[reason == "length" for reason in finish_reasons])
+
+
 class GroupScorer(Protocol):
     """What the producer scores with: the same call whether scoring runs in its thread or in worker processes."""
 
@@ -93,9 +109,18 @@ class InThreadScoring:
 
     def score_group(self, row: PromptRow, completion_ids: list[list[int]],
                     finish_reasons: list[str]) -> tuple[list[float], dict[str, list]]:
-        def run():
-            return score_group(self.scorer, self.tokenizer, self.response_template, row, completion_ids,
-                               finish_reasons)
+        return self._bounded(lambda: score_group(self.scorer, self.tokenizer, self.response_template, row,
+                                                 completion_ids, finish_reasons), row, len(completion_ids))
+
+    def score_episodes(self, row: PromptRow, prompts: list, messages: list[list[dict]],
+                       completion_ids: list[list[int]], finish_reasons: list[str],
+                       environments: list | None) -> tuple[list[float], dict[str, list]]:
+        """`score_episodes` under the same `reward_timeout` (episodes are scored in this process only)."""
+        return self._bounded(lambda: score_episodes(self.scorer, row, prompts, messages, completion_ids,
+                                                    finish_reasons, environments), row, len(messages))
+
+    def _bounded(self, run, row: PromptRow, n: int):
+        """`run()` in this thread, or with `timeout_s` on a thread of its own awaited up to then."""
         if self.timeout_s is None:
             return run()
         outcome: list = []  # [result] or [None, exception], set by the scoring thread
@@ -113,7 +138,7 @@ class InThreadScoring:
         thread = threading.Thread(target=scoring, name="reward-scoring", daemon=True)  # daemon: may never end
         thread.start()
         if not done.wait(self.timeout_s):
-            raise self._timeout_error(self._running.get(thread.ident, DECODING), row, len(completion_ids))
+            raise self._timeout_error(self._running.get(thread.ident, DECODING), row, n)
         self._running.pop(thread.ident, None)
         if len(outcome) == 2:
             raise outcome[1]

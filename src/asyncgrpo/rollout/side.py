@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from asyncgrpo.contracts import Group
+from asyncgrpo.data import base_model_reference
 from asyncgrpo.rollout.build import build_parts
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class RolloutSide:
         """On the publish thread: write the version, activate it, point new requests at it, retire what nothing
         uses; its timings go to TensorBoard at `step`."""
         t0 = time.perf_counter()
-        path = self.store.write(version, tensors, self.peft_config, base_model=str(Path(self.model_path).resolve()))
+        path = self.store.write(version, tensors, self.peft_config, base_model=base_model_reference(self.model_path))
         written = time.perf_counter()
         timing = self.publisher.publish(version, path)
         self.version = version
@@ -137,7 +138,8 @@ class RolloutSide:
         """Rollout, queue and reward counters now (TensorBoard names; the run summary reads them too)."""
         producer, queue = self.producer, self.queue
         elapsed = time.monotonic() - producer.started_at
-        return {"rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
+        episodes = producer.episodes.stats.values() if producer.episodes is not None else {}  # with tools only
+        return {**episodes, "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
                 "rollout/lost_groups_total": producer.lost_groups,
                 "rollout/resent_groups_total": producer.resent_groups,
                 "reward/fallbacks_total": self.scorer.fallbacks,

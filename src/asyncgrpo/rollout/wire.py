@@ -49,11 +49,15 @@ def encode_groups(groups: list[Group]) -> bytes:
     arrays["masked"] = np.array([m for g in groups for m in g.masked], dtype="u1")
     arrays["version"] = np.array([g.version for g in groups], dtype="<i8")
     arrays["index"] = np.array([g.index for g in groups], dtype="<i8")
+    # An episode's per-token loss mask and versions, one entry per completion token (groups without: nothing).
+    arrays["loss_mask"] = _flat([m for g in groups for m in g.loss_mask], "u1")[0]
+    arrays["token_versions"] = _flat([v for g in groups for v in g.versions], "<i8")[0]
     arrays["part_values"] = np.array(part_values, dtype="<f8")
     arrays["part_present"] = np.array(part_present, dtype="u1")
     header = {"format": _FORMAT,
               "groups": [(g.prompt, g.adapter, list(g.finish_reasons), list(g.reward_parts), len(g.masked),
-                          [len(v) for v in g.reward_parts.values()]) for g in groups],
+                          [len(v) for v in g.reward_parts.values()], bool(g.loss_mask), bool(g.versions))
+                         for g in groups],
               "arrays": [(name, a.dtype.str, a.size) for name, a in arrays.items()]}
     head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
     return b"".join([_LENGTH.pack(len(head)), head, *(a.tobytes() for a in arrays.values())])
@@ -74,8 +78,10 @@ def decode_groups(blob: bytes) -> list[Group]:
     logprobs = _split(a["logprobs"], a["logprob_lens"])
     rewards, advantages = a["rewards"].tolist(), a["advantages"].tolist()
     masked, parts, present = a["masked"].astype(bool).tolist(), a["part_values"].tolist(), a["part_present"].tolist()
-    groups, c, m, p = [], 0, 0, 0  # cursors: completion, mask, reward part
-    for i, (prompt, adapter, finish, names, n_masked, part_lens) in enumerate(header["groups"]):
+    flat_mask, flat_versions = a["loss_mask"].tolist(), a["token_versions"].tolist()
+    groups, c, m, p, t, v = [], 0, 0, 0, 0, 0  # cursors: completion, mask, reward part, loss mask, version
+    for i, (prompt, adapter, finish, names, n_masked, part_lens, has_mask, has_versions) in enumerate(
+            header["groups"]):
         n = int(a["n_completions"][i])
         reward_parts = {}
         for name, length in zip(names, part_lens):
@@ -86,8 +92,22 @@ def decode_groups(blob: bytes) -> list[Group]:
                             reward_parts=reward_parts, advantages=advantages[c:c + n], version=int(a["version"][i]),
                             adapter=adapter, finish_reasons=finish, index=int(a["index"][i]),
                             masked=masked[m:m + n_masked]))
+        lengths = [len(ids) for ids in completion_ids[c:c + n]]
+        if has_mask:
+            groups[-1].loss_mask, t = _take(flat_mask, t, lengths)
+        if has_versions:
+            groups[-1].versions, v = _take(flat_versions, v, lengths)
         c, m = c + n, m + n_masked
     return groups
+
+
+def _take(values: list, start: int, lengths: list[int]) -> tuple[list[list], int]:
+    """Rows of `lengths` from `values` at `start`, and where the next row starts."""
+    out = []
+    for n in lengths:
+        out.append(values[start:start + n])
+        start += n
+    return out, start
 
 
 def _split(flat: np.ndarray, lengths: np.ndarray) -> list[list]:

@@ -46,26 +46,28 @@ def pack_by_tokens(lengths: list[int], budget: int, count: int | None = None) ->
 
 def collate(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
     """Groups -> padded CPU tensors, one row per completion. Position t of `behaviour`/`mask` scores token t+1 of
-    the sequence; a completion the group marks `masked` keeps its tokens but none in `mask`.
+    the sequence; a completion the group marks `masked` keeps its tokens but none in `mask`, and an episode's tool and
+    template tokens (its `loss_mask` 0) are context, not in `mask`.
     input_ids, attention_mask: (B, T); behaviour, mask: (B, T-1); advantages: (B,)."""
-    seqs, behaviour, advantages, spans = [], [], [], []
+    seqs, behaviour, advantages, spans, loss_masks = [], [], [], [], []
     for g in groups:
         masked = g.masked or [False] * len(g.completion_ids)
-        for ids, lps, adv, out in zip(g.completion_ids, g.behaviour_logprobs, g.advantages, masked):
+        for j, (ids, lps, adv, out) in enumerate(zip(g.completion_ids, g.behaviour_logprobs, g.advantages, masked)):
             seqs.append(g.prompt_ids + ids)
             behaviour.append(lps)
             advantages.append(adv)
             spans.append((len(g.prompt_ids) - 1, 0 if out else len(ids)))  # a masked completion: no loss tokens
+            loss_masks.append(g.loss_mask[j] if g.loss_mask else None)  # an episode: tool/template tokens are 0
     length = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
     attention = torch.zeros((len(seqs), length), dtype=torch.long)
     old = torch.zeros((len(seqs), length - 1))
     mask = torch.zeros((len(seqs), length - 1))
-    for i, (s, lps, (start, n)) in enumerate(zip(seqs, behaviour, spans)):
+    for i, (s, lps, (start, n), keep) in enumerate(zip(seqs, behaviour, spans, loss_masks)):
         input_ids[i, :len(s)] = torch.tensor(s)
         attention[i, :len(s)] = 1
         old[i, start:start + n] = torch.tensor(lps[:n])
-        mask[i, start:start + n] = 1.0
+        mask[i, start:start + n] = 1.0 if keep is None else torch.tensor(keep[:n], dtype=mask.dtype)
     return {"input_ids": input_ids, "attention_mask": attention, "behaviour": old, "mask": mask,
             "advantages": torch.tensor(advantages, dtype=torch.float32)}
 

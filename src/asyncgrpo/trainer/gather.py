@@ -81,10 +81,11 @@ def gather_zero3(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
 
 
 def gather_fsdp2(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, int]:
-    """Collective: FSDP2 keeps each parameter as a DTensor sharded on dim 0 over the ranks. Concatenate this rank's
-    LoRA shards into one flat buffer and gather those buffers to rank 0 in one call (a call per parameter would
-    pay the collective's latency hundreds of times on a real model); rank 0 cuts them back into full tensors.
-    The base weights never move."""
+    """Collective: FSDP2 keeps each parameter as a DTensor sharded on dim 0 over the ranks. Each rank concatenates
+    its LoRA shards into one flat buffer and sends it to rank 0 (a call per parameter would pay the collective's
+    latency hundreds of times on a real model); rank 0 cuts them back into full tensors. The buffers differ in
+    size (a rank-1 adapter's lora_A has one row, held by one rank), so they travel point to point at their own
+    sizes: padding them to one size for `gather` moved up to 1.44x the adapter's bytes. The base never moves."""
     peft_model = accelerator.unwrap_model(model)
     named = lora_parameters(peft_model)
     if not all(_is_dim0_sharded(p) for _, p in named):  # another layout: let DTensor gather each one
@@ -92,29 +93,30 @@ def gather_fsdp2(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
     shards = [p.to_local().detach().reshape(-1) for _, p in named]
     dtype = named[0][1].dtype
     assert all(t.dtype == dtype for t in shards), "LoRA parameters of mixed dtypes"
-    local = torch.cat(shards) if shards else torch.zeros(0, dtype=dtype)  # on the shards' device
+    local = to_collective(torch.cat(shards) if shards else torch.zeros(0, dtype=dtype))
     counts = to_collective(torch.tensor([t.numel() for t in shards], dtype=torch.int64))
     sizes = [torch.zeros_like(counts) for _ in range(accelerator.num_processes)]
-    dist.all_gather(sizes, counts)
+    dist.all_gather(sizes, counts)  # every rank learns every rank's shard sizes: who sends how much
     sizes = [to_host(s) for s in sizes]
-    longest = int(max(int(s.sum()) for s in sizes))
-    padded = torch.zeros(longest, dtype=dtype, device=local.device)
-    padded[:local.numel()] = local
-    padded = to_collective(padded)
-    buffers = [torch.empty_like(padded) for _ in sizes] if accelerator.is_main_process else None
-    dist.gather(padded, buffers, dst=0)
-    if not accelerator.is_main_process:
+    totals = [int(s.sum()) for s in sizes]
+    rank = accelerator.process_index
+    if rank != 0:
+        if totals[rank]:
+            dist.send(local, dst=0)
         return None, 0
+    buffers = [local] + [to_collective(torch.empty(totals[r], dtype=dtype)) for r in range(1, len(sizes))]
+    for request in [dist.irecv(buffers[r], src=r) for r in range(1, len(sizes)) if totals[r]]:
+        request.wait()
     buffers = [to_host(buf) for buf in buffers]
     # Rank r's buffer holds, parameter after parameter, its rows of each one; the rows of ranks 0..W-1 in order
     # are the whole tensor (dim-0 sharding).
-    pieces = [torch.split(buf[:int(n.sum())], n.tolist()) for buf, n in zip(buffers, sizes)]
+    pieces = [torch.split(buf, n.tolist()) for buf, n in zip(buffers, sizes)]
     state = {}
     for i, (name, param) in enumerate(named):
         rows = [piece[i].view(-1, *param.shape[1:]) for piece in pieces]
         state[name] = torch.cat(rows).to("cpu", copy=True)
         assert state[name].shape == param.shape, f"{name}: gathered {tuple(state[name].shape)}, want {tuple(param.shape)}"
-    return _to_peft_keys(peft_model, state), len(buffers) * padded.numel() * padded.element_size()  # padding too
+    return _to_peft_keys(peft_model, state), sum(totals) * local.element_size()
 
 
 def _is_dim0_sharded(param) -> bool:

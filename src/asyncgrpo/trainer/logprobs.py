@@ -1,9 +1,10 @@
 """The trainer's logprobs of the sampled tokens under a (possibly sharded) causal LM, without full-vocabulary logits.
 
 `sequence_logprobs` runs the model with its LM head swapped, for one call, for a chunked log-softmax at the
-completion positions only (`chunked_token_logprobs`, its own autograd function); a head it cannot reproduce exactly
-falls back to the full logits (`token_logprobs`), with a warning. docs/trainer-internals.md says why the head runs
-inside the model's forward on every backend and how the chunks keep memory flat.
+completion positions only (`chunked_token_logprobs`, its own autograd function, which can also give each position's
+entropy); a head it cannot reproduce exactly falls back to the full logits (`token_logprobs`), with a warning.
+docs/trainer-internals.md says why the head runs inside the model's forward on every backend and how the chunks keep
+memory flat.
 """
 
 from __future__ import annotations
@@ -73,26 +74,35 @@ def _scoring(head: ScoringHead, forward):
 
 
 def sequence_logprobs(model, head: ScoringHead | None, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      mask: torch.Tensor, temperature: float, chunk_size: int | None = None) -> torch.Tensor:
+                      mask: torch.Tensor, temperature: float, chunk_size: int | None = None, *,
+                      with_entropy: bool = False):
     """Logprob of every next token under `model` (the wrapped model the backend runs), fp32 (B, T-1): position t
     scores token t+1; zero where `mask` (B, T-1) is 0. `head`: from `find_scoring_head`, or None for the naive path
-    (the model's full (B, T, V) logits)."""
+    (the model's full (B, T, V) logits). `with_entropy`: also the entropy (B, T-1) of the distribution the token was
+    sampled from (softmax of logits / temperature), detached, zero where `mask` is 0: returns (logprobs, entropy)."""
     targets = input_ids[:, 1:]  # (B, T-1)
     keep = mask > 0  # (B, T-1)
     if head is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return torch.where(keep, token_logprobs(logits[:, :-1], targets, temperature), 0.0)
+        lp = torch.where(keep, token_logprobs(logits[:, :-1], targets, temperature), 0.0)
+        if not with_entropy:
+            return lp
+        return lp, torch.where(keep, token_entropy(logits[:, :-1], temperature), 0.0)
+    entropy = {}
 
     def completion_logprobs(hidden: torch.Tensor) -> torch.Tensor:  # hidden: (B, T, H), the final hidden states
-        lp = chunked_token_logprobs(hidden[:, :-1][keep], head.module.weight, targets[keep],  # (N,), N = keep.sum()
-                                    temperature=temperature, bias=head.module.bias, softcap=head.softcap,
-                                    chunk_size=chunk_size)
+        scored = chunked_token_logprobs(hidden[:, :-1][keep], head.module.weight, targets[keep],  # (N,), N = keep.sum()
+                                        temperature=temperature, bias=head.module.bias, softcap=head.softcap,
+                                        chunk_size=chunk_size, entropy=with_entropy)
+        lp, ent = scored if with_entropy else (scored, None)
+        if ent is not None:
+            entropy["value"] = torch.zeros(keep.shape, dtype=ent.dtype, device=ent.device).masked_scatter(keep, ent)
         return torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp)  # (B, T-1)
 
     with _scoring(head, completion_logprobs):
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     assert out.logits.shape == keep.shape, f"the model post-processed the head's output: {tuple(out.logits.shape)}"
-    return out.logits
+    return (out.logits, entropy["value"]) if with_entropy else out.logits
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -101,6 +111,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     if temperature != 1.0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at each position, fp32, no gradient. logits: (B, T, V) -> (B, T)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return -(logp.exp() * logp).sum(-1)
 
 
 # Positions per chunk are sized so that one chunk's fp32 logits take about this much memory (the backward holds
@@ -128,14 +145,16 @@ def _chunk_logits(hidden, weight, bias, softcap, temperature):
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """Forward: per chunk of positions, logits -> log-softmax at the target; only the (N,) log-sum-exps are kept.
-    Backward: per chunk, the logits are recomputed and d logp / d logits = onehot - softmax is applied at once, so
-    neither pass holds more than one (chunk x V) fp32 buffer (two with a softcap), all updated in place."""
+    """Forward: per chunk of positions, logits -> log-softmax at the target (and, asked, the entropy, a second
+    output without gradient); only the (N,) log-sum-exps are kept. Backward: per chunk, the logits are recomputed and
+    d logp / d logits = onehot - softmax is applied at once, so neither pass holds more than one (chunk x V) fp32
+    buffer (two with a softcap or with the entropy), all updated in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk, with_entropy):
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if with_entropy else out.new_zeros(0)
         # Autocast off (forward and backward): the backward recomputes these logits and must get the very same ones,
         # and a backward does not run under the forward's autocast.
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
@@ -143,16 +162,25 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 logits, _ = _chunk_logits(hidden[s:s + chunk], weight, bias, softcap, temperature)  # (n, V)
                 target = logits.gather(-1, targets[s:s + chunk].unsqueeze(-1)).squeeze(-1)  # (n,)
                 top = logits.amax(dim=-1)  # (n,): log-sum-exp in place, without a second (n, V) buffer
-                lse[s:s + chunk] = top + logits.sub_(top.unsqueeze(-1)).exp_().sum(-1).log_()
+                if with_entropy:  # z = logits - top, e = exp(z): H = log sum e - sum(e z) / sum e
+                    z = logits.sub_(top.unsqueeze(-1))
+                    e = z.exp()  # the one extra (n, V) buffer
+                    total = e.sum(-1)
+                    entropy[s:s + chunk] = total.log() - e.mul_(z).sum(-1) / total
+                    lse[s:s + chunk] = top + total.log()
+                    del e, z
+                else:
+                    lse[s:s + chunk] = top + logits.sub_(top.unsqueeze(-1)).exp_().sum(-1).log_()
                 out[s:s + chunk] = target - lse[s:s + chunk]
                 del logits  # before the next chunk's: two would be alive at once
         # The weight is saved by reference, as nn.Linear's backward does: FSDP / ZeRO-3 re-materialise it for backward.
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.softcap, ctx.chunk = temperature, softcap, chunk
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy):
         with torch.autocast(grad_out.device.type, enabled=False):
             return _ChunkedTokenLogprobs._backward(ctx, grad_out)
 
@@ -182,16 +210,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_b.add_(grad.sum(0))
             del logits, grad, slope  # before the next chunk's
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                            temperature: float = 1.0, bias: torch.Tensor | None = None, softcap: float | None = None,
-                           chunk_size: int | None = None) -> torch.Tensor:
+                           chunk_size: int | None = None, entropy: bool = False):
     """What `token_logprobs(lm_head(hidden), targets, temperature)` gives, without ever holding more than one chunk of
     logits: hidden (N, H) final hidden states at the scored positions only, weight (V, H) (and bias (V,)) the LM head,
     targets (N,) -> (N,) fp32 logprobs. `softcap`: the model's final logit soft-capping (Gemma), applied before the
     temperature as the model's own forward does. Gradients flow to `hidden` (and to `weight`/`bias` if they need
-    them). `chunk_size`: positions per chunk, default from `chunk_positions`."""
+    them). `chunk_size`: positions per chunk, default from `chunk_positions`. `entropy`: return (logprobs, entropy),
+    the (N,) entropy of each position's distribution (as `token_entropy`), computed in the same chunks, detached."""
     chunk = chunk_size or chunk_positions(weight.shape[0])
-    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), softcap, chunk)
+    lp, ent = _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), softcap, chunk, entropy)
+    return (lp, ent) if entropy else lp

@@ -11,7 +11,9 @@ from typing import NamedTuple
 import torch
 
 from asyncgrpo.data import local_model_dir
-from asyncgrpo.distributed import configure_backend, fp32_buffer_check, recompute_rotary_buffers, zero3_init_in
+from asyncgrpo.distributed import (configure_backend, deepspeed_mode_on, fp32_buffer_check, recompute_rotary_buffers,
+                                   zero3_init_in)
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.lora import with_lora
 from asyncgrpo.trainer.gather import lora_parameters
 from asyncgrpo.trainer.logprobs import find_scoring_head
@@ -29,6 +31,20 @@ class Policy(NamedTuple):
     scoring_head: object  # the LM head the chunked logprob path runs (None: full logits; logprobs.py)
 
 
+def base_dtype(cfg, acc) -> str:
+    """The dtype the base model is built in: `torch_dtype`, or bf16 when a DeepSpeed json turns its bf16 mode on
+    (`bf16.enabled` true, or `auto` under bf16 mixed precision): that mode is translated into a bf16 base under fp32
+    LoRA weights (distributed._fp32_buffers_and_reduction switches DeepSpeed's own off)."""
+    if not deepspeed_mode_on(acc, "bf16") or cfg.torch_dtype == "bfloat16":
+        return cfg.torch_dtype
+    if cfg.torch_dtype != "float32":
+        raise ConfigError("torch_dtype", f"is {cfg.torch_dtype}, but the DeepSpeed json turns bf16 on",
+                          "set `torch_dtype: bfloat16`, or `\"bf16\": {\"enabled\": \"auto\"}` in the json "
+                          "without bf16 mixed precision")
+    log.info("the DeepSpeed json turns bf16 on: the base model is built in bfloat16 (torch_dtype says float32)")
+    return "bfloat16"
+
+
 def build_policy(cfg, acc, model_path: str) -> Policy:
     """Collective (under FSDP/ZeRO `prepare` shards the model): the tokenizer and base model of `model_path` in
     `torch_dtype`, the LoRA adapter (the same initialisation on every rank: seeded), AdamW over the LoRA parameters
@@ -39,7 +55,7 @@ def build_policy(cfg, acc, model_path: str) -> Policy:
     with acc.local_main_process_first():  # a hub model is downloaded once per node; the others read the cache
         local_dir = local_model_dir(model_path)
     tokenizer = AutoTokenizer.from_pretrained(local_dir)
-    dtype = getattr(torch, cfg.torch_dtype)
+    dtype = getattr(torch, base_dtype(cfg, acc))
     # Under ZeRO-3 the base is partitioned as it is built, in `torch_dtype` (zero3_init_in); under FSDP with
     # `fsdp_cpu_ram_efficient_loading` only local rank 0 reads the weights (transformers), the others get them
     # from rank 0 when the model is sharded (accelerate).
@@ -48,7 +64,7 @@ def build_policy(cfg, acc, model_path: str) -> Policy:
     if any(hasattr(p, "ds_id") for p in base.parameters()):
         rebuilt = recompute_rotary_buffers(base)  # zero.Init rounded them to torch_dtype too
         log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s; rotary buffers of %d "
-                 "modules recomputed in fp32", cfg.torch_dtype, rebuilt)
+                 "modules recomputed in fp32", str(dtype).removeprefix("torch."), rebuilt)
     if cfg.gradient_checkpointing:
         # Non-reentrant: it works with frozen inputs and FSDP/ZeRO-3 (PEFT also makes the embeddings' output
         # require grad when it sees checkpointing on).

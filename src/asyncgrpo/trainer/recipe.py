@@ -8,6 +8,7 @@ publish. docs/trainer-internals.md walks through the data path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -19,12 +20,13 @@ from tqdm.auto import tqdm
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.contracts import Group
-from asyncgrpo.data import resolve_model_path
-from asyncgrpo.distributed import (accumulation, dist_max, dist_sums, make_accelerator, on_main, require_shared_dir,
-                                   scatter_object, setup_logging)
+from asyncgrpo.data import base_model_reference, count_training_rows, resolve_model_path
+from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
+                                   require_shared_dir, scatter_object, setup_logging)
 from asyncgrpo.inference.recovery import batch_wait_s, check_outage_fits_ddp_timeout
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
+from asyncgrpo.store import export_adapter
 from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device
 from asyncgrpo.trainer.checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint,
@@ -64,6 +66,7 @@ class AsyncGRPOTrainer:
         self.wait_timeline = Timeline()  # rank 0: intervals spent waiting on the rollout queue
         self._batch: TrainBatch | None = None  # the batch being trained on (num_iterations steps)
         self.finished = False  # train() ran to max_steps (cleanup then keeps the final adapter loaded)
+        self._published: dict[str, torch.Tensor] | None = None  # rank 0: the LoRA tensors of the last sync
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -94,6 +97,8 @@ class AsyncGRPOTrainer:
         self.main = self.acc.is_main_process
         setup_logging(self.rank)
         self.groups_per_step = cfg.groups_per_step(self.world)
+        if cfg.num_train_epochs is not None:
+            self.cfg = cfg = self._steps_from_epochs(cfg)
         # Rank 0 resolves (and, for the toy, builds) the model first; the others then find it cached.
         self.model_path = on_main(self._resolve_model, "resolving the model")
         if not self.main:
@@ -103,6 +108,15 @@ class AsyncGRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Stepped by `_optimise` once per optimizer step, on every backend (schedule.py says why not via accelerate).
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+
+    def _steps_from_epochs(self, cfg: AsyncGRPOConfig) -> AsyncGRPOConfig:
+        """Collective: `cfg` with `max_steps` counted from `num_train_epochs` and the training split's rows (rank 0
+        reads the split; every rank gets the count)."""
+        rows = broadcast_object(on_main(lambda: count_training_rows(cfg), "counting the training prompts"))
+        steps = cfg.steps_for_epochs(rows, self.world)
+        log.info("num_train_epochs %g over %d prompts, %d per step: max_steps %d", cfg.num_train_epochs, rows,
+                 self.groups_per_step, steps)
+        return dataclasses.replace(cfg, max_steps=steps)
 
     def _resolve_model(self) -> str:
         return resolve_model_path(self.cfg)
@@ -134,7 +148,7 @@ class AsyncGRPOTrainer:
                 self.save_checkpoint()
         if self.main:
             bar.close()
-            self.rollout.wait_published()  # the run ends when its last version is served
+        self.save_final()
         return self._finish(time.perf_counter() - started)
 
     def train_step(self) -> StepMetrics:
@@ -222,8 +236,8 @@ class AsyncGRPOTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        sums, maxima = totals.reduced()
-        metrics.optimiser(sums, maxima, n_tokens=n_tokens, lr=lr)
+        sums, maxima, entropy_hist = totals.reduced()
+        metrics.optimiser(sums, maxima, n_tokens=n_tokens, lr=lr, entropy_hist=entropy_hist)
 
     def _micro_step(self, batch: dict[str, torch.Tensor], normaliser: float):
         """One micro-batch's forward(s), loss and backward; returns its LossTerms."""
@@ -234,7 +248,9 @@ class AsyncGRPOTrainer:
             # never changes, so a batch trained on again (num_iterations) keeps it.
             with torch.no_grad(), self.acc.unwrap_model(self.model).disable_adapter():
                 ref = batch["ref"] = self.policy_logprobs(batch)
-        logprobs = self.policy_logprobs(batch)
+        logprobs, entropy = sequence_logprobs(self.model, self.scoring_head, batch["input_ids"],
+                                              batch["attention_mask"], batch["mask"], self.cfg.temperature,
+                                              with_entropy=True)  # entropy: logged, and top_entropy_quantile's mask
         proximal = None
         if spec.importance_weighted:
             # Decoupled PPO: the proximal policy is the trainer when it starts on this batch (PPO's "old" policy,
@@ -245,7 +261,7 @@ class AsyncGRPOTrainer:
             if proximal is None:
                 proximal = batch["proximal"] = logprobs.detach()
         terms = grpo_loss(logprobs, batch["behaviour"], batch["advantages"], batch["mask"], spec,
-                          normaliser=normaliser, ref_logprobs=ref, proximal_logprobs=proximal)
+                          normaliser=normaliser, ref_logprobs=ref, proximal_logprobs=proximal, entropy=entropy)
         self.acc.backward(terms.loss)
         return terms
 
@@ -262,12 +278,27 @@ class AsyncGRPOTrainer:
         version = self.version if first else self.version + 1
 
         def publish() -> None:
+            self._published = tensors
             waited = self.rollout.publish(version, tensors, self.step, wait=first or wait)
             if metrics is not None:
                 metrics.sync(gathered - t0, waited, gather_stats["gathered_bytes"])
 
         on_main(publish, f"publishing policy version {version}")  # the other ranks wait here (a failure stops all)
         self.version = version
+
+    def save_final(self) -> None:
+        """Collective: the run's result. Steps trained since the last sync are published first, so that the servers
+        serve what is saved; once the last version is served, rank 0 writes it in PEFT format into output_dir itself
+        (store.export_adapter), where TRL's save_model puts it."""
+        if self.step % self.cfg.weight_sync_steps:
+            self.sync(wait=True)
+
+        def write() -> None:
+            self.rollout.wait_published()  # the run ends when its last version is served
+            export_adapter(self.cfg.output_dir, self._published, self.peft_config,
+                           base_model_reference(self.model_path))
+
+        on_main(write, "saving the final adapter")
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -276,7 +307,7 @@ class AsyncGRPOTrainer:
                              run_id=self.rollout.run_id if self.rollout is not None else "",
                              backend=backend_of(self.acc), world_size=self.world)
         save_checkpoint(self.acc, self.model, self.optimizer, state, output_dir=self.cfg.output_dir,
-                        peft_config=self.peft_config, base_model=str(Path(self.model_path).resolve()),
+                        peft_config=self.peft_config, base_model=base_model_reference(self.model_path),
                         total_limit=self.cfg.save_total_limit, lr_scheduler=self.lr_scheduler)
 
     def _should_save(self) -> bool:
@@ -320,9 +351,11 @@ class AsyncGRPOTrainer:
         if self.main:
             summary = {"steps": self.step, "version": self.version, "adapter_name": self.rollout.adapter_name,
                        "adapter_path": str(self.rollout.adapter_path), "model_path": str(self.model_path),
+                       "final_adapter": str(Path(self.cfg.output_dir).resolve()),  # save_final's PEFT files
                        "train_seconds": seconds, **summary_counters(self.rollout.stats()),
                        "tensorboard": str(self.rollout.tensorboard_dir.resolve()),
                        "backend": backend_of(self.acc), "world_size": self.world, "base_dtype": self._base_dtype(),
+                       "trainable_dtype": self._trainable_dtype(), "optimizer_state_dtype": self._state_dtype(),
                        "start_step": self.start_step,
                        "resumed_from": str(self.resumed_from) if self.resumed_from is not None else None,
                        # every other version is unloaded at cleanup; this one too unless keep_final_adapter
@@ -336,6 +369,20 @@ class AsyncGRPOTrainer:
         """The dtype the frozen base weights are held in after prepare() (what a backend did to `torch_dtype`)."""
         frozen = next(p for p in self.acc.unwrap_model(self.model).parameters() if not p.requires_grad)
         return str(getattr(frozen, "ds_tensor", frozen).dtype).removeprefix("torch.")
+
+    def _trainable_dtype(self) -> str:
+        """The dtype the LoRA weights train in after prepare() (fp32 on every backend: distributed.py)."""
+        lora = next(p for p in self.acc.unwrap_model(self.model).parameters() if p.requires_grad)
+        return str(getattr(lora, "ds_tensor", lora).dtype).removeprefix("torch.")
+
+    def _state_dtype(self) -> str:
+        """The dtype of Adam's moments (under DeepSpeed, its ZeRO optimizer's inner torch optimizer holds them)."""
+        opt = self.optimizer
+        while hasattr(opt, "optimizer"):  # accelerate's wrapper, then DeepSpeed's ZeRO optimizer, down to AdamW
+            opt = opt.optimizer
+        dtypes = {str(v.dtype).removeprefix("torch.") for s in opt.state.values() for k, v in s.items()
+                  if k.startswith("exp_avg")}
+        return ",".join(sorted(dtypes))
 
     def halt(self) -> None:
         """On SIGTERM/SIGINT (main thread, shutdown.py): resume every server a sync in progress has paused."""

@@ -28,3 +28,14 @@ def test_summary_gives_mean_spread_and_distance_to_the_synchronous_run():
     assert tis["heldout_reward_mean"] == pytest.approx(0.79) and tis["heldout_reward_std"] == pytest.approx(0.0141)
     assert tis["minus_sync"] == pytest.approx(-0.03) and tis["staleness_mean"] == 3.5
     assert (tis["heldout_reward_min"], tis["heldout_reward_max"], tis["seeds"]) == (0.78, 0.80, 2)
+
+
+def test_none_is_the_loss_without_delta_and_default_the_config_defaults():
+    def load(correction):
+        return AsyncGRPOConfig.load(None, ["--lora_adapter_path", "/tmp/a", *WORKLOAD,
+                                           *cell_overrides(2, correction, 0, groups_per_step=32)])
+
+    assert load("none").delta is None and not load("none").vllm_importance_sampling_correction
+    assert load("default").delta == 3.0 and not load("default").vllm_importance_sampling_correction
+    tis = load("token_truncate")
+    assert tis.delta == 3.0 and tis.vllm_importance_sampling_correction

@@ -56,7 +56,7 @@ class StubRollout:
 
     def __init__(self, stubs, route, *, rows=None, tokenizer=None, reward=None, recovery=None,
                  response_template=None, groups_per_step: int = 2, park: bool = False, client_timeout_s: float = 10,
-                 servers: int = 1, **cfg_values):
+                 servers: int = 1, end_token_ids: frozenset[int] = frozenset(), **cfg_values):
         values = {"num_generations": 2,
                   "per_device_train_batch_size": 2 * groups_per_step, "max_staleness": 0,
                   "max_inflight_requests": 1, "vllm_server_timeout": 30, **cfg_values}
@@ -75,7 +75,8 @@ class StubRollout:
                                                    for i in range(8)]
         scoring = InThreadScoring(self.scorer, tokenizer or DigitTokenizer(), response_template)
         self.producer = build_producer(self.cfg, clients=self.clients, rows=self.rows, scorer=scoring,
-                                       queue=self.queue, groups_per_step=groups_per_step, recovery=recovery)
+                                       queue=self.queue, groups_per_step=groups_per_step, recovery=recovery,
+                                       end_token_ids=end_token_ids)
         if park:
             self.producer.schedule.cond = ParkingCondition()
 

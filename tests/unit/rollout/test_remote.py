@@ -12,12 +12,15 @@ import os
 import pickle
 import socket
 import threading
+import time
+import traceback
 from multiprocessing import Pipe
 
 import pytest
 from fakes import cfg
 from liveness import returns_within
 
+from asyncgrpo import __version__
 from asyncgrpo.cli import main
 from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.errors import ConfigError, RolloutProcessError
@@ -27,6 +30,8 @@ from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.process import ChildPeer, RolloutProcess
 from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
 from asyncgrpo.rollout.serve import _answer_requests
+from asyncgrpo.rollout.side import RolloutSide
+from asyncgrpo.rollout.wire import pack_exception, rebuild_exception
 
 KEY = b"5d0c8a3f1e9b7d2c4a6e8f0b1d3c5a7e"  # 32 hex characters: the shortest key accepted
 
@@ -99,10 +104,18 @@ def test_rollout_address_with_rollout_process_is_refused_naming_both(tmp_path):
 
 def test_rank_0_connects_to_the_rollout_address_instead_of_spawning(tmp_path):
     kwargs = dict(model_path="m", peft_config=None, groups_per_step=1)
-    remote_side = open_rollout_side(_cfg(tmp_path, rollout_address="rollout-host:7480"), **kwargs)
+    remote_cfg, child_cfg, local_cfg = _cfg(tmp_path, rollout_address="rollout-host:7480"), \
+        _cfg(tmp_path, rollout_process=True), _cfg(tmp_path)
+    remote_side = open_rollout_side(remote_cfg, **kwargs)
     assert isinstance(remote_side.peer, RemotePeer) and remote_side.peer.address == "rollout-host:7480"
-    assert isinstance(open_rollout_side(_cfg(tmp_path, rollout_process=True), **kwargs).peer, ChildPeer)
-    assert not remote_side.peer.started()  # nothing dialled before start()
+    child_side = open_rollout_side(child_cfg, **kwargs)
+    assert isinstance(child_side.peer, ChildPeer)
+    local_side = open_rollout_side(local_cfg, tokenizer="the tokenizer", **kwargs)  # the default: in this process
+    assert type(local_side) is RolloutSide and local_side.tokenizer == "the tokenizer" and local_side.model_path == "m"
+    # Each gets the run's config and arguments: the other host's side is built from what the proxy sends.
+    assert (remote_side.cfg, child_side.cfg, local_side.cfg) == (remote_cfg, child_cfg, local_cfg)
+    assert remote_side._side_kwargs["model_path"] == child_side._side_kwargs["model_path"] == "m"
+    assert not remote_side.peer.started() and not remote_side.peer.alive()  # nothing dialled before start()
 
 
 # ---- the key -------------------------------------------------------------------------------------------------
@@ -306,3 +319,104 @@ def test_a_trainer_that_goes_away_mid_request_halts_the_side_at_once_not_after_t
     trainer_end.close()  # the trainer is gone while the request waits
     returns_within(lambda: serving.join(60), 30, "the serve loop after the trainer went away mid-request")
     assert side.halted.is_set() and ended == [None]  # halted, then EOF read: not a `close`
+
+
+# ---- the handshake's failures, end by end --------------------------------------------------------------------------
+def _prove_by_hand(address: str, key: bytes = KEY) -> link.Link:
+    """A client that does TLS and the key proof as the trainer does, then leaves the rest to the test."""
+    host, port = address.rsplit(":", 1)
+    tls = link.client_tls().wrap_socket(socket.create_connection((host, int(port)), timeout=20),
+                                        do_handshake_on_connect=False)
+    deadline = time.monotonic() + 20
+    link.tls_handshake(tls, deadline)
+    link.prove_client(tls, key, deadline)
+    tls.settimeout(20)
+    return link.Link(tls)
+
+
+def _who(end: link.Link) -> str:
+    return "%s:%d" % end._sock.getsockname()
+
+
+def test_a_trainer_of_another_asyncgrpo_version_is_told_both_versions_and_the_server_keeps_listening(tmp_path,
+                                                                                                      caplog):
+    server = InTestServer(_ack_then(lambda conn: None))
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+        older = _prove_by_hand(server.address)
+        older.send(("hello", "0.0.1", pickle.dumps((None, {}, "older"))))
+        status, payload = older.recv()
+        refusals = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert status == "error"
+    exc = rebuild_exception(payload)  # what the trainer raises
+    assert type(exc) is RolloutProcessError
+    assert str(exc) == (f"the rollout server runs asyncgrpo {__version__}, the trainer 0.0.1. Fix: install the same "
+                        f"asyncgrpo version on both hosts")
+    assert "raise RolloutProcessError" in payload["traceback"]  # the server's traceback comes with it
+    assert len(refusals) == 1 and refusals[0].startswith(f"refused a connection from {_who(older)}: "), refusals
+    older.close()
+    right = _proxy(tmp_path, server.address)
+    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
+    server.join()
+    assert server.error is None and server.hello[2] == right.run_id
+    right.peer.stop(0)
+
+
+def test_a_client_that_proves_the_key_but_sends_no_hello_is_dropped_at_the_deadline(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "HANDSHAKE_S", 2.0)  # TLS and the proof take milliseconds; a loaded host, more
+    server = InTestServer(_ack_then(lambda conn: None))
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+        silent = _prove_by_hand(server.address)
+        with pytest.raises(EOFError):
+            returns_within(silent.recv, 20, "the server's drop of a client that sends no hello")
+        drops = [r.getMessage() for r in caplog.records if "no rollout handshake within" in r.getMessage()]
+    assert len(drops) == 1 and drops[0].startswith(f"dropped a connection from {_who(silent)}: ") and \
+        "(TimeoutError: " in drops[0], drops
+    silent.close()
+    right = _proxy(tmp_path, server.address)
+    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
+    server.join()
+    assert server.error is None and server.hello[2] == right.run_id
+    right.peer.stop(0)
+
+
+def test_a_server_that_never_answers_the_hello_is_given_up_after_build_s(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "BUILD_S", 0.3)
+    server = InTestServer(lambda conn, hello: None)  # takes the hello, then says nothing (a build that hangs)
+    proxy = _proxy(tmp_path, server.address)
+    with pytest.raises(RolloutProcessError) as failure:
+        returns_within(proxy.start, 20, "a start whose hello is never answered")
+    server.join()
+    assert f"the rollout server at {server.address} accepted the connection but did not complete the handshake " \
+           f"(TimeoutError: " in str(failure.value)
+    server.conn.close()
+
+
+def test_a_side_that_fails_to_build_on_the_rollout_host_raises_its_own_error_on_the_trainer(tmp_path):
+    def fail_to_build(conn, hello):
+        try:
+            raise ConfigError("dataset_name", "no dataset 'nope' on the rollout host", "name one that exists there")
+        except ConfigError as exc:  # what rollout-serve answers when the side cannot be built
+            conn.send(("error", pack_exception(exc, traceback.format_exc())))
+
+    server = InTestServer(fail_to_build)
+    proxy = _proxy(tmp_path, server.address)
+    with pytest.raises(ConfigError) as failure:
+        returns_within(proxy.start, 20, "a start whose side fails to build")
+    server.join()
+    assert failure.value.field == "dataset_name" and "no dataset 'nope' on the rollout host" in str(failure.value)
+    assert "raised in the rollout process" in failure.value.__notes__[0]
+    assert proxy.peer.started() and not proxy.peer.alive()  # closed on our side: nothing more goes to it
+    server.conn.close()
+
+
+def test_a_connect_that_is_never_answered_is_given_up_after_connect_s(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "CONNECT_S", 0.3)
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)  # a queue of one connection, never accepted
+        address = "127.0.0.1:%d" % full.getsockname()[1]
+        with socket.create_connection(full.getsockname()):  # fills it: the kernel now drops connects, like a
+            with pytest.raises(RolloutProcessError) as failure:  # firewall that drops rather than refuses
+                returns_within(_proxy(tmp_path, address).start, 20, "a start whose connect is never answered")
+    assert str(failure.value) == (f"cannot connect to {address} (rollout_address): timed out. Fix: check the host "
+                                  f"name and that the network lets this host reach that port")

@@ -265,7 +265,8 @@ class Counted:
 
 def side_with_counters(tmp_path, started_at: float) -> RolloutSide:
     side = bare_side(tmp_path)
-    side.producer = Counted(started_at=started_at, generated_tokens=600, lost_groups=2, resent_groups=3, inflight=4)
+    side.producer = Counted(started_at=started_at, generated_tokens=600, lost_groups=2, resent_groups=3, inflight=4,
+                            episodes=None)  # no tools: no episode counters
     side.queue = Counted(depth=5, dropped_stale=6, dropped_zero_std=7)
     side.scorer = Counted(fallbacks=8)
     return side

@@ -42,7 +42,8 @@ def _groups() -> list[Group]:
     third = Group(prompt="2*3=", prompt_ids=[7, 8], completion_ids=[[11, 12], [13]],
                   behaviour_logprobs=[_fp32([-0.5, -2.0]), _fp32([-0.125])], rewards=[0.25, -1.0],
                   reward_parts={"accuracy": [0.0, 1.0], "length": [None, -0.5]}, advantages=[0.5, -0.5], version=5,
-                  adapter="policy-ab12cd34-v5", finish_reasons=["stop", "stop"], index=18, masked=[True, False])
+                  adapter="policy-ab12cd34-v5", finish_reasons=["stop", "stop"], index=18, masked=[True, False],
+                  loss_mask=[[0, 1], [1]], versions=[[5, 4], [5]])  # an episode: a tool token, a turn at v4
     # the second: empty finish_reasons and masked, no reward parts, defaults; the third: reward parts and masks
     # after a group that had some (each group reads its own slice, not the first group's)
     return [first, second, third]
@@ -84,7 +85,8 @@ def test_the_blob_is_a_length_a_pickled_header_and_the_arrays_in_their_documente
         ("completion_ids", "<i4", 9), ("completion_lens", "<i4", 6),
         ("logprobs", "<f4", 9), ("logprob_lens", "<i4", 6),
         ("n_completions", "<i4", 3), ("rewards", "<f8", 6), ("advantages", "<f8", 6), ("masked", "|u1", 5),
-        ("version", "<i8", 3), ("index", "<i8", 3), ("part_values", "<f8", 10), ("part_present", "|u1", 10)]
+        ("version", "<i8", 3), ("index", "<i8", 3), ("loss_mask", "|u1", 3), ("token_versions", "<i8", 3),
+        ("part_values", "<f8", 10), ("part_present", "|u1", 10)]
     assert len(blob) == 4 + size + sum(np.dtype(dtype).itemsize * count for _, dtype, count in header["arrays"])
 
 

@@ -102,3 +102,17 @@ def test_every_tensor_of_a_batch_moves_to_the_training_device():
     assert {t.device.type for t in moved.values()} == {"meta"}
     assert {k: t.dtype for k, t in moved.items()} == {k: t.dtype for k, t in batch.items()}
     assert to_device(batch, "cpu")["mask"] is batch["mask"]  # no copy where the batch already is
+
+
+def test_an_episodes_tool_and_template_tokens_are_context_not_loss():
+    # prompt [5, 6]; completion: two sampled ids, two tool ids (mask 0, logprob 0.0), one sampled id
+    g = Group(prompt="p", prompt_ids=[5, 6], completion_ids=[[7, 8, 9, 10, 11]],
+              behaviour_logprobs=[[-0.5, -0.25, 0.0, 0.0, -2.0]], rewards=[1.0], reward_parts={}, advantages=[1.0],
+              version=3, adapter="a", loss_mask=[[1, 1, 0, 0, 1]], versions=[[3] * 5])
+    batch = collate([g], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11]]
+    # position t scores token t+1: the completion starts at position 1
+    assert batch["mask"].tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0, 1.0]]
+    assert batch["behaviour"].tolist() == [[0.0, -0.5, -0.25, 0.0, 0.0, -2.0]]
+    masked = collate([Group(**{**g.__dict__, "masked": [True]})], pad_id=0)  # mask_truncated_completions still wins
+    assert masked["mask"].sum() == 0

@@ -4,7 +4,7 @@ model's own full logits, on tiny random models built from transformers' config c
 import pytest
 import torch
 
-from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
+from asyncgrpo.trainer.logprobs import chunked_token_logprobs, find_scoring_head, sequence_logprobs, token_logprobs
 
 
 def _qwen2(vocab=300, **extra):
@@ -91,3 +91,57 @@ def test_heads_the_chunked_path_cannot_model_fall_back_to_full_logits():
     scaled = _qwen2()
     scaled.config.logits_scaling = 8.0  # as Granite's forward divides the head's output
     assert find_scoring_head(scaled) is None
+
+
+def _phi():
+    """A head with a bias (Phi's lm_head), set to values that move the logprobs (the model initialises it to zero)."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    config = PhiConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, max_position_embeddings=64)
+    model = PhiForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0.0, 1.0)
+    return model
+
+
+def test_policy_logprobs_chunked_add_the_head_s_bias():
+    mask, ((naive, naive_grads), (chunked, chunked_grads)) = _both_paths(_lora(_phi()), 1.0)
+    assert torch.allclose(chunked, naive, atol=1e-5, rtol=0)
+    for name, grad in naive_grads.items():
+        assert torch.allclose(chunked_grads[name], grad, atol=1e-5, rtol=0), name
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["full-logits", "chunked"])
+def test_tokens_the_attention_mask_hides_do_not_change_the_logprobs(chunked):
+    """Left padding: the first tokens of row 0 are hidden by its attention mask, so what they are cannot matter."""
+    model = _qwen2()
+    input_ids, attention, mask = _batch()
+    attention[0, :3] = 0
+    head = find_scoring_head(model) if chunked else None
+    with torch.no_grad():
+        first = sequence_logprobs(model, head, input_ids, attention, mask, 1.0)
+        other = input_ids.clone()
+        other[0, :3] = (other[0, :3] + 100) % 300
+        second = sequence_logprobs(model, head, other, attention, mask, 1.0)
+    assert torch.isfinite(first).all() and (first[mask > 0] != 0).all()
+    assert torch.allclose(first, second, atol=1e-6, rtol=0)
+
+
+def test_chunked_logprobs_run_the_head_in_its_own_dtype_and_give_the_hidden_states_theirs():
+    """fp32 hidden states into a bf16 head (as under mixed precision): cast to the head's dtype for the product, as
+    nn.Linear under autocast would, and the gradient comes back in fp32."""
+    torch.manual_seed(0)
+    weight = torch.randn(50, 16).to(torch.bfloat16)
+    hidden = torch.randn(7, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (7,))
+    chunked = chunked_token_logprobs(hidden, weight, targets, chunk_size=3)
+    reference_hidden = hidden.detach().clone().requires_grad_(True)
+    logits = torch.nn.functional.linear(reference_hidden.to(torch.bfloat16), weight)
+    reference = token_logprobs(logits[None], targets[None])[0]
+    assert torch.allclose(chunked, reference, atol=1e-5, rtol=0)
+    chunked.sum().backward()
+    reference.sum().backward()
+    assert hidden.grad.dtype == torch.float32
+    assert torch.allclose(hidden.grad, reference_hidden.grad, atol=1e-2, rtol=0)

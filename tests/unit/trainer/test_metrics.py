@@ -9,7 +9,8 @@ import torch
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.trainer.loss import LossTerms
-from asyncgrpo.trainer.metrics import SUMMARY_COUNTERS, LossTotals, StepMetrics, summary_counters
+from asyncgrpo.trainer.metrics import (ENTROPY_BINS, ENTROPY_MAX, SUMMARY_COUNTERS, LossTotals, StepMetrics,
+                                      histogram_quantile, summary_counters)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -48,9 +49,10 @@ def test_loss_totals_sum_and_max_over_micro_batches_and_divide_the_loss_by_the_r
     totals = LossTotals(world=2)
     totals.add(_terms(1.0, 2.0, 0.5, 3.0, 0.1, is_ratio=4.0, is_max=1.5, capped=1.0, kl_b=0.25))
     totals.add(_terms(3.0, 1.0, 0.25, 2.0, 0.3, is_ratio=1.0, is_max=1.2, capped=0.0, kl_b=0.5))
-    sums, maxima = totals.reduced()  # one process: the reduction over ranks is the identity
+    sums, maxima, entropy_hist = totals.reduced()  # one process: the reduction over ranks is the identity
     assert sums == {"loss": 2.0, "clipped": 3.0, "kl": 0.75, "ratio": 5.0, "is_ratio": 5.0, "is_capped": 1.0,
-                    "kl_behaviour": 0.75}
+                    "kl_behaviour": 0.75, "masked": 0.0, "entropy": 0.0}
+    assert entropy_hist == [0.0] * ENTROPY_BINS  # no entropy computed: nothing counted
     assert maxima == {"max_abs_log_ratio": pytest.approx(0.3), "is_ratio_max": pytest.approx(1.5)}
 
 
@@ -103,3 +105,42 @@ def test_every_name_docs_metrics_promises_is_written_somewhere_in_the_code():
     code = "\n".join(p.read_text() for p in (ROOT / "src" / "asyncgrpo").rglob("*.py"))
     missing = sorted(n for n in names if f'"{n}"' not in code)
     assert not missing, f"docs/metrics.md names no code writes: {missing}"
+
+
+def test_entropy_is_summed_and_binned_over_micro_batches_and_logged_as_mean_and_quantiles():
+    totals = LossTotals(world=1)
+    for values in ([0.5, 1.5], [2.5, 3.5, 4.5]):
+        terms = _terms(0.0, 0.0, 0.0, 0.0, 0.0)
+        terms.entropy, terms.masked_tokens = torch.tensor(values), torch.tensor(1.0)
+        totals.add(terms)
+    sums, maxima, hist = totals.reduced()
+    assert sums["entropy"] == 12.5 and sums["masked"] == 2.0 and sum(hist) == 5.0
+    width = ENTROPY_MAX / ENTROPY_BINS
+    assert hist[int(0.5 / width)] == 1.0 and hist[int(4.5 / width)] == 1.0
+    metrics = StepMetrics()
+    metrics.optimiser(sums, maxima, n_tokens=5.0, lr=0.1, entropy_hist=hist)
+    v = metrics.values
+    assert v["train/entropy"] == 2.5 and v["train/masked_fraction"] == 0.4
+    # the median of 0.5..4.5 is 2.5, read from the histogram within one bin
+    assert abs(v["train/entropy_p50"] - 2.5) <= width and v["train/entropy_p10"] < v["train/entropy_p90"]
+
+
+def test_a_histogram_quantile_interpolates_within_its_bin_and_is_0_when_empty():
+    assert histogram_quantile([0.0, 4.0, 0.0, 0.0], 0.5, top=4.0) == 1.5  # half of bin [1, 2)
+    assert histogram_quantile([2.0, 0.0, 0.0, 2.0], 0.9, top=4.0) == pytest.approx(3.8)
+    assert histogram_quantile([0.0] * 4, 0.5) == 0.0
+
+
+def test_a_batch_of_episodes_reports_turns_tokens_truncation_and_token_staleness():
+    from asyncgrpo.contracts import Group
+    from asyncgrpo.trainer.metrics import StepMetrics, turns
+
+    assert turns([0, 1, 1, 0, 0, 1, 0, 1]) == 3 and turns([]) == 0
+    g = Group(prompt="p", prompt_ids=[1], completion_ids=[[1, 2, 3, 4], [5, 6]], behaviour_logprobs=[[0.0] * 4, [0.0] * 2],
+              rewards=[0.0, 1.0], reward_parts={}, advantages=[0.0, 0.0], version=2, adapter="a",
+              finish_reasons=["stop", "length"], loss_mask=[[1, 0, 0, 1], [1, 1]], versions=[[2] * 4, [2, 2]])
+    metrics = StepMetrics()
+    metrics.batch([g], version=4, num_generations=2, waited_s=0.0)
+    v = metrics.values
+    assert (v["episode/turns_mean"], v["episode/tokens_mean"], v["episode/sampled_tokens_mean"]) == (1.5, 3.0, 2.0)
+    assert v["episode/truncated_fraction"] == 0.5 and v["episode/token_staleness_max"] == 2.0

@@ -92,13 +92,15 @@ def test_the_run_summary_keeps_its_keys_and_reads_the_rollout_counters(tmp_path,
     trainer = _trainer(tmp_path, keep_final_adapter=False)
     trainer.main, trainer.step, trainer.model_path, trainer.world, trainer.start_step = True, 5, "/models/toy", 2, 0
     trainer.resumed_from, trainer.acc, trainer._base_dtype = None, None, lambda: "float32"
+    trainer._trainable_dtype = trainer._state_dtype = lambda: "float32"
     trainer.finished = False
     monkeypatch.setattr(recipe, "backend_of", lambda acc: "ddp")
     summary = AsyncGRPOTrainer._finish(trainer, 12.0)
     assert set(summary) == {"steps", "version", "adapter_name", "adapter_path", "model_path", "train_seconds",
                             "dropped_stale", "dropped_zero_std", "lost_groups", "resent_groups", "tensorboard",
                             "backend", "world_size", "base_dtype", "start_step", "resumed_from",
-                            "adapter_left_loaded"}
+                            "adapter_left_loaded", "final_adapter", "trainable_dtype", "optimizer_state_dtype"}
+    assert summary["final_adapter"] == str(tmp_path.resolve())  # the PEFT files save_final wrote
     assert (summary["dropped_stale"], summary["dropped_zero_std"], summary["lost_groups"],
             summary["resent_groups"]) == (3, 5, 1, 2)
     assert json.loads((tmp_path / "run_summary.json").read_text()) == summary and trainer.finished
@@ -128,3 +130,17 @@ def test_with_a_token_budget_completions_are_packed_by_length_within_it():
     micro = AsyncGRPOTrainer._micro_batches(trainer, share)  # one process: the count needs no other rank
     assert [tuple(b["input_ids"].shape) for b in micro] == [(2, 6), (2, 4)]  # 2 x 6 = 12 and 2 x 4 within 12
     assert sum(float(b["mask"].sum()) for b in micro) == 4 + 1 + 4 + 2
+
+
+@pytest.mark.parametrize("step,publishes", [(4, False), (5, True)])
+def test_the_final_adapter_is_the_last_served_version_with_unpublished_steps_published_first(tmp_path, monkeypatch,
+                                                                                            step, publishes):
+    synced, exported = [], []
+    trainer = SimpleNamespace(cfg=SimpleNamespace(weight_sync_steps=2, output_dir=str(tmp_path)), step=step,
+                              rollout=SimpleNamespace(wait_published=lambda: exported.append("waited")),
+                              _published={"w": torch.zeros(1)}, peft_config="peft", model_path="org/model")
+    trainer.sync = lambda wait=False: synced.append(wait)
+    monkeypatch.setattr(recipe, "export_adapter", lambda *args: exported.append(args))
+    AsyncGRPOTrainer.save_final(trainer)
+    assert synced == ([True] if publishes else [])  # steps 5: one step since the sync at 4 is published first
+    assert exported == ["waited", (str(tmp_path), trainer._published, "peft", "org/model")]  # once it is served

@@ -1,0 +1,232 @@
+"""TRL's GRPOConfig (and transformers' TrainingArguments) names, read into this project's config keys.
+
+`translate(values)` takes a raw mapping (a YAML file plus overrides) and returns it in this project's names, with
+one ConfigError per TRL key whose value asyncgrpo cannot honour, so that a file is corrected in one go. The tables
+below are the reference for docs/configuration.md#trl-keys (a unit test checks that the page lists every key).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from asyncgrpo.errors import ConfigError
+
+# TRL / transformers name -> this project's key, with the same meaning.
+ALIASES = {
+    "use_peft": "use_lora",
+    "dtype": "torch_dtype",  # TRL's ModelConfig and transformers 5 (`from_pretrained(dtype=...)`)
+    "vllm_importance_sampling_clip_max": "vllm_importance_sampling_cap",  # TRL renamed `_cap` to `_clip_max`
+}
+
+_SERVER = ("start a vLLM server (launch/vllm/serve.sh, or `python -m asyncgrpo.inference.server`) and give its URL "
+           "in vllm_server_base_url")
+# Keys accepted when their value is what asyncgrpo does anyway: key -> (the values that agree, why, what to use).
+AGREEING = {
+    "use_vllm": ((True,), "asyncgrpo always generates on vLLM servers", _SERVER),
+    "vllm_mode": (("server",), "asyncgrpo generates on separate vLLM servers; it cannot run vLLM inside the training "
+                  "processes (colocate)", f"set `vllm_mode: server`, {_SERVER}"),
+    "remove_unused_columns": ((False,), "every dataset column reaches the reward functions",
+                              "set `remove_unused_columns: false`, or drop the columns from the data"),
+    "shuffle_dataset": ((True,), "prompts are always drawn in a seeded shuffled order", "remove it"),
+    "logging_strategy": (("steps",), "metrics are logged every `logging_steps` optimizer steps",
+                         "set `logging_strategy: steps`"),
+    "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch's AdamW over the LoRA weights",
+              "set `optim: adamw_torch`"),
+    "adam_epsilon": ((1e-8,), "AdamW runs with torch's default epsilon 1e-8", "set `adam_epsilon: 1.0e-8`"),
+    "lora_task_type": (("CAUSAL_LM",), "adapters are trained on causal language models", "remove it"),
+    "use_rslora": ((False,), "adapters use the standard alpha / r scaling, as the vLLM servers do", "remove it"),
+    "use_dora": ((False,), "vLLM does not serve DoRA adapters", "remove it"),
+    "trust_remote_code": ((False,), "models are loaded with transformers' own code only", "remove it"),
+    "model_revision": (("main",), "a hub model is loaded at its default revision",
+                       "download that revision and give its local directory in model_name_or_path"),
+    "sync_ref_model": ((False,), "the KL reference is the base model (the adapter switched off), never updated",
+                       "remove it"),
+    "multi_objective_aggregation": (("sum_then_normalize",), "rewards are summed with `reward_weights`, then "
+                                    "normalised in each group", "remove it"),
+    "top_k": ((0, -1, None), "the loss scores the full distribution: the server samples from all of it",
+              "remove it"),
+    "min_p": ((None, 0, 0.0), "the loss scores the full distribution: the server samples from all of it",
+              "remove it"),
+    "repetition_penalty": ((1, 1.0), "a penalty would make the server sample from another distribution than the "
+                           "one the trainer scores", "remove it"),
+    "push_to_hub": ((False,), "asyncgrpo does not upload", "upload `output_dir` yourself (`hf upload REPO DIR`)"),
+    "use_liger_kernel": ((False,), "the loss computes logprobs of the sampled tokens in chunks itself", "remove it"),
+    "gradient_checkpointing_kwargs": ((None, {}, {"use_reentrant": False}),
+                                      "gradient checkpointing is always non-reentrant", "remove it"),
+    "generation_kwargs": ((None, {}), "sampling settings other than temperature are sent at their neutral values",
+                          "remove it"),
+    "lr_scheduler_kwargs": ((None, {}), "the schedules take no extra arguments", "remove it"),
+}
+# Keys with no effect here whatever their value: TRL reads them only where asyncgrpo does something else.
+IGNORED = {
+    "vllm_gpu_memory_utilization": "colocate mode only; give the server its own `--gpu-memory-utilization`",
+    "vllm_tensor_parallel_size": "colocate mode only; give the server its own `--tensor-parallel-size`",
+    "vllm_enable_sleep_mode": "colocate mode only",
+    "vllm_max_model_length": "colocate mode only; the server's `--max-model-len` is read from /v1/models",
+    "vllm_model_impl": "colocate mode only; give the server its own `--model-impl`",
+    "vllm_group_port": "TRL's weight-transfer port; asyncgrpo publishes adapter files instead",
+    "do_train": "transformers does not read it either",
+    "do_eval": "transformers does not read it either",
+    "disable_tqdm": "the progress bar is rank 0's alone",
+    "log_level": "asyncgrpo logs at INFO",
+    "hub_model_id": "read only with push_to_hub, which is false",
+    "hub_strategy": "read only with push_to_hub, which is false",
+    "hub_private_repo": "read only with push_to_hub, which is false",
+    "dataloader_num_workers": "prompts are read by the rollout side, not a DataLoader",
+    "dataloader_pin_memory": "prompts are read by the rollout side, not a DataLoader",
+    "dataloader_persistent_workers": "prompts are read by the rollout side, not a DataLoader",
+    "ddp_find_unused_parameters": "only LoRA weights train, and every one is used",
+}
+SAVE_STEPS_DEFAULT = 500  # transformers' save_steps, used by `save_strategy: steps` without save_steps
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def translate(values: dict) -> tuple[dict, list[ConfigError]]:
+    """`values` in this project's key names, and the problems found on the way (one per key)."""
+    values, problems = dict(values), []
+    _renames(values, problems)
+    for key, (agree, why, fix) in AGREEING.items():
+        value = values.pop(key, agree[0])
+        if value not in agree:
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as YAML writes it
+            problems.append(ConfigError(key, f"{shown} cannot be honoured: {why}", fix))
+    for key in IGNORED:
+        values.pop(key, None)
+    for step in (_model_init_kwargs, _precision, _save_strategy, _epochs, _resume, _server_address, _reward_paths):
+        try:
+            step(values)
+        except ConfigError as exc:
+            problems.append(exc)
+    return values, problems
+
+
+def _renames(values: dict, problems: list[ConfigError]) -> None:
+    for trl, ours in ALIASES.items():
+        if trl not in values:
+            continue
+        value = values.pop(trl)
+        if ours in values and values[ours] != value:
+            problems.append(ConfigError(trl, f"is {value!r} but `{ours}` (the same key under this project's name) is "
+                                        f"{values[ours]!r}", "keep one of them"))
+        else:
+            values[ours] = value
+
+
+def _precision(values: dict) -> None:
+    """`bf16: true` / `fp16: true` (mixed precision in transformers): here, the base model in that dtype, LoRA and
+    loss in fp32 (`torch_dtype`)."""
+    wanted = [_DTYPES[key] for key in _DTYPES if values.pop(key, False) is True]
+    if len(wanted) > 1:
+        raise ConfigError("bf16", "and fp16 are both true", "keep one of them (bf16 on GPUs that have it)")
+    if not wanted:
+        return
+    given = values.setdefault("torch_dtype", wanted[0])
+    if given != wanted[0]:
+        key = "bf16" if wanted[0] == "bfloat16" else "fp16"
+        raise ConfigError(key, f"true asks for {wanted[0]} autocast over {given} weights; asyncgrpo's half precision "
+                          f"is the base model held in {wanted[0]} with the LoRA weights and the loss in fp32",
+                          f"set `dtype: {wanted[0]}`, or `{key}: false` to train in {given}")
+
+
+def _model_init_kwargs(values: dict) -> None:
+    kwargs = values.pop("model_init_kwargs", None) or {}
+    if not isinstance(kwargs, dict):
+        raise ConfigError("model_init_kwargs", f"is {kwargs!r}, not a mapping", "write `{dtype: bfloat16}`")
+    other = sorted(set(kwargs) - {"dtype", "torch_dtype"})
+    if other:
+        raise ConfigError("model_init_kwargs", f"sets {', '.join(other)}, which asyncgrpo does not pass to "
+                          f"from_pretrained (it takes only the dtype)", "remove them; give the dtype as `dtype: ...`")
+    for key in ("dtype", "torch_dtype"):
+        if key in kwargs:
+            values.setdefault("torch_dtype", kwargs[key])
+
+
+def _save_strategy(values: dict) -> None:
+    strategy = values.pop("save_strategy", None)
+    if strategy is None:
+        return
+    if strategy == "no":
+        values["save_steps"] = 0
+    elif strategy == "steps":
+        values.setdefault("save_steps", SAVE_STEPS_DEFAULT)
+    else:
+        raise ConfigError("save_strategy", f"{strategy!r} is not supported: checkpoints are taken every save_steps "
+                          "optimizer steps", "set `save_strategy: steps` with `save_steps: N` (or `no`)")
+
+
+def _epochs(values: dict) -> None:
+    """transformers: `max_steps` > 0 overrides `num_train_epochs`; `max_steps: -1` means "use the epochs"."""
+    if values.get("max_steps") == -1:
+        del values["max_steps"]
+        if values.get("num_train_epochs") is None:
+            raise ConfigError("max_steps", "is -1 (run num_train_epochs) but num_train_epochs is not set",
+                              "set `num_train_epochs: N` or a positive max_steps")
+    elif "max_steps" in values:
+        values.pop("num_train_epochs", None)
+
+
+def _resume(values: dict) -> None:
+    """`resume_from_checkpoint: true` (transformers: the newest checkpoint in output_dir) is `latest` here."""
+    value = values.get("resume_from_checkpoint")
+    if value is True:
+        values["resume_from_checkpoint"] = "latest"
+    elif value is False:
+        values["resume_from_checkpoint"] = None
+
+
+def _server_address(values: dict) -> None:
+    """TRL's `vllm_server_host` + `vllm_server_port` (read when vllm_server_base_url is unset)."""
+    host, port = values.pop("vllm_server_host", None), values.pop("vllm_server_port", None)
+    if (host is not None or port is not None) and "vllm_server_base_url" not in values:
+        host = "127.0.0.1" if host in (None, "0.0.0.0") else host  # TRL's default host: this machine
+        values["vllm_server_base_url"] = f"http://{host}:{port or 8000}"
+
+
+def _reward_paths(values: dict) -> None:
+    """TRL's reward function names: a dotted path `pkg.module.function` is `pkg.module:function` here, and TRL's
+    built-in names (`accuracy_reward`, ...) are its `trl.rewards` functions."""
+    funcs = values.get("reward_funcs")
+    if isinstance(funcs, str) and "," not in funcs:
+        funcs = [funcs]
+    if not isinstance(funcs, list):
+        return
+    values["reward_funcs"] = [_reward_path(f) if isinstance(f, str) else f for f in funcs]
+
+
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")  # `trl grpo`'s built-in names
+
+
+def _reward_path(name: str) -> str:
+    if name in TRL_REWARDS:
+        return f"trl.rewards:{name}"
+    if ":" in name or "." not in name:
+        return name  # ours, or a bare name that config validation reports
+    module, _, function = name.rpartition(".")
+    return f"{module}:{function}"
+
+
+# TRL / transformers keys with no equivalent here: unknown, but never answered with a look-alike key of another
+# meaning (`per_device_eval_batch_size` is not `per_device_train_batch_size`).
+TRL_ONLY = frozenset("""
+attn_implementation bf16_full_eval cache_implementation cast_lm_head_to_fp32 data_seed dataset_streaming
+dataset_test_split disable_dropout entropy_coef eval_on_start eval_steps eval_strategy fp16_full_eval fsdp
+fsdp_config generation_batch_size label_names load_best_model_at_end load_in_4bit load_in_8bit log_completions
+log_completions_hub_repo log_unique_prompts logging_dir lora_modules_to_save lora_target_parameters
+metric_for_best_model num_completions_to_print num_generations_eval
+overwrite_output_dir pad_to_multiple_of per_device_eval_batch_size ref_model_mixup_alpha
+ref_model_sync_steps report_to reward_model_name_or_path router_aux_loss_coef run_name save_on_each_node
+save_only_model steps_per_generation tf32 torch_compile use_cpu
+use_transformers_paged vllm_structured_outputs_regex
+""".split())
+# difflib's ratio: `learning_rat` -> `learning_rate` is 0.96, `num_train_epochs` -> `num_iterations` only 0.67.
+SUGGEST_CUTOFF = 0.85
+
+
+def unknown_key(key: str, known) -> ConfigError:
+    """The error for a key neither this project nor the TRL layer knows, with a suggestion only when it is close."""
+    if key in TRL_ONLY:
+        return ConfigError(key, "is a TRL/transformers key asyncgrpo has no equivalent for",
+                           "remove it (docs/configuration.md#trl-keys lists the TRL keys asyncgrpo reads)")
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=SUGGEST_CUTOFF)
+    return ConfigError(key, "unknown key", f"did you mean `{close[0]}`?" if close else
+                       "remove it (docs/configuration.md lists every key, and #trl-keys the TRL names it reads)")

@@ -1,0 +1,100 @@
+"""Tools and an environment for the episode tests, importable by reference (`agent_tools:lookup`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+TABLE = {"a": "b", "b": "c", "c": "done"}
+RELEASE = threading.Event()  # set by a test to let a hung tool's thread end
+
+
+def lookup(key: str) -> str:
+    """Look a key up in the hidden table.
+
+    Args:
+        key: the key to look up
+    """
+    return TABLE[key]  # an unknown key raises KeyError: the model reads it as an error
+
+
+async def add(x: int, y: int) -> dict:
+    """Add two numbers (an async tool).
+
+    Args:
+        x: the first number
+        y: the second number
+    """
+    return {"sum": x + y}
+
+
+def hang(seconds: float) -> str:
+    """Wait far longer than any tool_timeout.
+
+    Args:
+        seconds: how long to wait
+    """
+    RELEASE.wait(seconds)
+    return "woke"
+
+
+def leave(code: int) -> str:
+    """End the worker thread the way a tool calling sys.exit does.
+
+    Args:
+        code: the exit code
+    """
+    raise SystemExit(code)
+
+
+def no_docstring(x: int) -> int:
+    return x
+
+
+class Counter:
+    """An environment: state kept across the turns of one episode."""
+
+    instances = 0
+
+    def __init__(self):
+        Counter.instances += 1
+        self.count = 0
+        self.done = False
+        self.pid = os.getpid()
+
+    def reset(self, **row) -> str:
+        self.row = row
+        self.count = int(row.get("start", 0))
+        return f" (start {self.count})"
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: how much to add
+        """
+        self.count += by
+        self.done = self.count >= 3
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+    def _private(self) -> None:
+        pass
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: how long to sleep
+    """
+    time.sleep(seconds)
+    return "slept"
+
+
+def messages_reward(prompts, completions, environments=None, **kwargs) -> list[float]:
+    """A reward function for episodes: the number of messages after the prompt."""
+    return [float(len(c)) for c in completions]

@@ -1,0 +1,70 @@
+"""A tool's failures as the model and the run see them: an error the model reads (raise, hang, unknown name, bad
+arguments), or a ToolError naming the tool that ended its worker thread; and TRL's environment contract."""
+
+from __future__ import annotations
+
+import json
+
+import agent_tools
+import pytest
+
+from asyncgrpo.errors import ConfigError, ToolError
+from asyncgrpo.rollout.tools import call_tool, environment_tools, load_environment_factory, load_tools, run_tool_calls
+
+TOOLS = {"lookup": agent_tools.lookup, "add": agent_tools.add, "hang": agent_tools.hang, "leave": agent_tools.leave}
+
+
+def test_a_tool_result_is_its_text_and_a_non_text_result_is_json():
+    assert call_tool(TOOLS, "lookup", {"key": "a"}, 5.0).content == "b"
+    result = call_tool(TOOLS, "add", {"x": 2, "y": 3}, 5.0)  # async: run to completion on its worker thread
+    assert json.loads(result.content) == {"sum": 5} and not result.error
+
+
+def test_a_raising_tool_returns_its_error_to_the_model_and_is_counted_as_an_error():
+    result = call_tool(TOOLS, "lookup", {"key": "zz"}, 5.0)
+    assert result.error
+    assert json.loads(result.content) == {"error": "KeyError: 'zz'"}
+
+
+def test_a_hanging_tool_is_cut_off_at_the_timeout_and_the_message_says_so():
+    try:
+        result = call_tool(TOOLS, "hang", {"seconds": 60}, 0.2)
+        assert result.error
+        assert "hang did not finish within tool_timeout=0.2 s" in json.loads(result.content)["error"]
+        assert result.seconds >= 0.2
+    finally:
+        agent_tools.RELEASE.set()  # its abandoned thread ends now
+
+
+def test_a_tool_that_ends_its_worker_thread_stops_the_episode_naming_the_tool():
+    with pytest.raises(ToolError, match=r"tool leave ended its worker thread with SystemExit: SystemExit\(3\)"):
+        run_tool_calls(TOOLS, [("lookup", {"key": "a"}), ("leave", {"code": 3})], 5.0)
+
+
+def test_an_unknown_tool_or_arguments_that_are_not_an_object_are_errors_the_model_reads():
+    unknown = call_tool(TOOLS, "search", {}, 1.0)
+    assert unknown.error and "no tool named 'search'" in unknown.content
+    assert call_tool(TOOLS, "lookup", "a", 1.0).error
+
+
+def test_several_calls_of_one_turn_come_back_in_call_order():
+    results = run_tool_calls(TOOLS, [("lookup", {"key": "b"}), ("lookup", {"key": "a"})], 5.0)
+    assert [r.content for r in results] == ["c", "b"]
+
+
+def test_tools_load_by_reference_and_one_without_a_docstring_is_refused_naming_the_fix():
+    assert load_tools(["agent_tools:lookup"]) == [agent_tools.lookup]
+    with pytest.raises(ConfigError, match="Google docstring"):
+        load_tools(["agent_tools:no_docstring"])
+    with pytest.raises(ConfigError, match="has no 'nope'"):
+        load_tools(["agent_tools:nope"])
+
+
+def test_an_environments_tools_are_its_public_methods_but_reset_and_get_reward():
+    factory = load_environment_factory("agent_tools:Counter")
+    env = factory()
+    tools = environment_tools(env)
+    assert [t.__name__ for t in tools] == ["increment"]
+    assert tools[0](2) == 2 and env.count == 2  # bound to that instance
+    with pytest.raises(ConfigError, match="reset"):
+        load_environment_factory("agent_tools:lookup")

@@ -1,0 +1,41 @@
+"""The agent keys: references checked at load, combinations that cannot work refused naming the key, TRL's turn cap
+read as ours."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import cfg
+
+from asyncgrpo.errors import ConfigError
+
+
+def test_no_tools_means_plain_completions():
+    plain = cfg()
+    assert not plain.uses_tools and plain.tools == [] and plain.environment_factory is None
+
+
+def test_a_tool_reference_without_a_colon_names_the_key_and_the_form():
+    with pytest.raises(ConfigError, match="tools.*package.module:name"):
+        cfg(tools=["my_tools.lookup"])
+    with pytest.raises(ConfigError, match="environment_factory"):
+        cfg(environment_factory="my_env.Shop")
+
+
+def test_reward_workers_are_refused_with_episodes_because_environments_live_in_the_rollout_process():
+    with pytest.raises(ConfigError, match="reward_workers.*reward_workers: 0"):
+        cfg(tools=["agent_tools:lookup"], reward_workers=2)
+
+
+def test_raw_prompts_are_refused_with_tools():
+    with pytest.raises(ConfigError, match="prompt_format"):
+        cfg(environment_factory="agent_tools:Counter", prompt_format="raw")
+
+
+def test_trls_max_tool_calling_iterations_is_read_as_one_more_model_turn():
+    assert cfg(tools=["agent_tools:lookup"], max_tool_calling_iterations=3).max_turns == 4
+
+
+@pytest.mark.parametrize("key,value", [("max_turns", 0), ("tool_timeout", 0), ("max_episode_tokens", 0)])
+def test_agent_numbers_out_of_range_name_the_key(key, value):
+    with pytest.raises(ConfigError, match=key):
+        cfg(**{key: value})
