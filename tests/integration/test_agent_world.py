@@ -26,7 +26,7 @@ def test_saved_model_and_tokenizer_replay_the_recorded_base_figures(agent_world)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncgrpo.toy.agent_episodes import heldout_success, run_episodes
-    from asyncgrpo.toy.agent_task import LookupEnv
+    from asyncgrpo.toy.agent_task import LookupEnv, is_value
 
     tokenizer = AutoTokenizer.from_pretrained(agent_world.model_dir)
     model = AutoModelForCausalLM.from_pretrained(agent_world.model_dir)
@@ -38,7 +38,7 @@ def test_saved_model_and_tokenizer_replay_the_recorded_base_figures(agent_world)
     episodes = run_episodes(model, tokenizer, rows[:20], seed=7)
     for row, episode in zip(rows[:20], episodes):
         messages = [*row["prompt"], *episode["messages"]]
-        if episode["truncated"] or not episode["messages"][-1].get("content", "").isdigit():
+        if episode["truncated"] or not is_value(episode["messages"][-1].get("content", "")):
             continue  # a cut-off or free-text turn does not re-render to the same ids
         rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
         assert list(rendered) == episode["ids"]

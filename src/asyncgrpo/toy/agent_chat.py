@@ -1,9 +1,10 @@
 """The toy agent world's chat format: a compact ChatML with tools, and the `response_template` that parses it back.
 
 Every character is a token and the toy model sees at most 256 positions, so the format is terse:
-`<|im_start|>system\\nlookup(key)<|im_end|>` declares the tools, `@lookup(key=qx)` is a call, a tool result is a
-`tool` turn, and turns are not separated by newlines. An assistant turn ends with `<|im_end|>` (the tokenizer's
-eos), so the ids a model samples up to its stop are exactly what the template renders for its turn.
+`<|im_start|>system\\nlookup()<|im_end|>` declares the tools, `@lookup()` is a call (`@name(arg=value)` with
+arguments), a tool result is a `tool` turn, and turns are not separated by newlines. An assistant turn ends with
+`<|im_end|>` (the tokenizer's eos), so the ids a model samples up to its stop are exactly what the template renders
+for its turn.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ RESPONSE_TEMPLATE: dict[str, Any] = {
         "content": {"close_pattern": r"<\|im_end\|>|<\|endoftext\|>", "content": "text"},
     },
 }
-"""transformers' response_template (version 1) for CHAT_TEMPLATE: `@lookup(key=qx)<|im_end|>` parses to
-`{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"key":
-"qx"}}}]}`; any other text is the `content`. Argument values cannot contain `,` or `)`."""
+"""transformers' response_template (version 1) for CHAT_TEMPLATE: `@lookup()<|im_end|>` parses to
+`{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]}`
+(`@f(key=qx)` to arguments `{"key": "qx"}`); any other text is the `content`. Argument values cannot contain `,`
+or `)`."""
 
 
 def build_agent_tokenizer() -> PreTrainedTokenizerFast:
@@ -76,7 +78,7 @@ def render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] 
 
 _DUMMY_TURNS = [{"role": "user", "content": "x"},
                 {"role": "assistant", "content": "",
-                 "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"key": "x"}}}]}]
+                 "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]}]
 
 
 def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:

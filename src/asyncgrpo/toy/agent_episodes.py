@@ -1,12 +1,13 @@
 """Episodes of the toy agent world in plain PyTorch: the warm-up's supervised episodes and `heldout_success`.
 
-`warmup_batch` draws episodes over fresh random keys (so the model learns the format and to copy keys, not the
-world's table) with deliberate mistakes, and renders them with the chat template, loss on assistant tokens only.
+`warmup_batch` draws episodes over fresh random chains (so the model learns the format and when to stop calling,
+not the world's table) with deliberate mistakes, and renders them with the chat template, loss on assistant tokens only.
 `heldout_success` plays episodes with HF `generate` and `LookupEnv`, continuing each turn on the sampled ids.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 import torch
 
 from asyncgrpo.toy.agent_chat import render_ids, tool_suffix_ids
-from asyncgrpo.toy.agent_task import HOP_WEIGHTS, KEYS, LookupEnv, final_answer, question_text
+from asyncgrpo.toy.agent_task import (HOP_WEIGHTS, KEY_MARK, KEYS, LookupEnv, draw_value, final_answer,
+                                      lookup_text,
+                                      question_text)
 
 MAX_LOOKUPS = len(HOP_WEIGHTS)
 """Warm-up episodes make at most this many calls, so 5 turns (4 calls + the answer) always suffice."""
@@ -23,42 +26,27 @@ CONTEXT = 256
 """The toy model's positions: an episode stops (truncated) when its next turn could not fit."""
 
 
-def _call(key: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}]}
+CALL: dict[str, Any] = {"role": "assistant", "content": "",
+                        "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]}
+"""The assistant turn `@lookup()`."""
 
 
-def _random_entry(rng: random.Random, chance_of_key: float = 0.5) -> str:
-    return rng.choice(KEYS) if rng.random() < chance_of_key else f"{rng.randrange(100):02d}"
-
-
-def warmup_episode(rng: random.Random, stop_early_prob: float, wrong_key_prob: float) -> list[dict[str, Any]]:
-    """One supervised episode: a fresh chain of 1-4 hops followed call by call. Before each call the episode
-    answers a random number with `stop_early_prob`; a call swaps the key's letters with `wrong_key_prob`, and
-    then the episode follows whatever that wrong key returns (a random key or value) to a wrong answer."""
+def warmup_episode(rng: random.Random, stop_early_prob: float, guess_prob: float) -> list[dict[str, Any]]:
+    """One supervised episode on a fresh chain of 1-4 hops: `@lookup()` while the tool returns a key, then the value
+    as the answer. Mistakes on purpose: before each call the episode stops with `stop_early_prob` and answers the
+    last key it read or a guessed value (a guess before the first call); having read the value, it answers a guessed
+    value instead with `guess_prob`."""
     hops = rng.choices(range(1, MAX_LOOKUPS + 1), weights=HOP_WEIGHTS)[0]
-    chain = [*rng.sample(KEYS, hops), f"{rng.randrange(100):02d}"]
+    chain = [*rng.sample(KEYS, hops), draw_value(rng)]
     messages: list[dict[str, Any]] = [{"role": "user", "content": question_text(chain[0])}]
-    current, position = chain[0], 0  # position: index of `current` in the chain, None once off the chain
-    for calls in range(1, MAX_LOOKUPS + 1):
+    for entry in chain[1:]:
         if rng.random() < stop_early_prob:
-            break
-        key = current[::-1] if rng.random() < wrong_key_prob and current[0] != current[1] else current
-        if key != current:
-            position = None
-        messages.append(_call(key))
-        if position is not None:
-            result = chain[position + 1]
-            position += 1
-        else:
-            result = _random_entry(rng, chance_of_key=0.0 if calls == MAX_LOOKUPS else 0.5)
-        messages.append({"role": "tool", "name": "lookup", "content": result})
-        if result.isdigit():
-            messages.append({"role": "assistant", "content": result})
-            return messages
-        current = result
-    messages.append({"role": "assistant", "content": f"{rng.randrange(100):02d}"})  # a guess
-    return messages
+            last = chain[0] if len(messages) == 1 else messages[-1]["content"][len(KEY_MARK):]
+            answer = last if len(messages) > 1 and rng.random() < 0.5 else draw_value(rng)
+            return [*messages, {"role": "assistant", "content": answer}]
+        messages += [CALL, {"role": "tool", "name": "lookup", "content": lookup_text(entry)}]
+    answer = draw_value(rng) if rng.random() < guess_prob else chain[-1]
+    return [*messages, {"role": "assistant", "content": answer}]
 
 
 def assistant_labels(tokenizer: Any, ids: list[int]) -> list[int]:
@@ -82,11 +70,11 @@ def assistant_labels(tokenizer: Any, ids: list[int]) -> list[int]:
 
 
 def warmup_batch(tokenizer: Any, rng: random.Random, size: int, stop_early_prob: float,
-                 wrong_key_prob: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 guess_prob: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`size` rendered warm-up episodes, right-padded: (inputs, labels), both (B, L); labels are -100 outside
     assistant turns and on padding."""
     tools = [LookupEnv().lookup]
-    sequences = [render_ids(tokenizer, warmup_episode(rng, stop_early_prob, wrong_key_prob), tools)
+    sequences = [render_ids(tokenizer, warmup_episode(rng, stop_early_prob, guess_prob), tools)
                  for _ in range(size)]
     length = max(map(len, sequences))
     assert length <= CONTEXT, f"a warm-up episode of {length} tokens does not fit the toy model's {CONTEXT}"
@@ -109,7 +97,7 @@ class AgentEval:
     tool_calls_mean: float
     """Tool calls per episode."""
     tool_errors: int
-    """Tool calls that raised (an unknown key, a call of a tool that does not exist)."""
+    """Tool calls that failed (a call after the chain's end, a tool that does not exist, arguments it lacks)."""
     truncated: int
     """Episodes cut off: a turn without `<|im_end|>`, or no room left in the model's context."""
 
@@ -125,18 +113,30 @@ class _Episode:
     errors: int = 0
 
 
+def tool_error(message: str) -> str:
+    """A failed call's tool message, as the episode runner writes it (TRL's `{"error": ...}`)."""
+    return json.dumps({"error": message}, ensure_ascii=False)
+
+
 def _run_tools(episode: _Episode, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool messages for `calls`; a tool that raises (or does not exist) answers `error: <message>`."""
+    """Tool messages for `calls`; a call of a tool that raises, does not exist or has non-object arguments reads
+    `{"error": ...}` with the episode runner's wording (rollout/tools.py)."""
     messages = []
     for call in calls:
         function = call.get("function", call)
-        try:
-            if function.get("name") != "lookup":
-                raise LookupError(f"no tool named {function.get('name')}")
-            content = str(episode.env.lookup(**(function.get("arguments") or {})))
-        except (LookupError, TypeError) as exc:
-            content, episode.errors = f"error: {exc}", episode.errors + 1
-        messages.append({"role": "tool", "name": function.get("name"), "content": content})
+        name, arguments = function.get("name"), function.get("arguments", {})
+        content, failed = "", True
+        if name != "lookup":
+            content = tool_error(f"no tool named {name!r}; tools: ['lookup']")
+        elif not isinstance(arguments, dict):
+            content = tool_error(f"arguments of {name} must be an object, got {arguments!r:.200}")
+        else:
+            try:
+                content, failed = str(episode.env.lookup(**arguments)), False
+            except Exception as exc:  # noqa: BLE001 - the model reads it, as from the episode runner
+                content = tool_error(f"{type(exc).__name__}: {exc}")
+        episode.errors += failed
+        messages.append({"role": "tool", "name": name, "content": content})
     return messages
 
 

@@ -1,9 +1,10 @@
-"""The toy agent task: find the value behind a key in a hidden table that only the `lookup` tool can read.
+"""The toy agent task: find the value at the end of a hidden chain that only the `lookup` tool can walk.
 
 A world seed draws the table: chains `key -> key -> ... -> value` of 1-4 hops (keys are two lowercase letters,
-values two digits), short chains more often than long ones. A question is a chain's first key (`find qx`); the
-answer is the value at its end, so it takes one `lookup` per hop. `LookupEnv` is the environment class (one
-instance per episode), `lookup_reward` the reward. Imports neither torch nor transformers.
+values a digit and a capital letter, `4K`), short chains more often than long ones. A question names a chain's
+first key (`find qx`); `LookupEnv` (stateful, one instance per episode) starts there and its argument-free
+`lookup()` follows one hop per call (`-> rk`, then `= 4K` at the end), so the model must keep calling until it reads
+a value and then answer it. `lookup_reward` is the reward. Imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ DEFAULT_LATENCY_S = 0.005
 """Simulated seconds per `lookup` call unless LATENCY_ENV or `LookupEnv.latency_s` says otherwise."""
 
 
+def draw_value(rng: random.Random) -> str:
+    """A chain's value: a digit then a capital letter (260 values). Nothing else in an episode is a digit or a
+    capital, so answering means copying the one digit and the one capital the tool returned."""
+    return rng.choice(string.digits) + rng.choice(string.ascii_uppercase)
+
+
 def question_text(key: str) -> str:
     """The user message of a question: `question_text("qx") == "find qx"`."""
     return f"find {key}"
@@ -39,14 +46,14 @@ def question_text(key: str) -> str:
 
 def draw_chains(rng: random.Random, keys: list[str], n_chains: int) -> list[list[str]]:
     """`n_chains` chains `[key, ..., key, value]` over distinct keys taken from `keys` (consumed), with hop
-    counts drawn from HOP_WEIGHTS; the last element is a two-digit value."""
+    counts drawn from HOP_WEIGHTS; the last element is a value (`draw_value`)."""
     chains = []
     for _ in range(n_chains):
         hops = rng.choices(range(1, len(HOP_WEIGHTS) + 1), weights=HOP_WEIGHTS)[0]
         if len(keys) < hops:
             raise ConfigError("n_chains", f"{n_chains} chains need more than the {len(KEYS)} keys",
                               f"use at most {N_CHAINS} chains")
-        chains.append([keys.pop() for _ in range(hops)] + [f"{rng.randrange(100):02d}"])
+        chains.append([keys.pop() for _ in range(hops)] + [draw_value(rng)])
     return chains
 
 
@@ -76,54 +83,73 @@ def make_agent_split(seed: int, n_heldout: int = 100) -> tuple[list[dict[str, An
     return rows[n_heldout:], rows[:n_heldout]
 
 
-class UnknownKeyError(LookupError):
-    """`lookup` of a key that is not in the table; its message is what the model reads."""
+KEY_MARK = "-> "
+"""`lookup()` returns KEY_MARK + the next key while the chain goes on (`-> rk`)."""
+VALUE_MARK = "= "
+"""... and VALUE_MARK + the value at the chain's end (`= 4K`): the answer."""
+
+
+def is_value(entry: str) -> bool:
+    """Whether a table entry is a chain's value (`4K`) rather than the next key (`rk`)."""
+    return entry[:1].isdigit()
+
+
+def lookup_text(entry: str) -> str:
+    """What `lookup()` returns for a table entry: `-> rk` for a key, `= 4K` for a value."""
+    return (VALUE_MARK if is_value(entry) else KEY_MARK) + entry
+
+
+class ChainEndedError(LookupError):
+    """`lookup()` after the chain's value was read; its message is what the model reads."""
 
     def __str__(self) -> str:
-        return f"unknown key {self.args[0]}"
+        return f"the chain ended at {self.args[0]}; answer that value"
 
 
 class LookupEnv:
-    """One episode's environment: the hidden table of the row's world, reachable only through `lookup`.
+    """One episode's environment: a walk along one hidden chain of the row's world, one `lookup()` per hop.
 
-    `reset(**row)` takes a dataset row (it needs `world_seed`); its public method `lookup` is the tool. Set the
-    class attribute `latency_s` (or the environment variable ASYNCGRPO_TOY_TOOL_LATENCY_S) to simulate a slower
-    tool; it defaults to DEFAULT_LATENCY_S.
+    `reset(**row)` takes a dataset row (it needs `world_seed` and `key`, the chain's first key) and puts the walk
+    there; its public method `lookup` is the tool. Set the class attribute `latency_s` (or the environment variable
+    ASYNCGRPO_TOY_TOOL_LATENCY_S) to simulate a slower tool; it defaults to DEFAULT_LATENCY_S.
     """
 
     latency_s: float | None = None
 
     def __init__(self) -> None:
         self.table: dict[str, str] | None = None
-        self.calls: list[str] = []
+        self.position: str | None = None
+        self.calls = 0
 
     def reset(self, **row: Any) -> None:
-        """Start an episode on the table of `row["world_seed"]`; the other columns are ignored."""
-        if "world_seed" not in row:
-            raise ConfigError("world_seed", f"missing from the dataset row (columns: {sorted(row)})",
+        """Start an episode at `row["key"]` on the table of `row["world_seed"]`; other columns are ignored."""
+        missing = [name for name in ("world_seed", "key") if name not in row]
+        if missing:
+            raise ConfigError(missing[0], f"missing from the dataset row (columns: {sorted(row)})",
                               "use the toy agent world's rows (asyncgrpo.toy.agent_task.make_agent_split)")
         self.table = make_table(int(row["world_seed"]))[0]
-        self.calls = []
+        if row["key"] not in self.table:
+            raise ConfigError("key", f"{row['key']!r} starts no chain of world {row['world_seed']}",
+                              "use the toy agent world's rows (asyncgrpo.toy.agent_task.make_agent_split)")
+        self.position, self.calls = row["key"], 0
 
-    def lookup(self, key: str) -> str:
-        """Look up a key in the hidden table.
-
-        Args:
-            key: The key to look up, two lowercase letters.
+    def lookup(self) -> str:
+        """Follow the hidden chain one hop from where this episode stands.
 
         Returns:
-            The entry: another key (look that one up next) or a two-digit value (the answer).
+            `-> ab` when the chain goes on to key ab (call lookup again), or `= 4K` at its end: the value, the answer.
         """
-        if self.table is None:
+        if self.table is None or self.position is None:
             raise RuntimeError("LookupEnv.lookup called before reset(**row)")
-        self.calls.append(key)
+        self.calls += 1
         latency = self.latency_s if self.latency_s is not None else float(os.environ.get(LATENCY_ENV,
                                                                                             DEFAULT_LATENCY_S))
         if latency > 0:
             time.sleep(latency)
-        if key not in self.table:
-            raise UnknownKeyError(key)
-        return self.table[key]
+        if is_value(self.position):
+            raise ChainEndedError(self.position)
+        self.position = self.table[self.position]
+        return lookup_text(self.position)
 
 
 def final_answer(completion: Any) -> str | None:

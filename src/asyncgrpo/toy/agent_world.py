@@ -31,7 +31,7 @@ from asyncgrpo.toy.agent_task import make_agent_split
 from asyncgrpo.toy.tokenizer import EOS_ID, IM_END_TOKEN, SPECIAL_TOKENS
 from asyncgrpo.toy.world import Log, ToyWorldBuildError, ToyWorldSpec, build_cached, build_model, default_cache_dir
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the agent world's layout or building code changes, so old caches are not reused."""
 
 IM_END_ID = SPECIAL_TOKENS.index(IM_END_TOKEN)
@@ -55,10 +55,10 @@ class AgentWorldSpec:
     """Supervised warm-up steps."""
     eval_every: int = 50
     """Warm-up steps between progress lines (held-out success, sampled)."""
-    stop_early_prob: float = 0.25
-    """Warm-up: chance, whenever a key is to be looked up, that the episode answers a random number instead."""
-    wrong_key_prob: float = 0.15
-    """Warm-up: chance that a call swaps the key's two letters (then the episode follows the wrong entry)."""
+    stop_early_prob: float = 0.3
+    """Warm-up: chance, before each call, that the episode stops and answers the last key it read or a guess."""
+    guess_prob: float = 0.2
+    """Warm-up: chance that an episode that read the value answers a guessed value instead."""
     n_heldout: int = 100
     """Held-out chains (of the table's 300); the rest are train."""
     sample_seed: int = 1234
@@ -66,7 +66,7 @@ class AgentWorldSpec:
 
     def __post_init__(self) -> None:
         """Reject probabilities that leave nothing to learn or nothing to improve."""
-        for name in ("stop_early_prob", "wrong_key_prob"):
+        for name in ("stop_early_prob", "guess_prob"):
             if not 0.0 <= getattr(self, name) < 0.5:
                 raise ConfigError(name, f"must be in [0, 0.5), got {getattr(self, name)}", "use e.g. 0.2")
         if self.eval_every < 1 or self.warmup_steps < self.eval_every:
@@ -135,7 +135,7 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, heldout_rows: list[dict[str,
     start = time.perf_counter()
     for step in range(1, spec.warmup_steps + 1):
         model.train()
-        inputs, labels = warmup_batch(tokenizer, rng, spec.batch_size, spec.stop_early_prob, spec.wrong_key_prob)
+        inputs, labels = warmup_batch(tokenizer, rng, spec.batch_size, spec.stop_early_prob, spec.guess_prob)
         logits = model(input_ids=inputs).logits  # (B, L, V); right padding, so no mask is needed (causal)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)
@@ -162,7 +162,7 @@ def _build_into(directory: Path, spec: AgentWorldSpec, log: Log) -> None:
         raise ToyWorldBuildError(
             f"the warmed-up agent base succeeds on {sampled.success:.3f} of held-out questions when sampling, with "
             f"{sampled.tool_calls_mean:.2f} tool calls per episode; a usable base is between 0.05 and 0.7 and calls "
-            f"tools. Fix: change stop_early_prob / wrong_key_prob or warmup_steps ({spec.warmup_steps}), or try "
+            f"tools. Fix: change stop_early_prob / guess_prob or warmup_steps ({spec.warmup_steps}), or try "
             f"another seed (got {spec.seed})")
     model.save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")

@@ -28,13 +28,13 @@ def no_latency():
 
 class ScriptedPolicy:
     """Stands in for the model's `generate`: reads the last user/tool content of each prompt and writes the next
-    turn, `@lookup(key=..)` for a key (letters reversed when `swap`), else (a value, an error) its first two
-    characters as the answer."""
+    turn: `@lookup()` after the question or a key (`-> ab`), the value after `= 47`; `overshoot` calls once more
+    after the value (then answers the error's first two characters), `call` is the call it writes."""
 
     training = False
 
-    def __init__(self, tokenizer, swap: bool = False):
-        self.tokenizer, self.swap = tokenizer, swap
+    def __init__(self, tokenizer, overshoot: bool = False, call: str = "@lookup()"):
+        self.tokenizer, self.overshoot, self.call = tokenizer, overshoot, call
 
     def eval(self):
         return self
@@ -47,10 +47,10 @@ class ScriptedPolicy:
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
             text = self.tokenizer.decode([i for i, m in zip(ids, mask) if m])
             last = re.search(r"(?:find |tool\n)([^<]+)<\|im_end\|><\|im_start\|>assistant\n$", text).group(1)
-            if last.isdigit() or last.startswith("error"):
-                turn = last[:2]
+            if last.startswith("= ") and not self.overshoot or last.startswith("{"):
+                turn = last.removeprefix("= ")[:2]
             else:
-                turn = f"@lookup(key={last[::-1] if self.swap else last})"
+                turn = self.call
             new = self.tokenizer.encode(turn + "<|im_end|>", add_special_tokens=False)
             rows.append(ids + new + [self.tokenizer.pad_token_id] * (max_new_tokens - len(new)))
         return torch.tensor(rows)
@@ -74,15 +74,25 @@ def test_each_turn_continues_on_the_written_ids_and_tool_turns(tokenizer):
         assert episode["messages"][-1] == {"role": "assistant", "content": row["answer"]}
 
 
-def test_unknown_keys_come_back_as_counted_tool_errors(tokenizer):
-    table = make_table(0)[0]
-    rows = [r for r in make_agent_split(0)[1] if r["key"][::-1] not in table][:5]
-    assert rows  # some reversed keys are not in the table
-    result = heldout_success(ScriptedPolicy(tokenizer, swap=True), tokenizer, rows)
-    assert (result.success, result.tool_errors, result.tool_calls_mean, result.turns_mean) == (0.0, len(rows), 1, 2)
-    episode = run_episodes(ScriptedPolicy(tokenizer, swap=True), tokenizer, rows[:1])[0]
-    assert episode["messages"][1] == {"role": "tool", "name": "lookup",
-                                      "content": f"error: unknown key {rows[0]['key'][::-1]}"}
+def test_failed_calls_come_back_as_counted_tool_errors_worded_as_the_episode_runners(tokenizer):
+    from asyncgrpo.rollout.tools import call_tool
+
+    rows = [r for r in make_agent_split(0)[1] if r["hops"] == 1][:5]
+    result = heldout_success(ScriptedPolicy(tokenizer, overshoot=True), tokenizer, rows)
+    assert (result.success, result.tool_errors, result.tool_calls_mean, result.turns_mean) == (0.0, 5, 2, 3)
+    env = LookupEnv()
+    env.reset(**rows[0])
+    env.lookup()
+    runner = call_tool({"lookup": env.lookup}, "lookup", {}, 5.0)  # the episode runner, after the value
+    episode = run_episodes(ScriptedPolicy(tokenizer, overshoot=True), tokenizer, rows[:1])[0]
+    assert runner.error and episode["messages"][3] == {"role": "tool", "name": "lookup", "content": runner.content}
+    ended = f"ChainEndedError: the chain ended at {rows[0]['answer']}; answer that value"
+    assert runner.content == f'{{"error": "{ended}"}}'
+    for call, (name, arguments) in (("@search()", ("search", {})), ("@lookup(key=ab)", ("lookup", {"key": "ab"}))):
+        env.reset(**rows[0])
+        episode = run_episodes(ScriptedPolicy(tokenizer, call=call), tokenizer, rows[:1])[0]
+        expected = call_tool({"lookup": env.lookup}, name, arguments, 5.0).content
+        assert episode["messages"][1]["content"] == expected and expected.startswith('{"error": ')
 
 
 def test_max_turns_ends_an_episode_that_is_still_calling(tokenizer):
@@ -92,9 +102,9 @@ def test_max_turns_ends_an_episode_that_is_still_calling(tokenizer):
 
 
 def test_warmup_batches_are_deterministic_and_fit_the_model(tokenizer):
-    first = warmup_batch(tokenizer, random.Random(1), 16, 0.25, 0.15)
-    again = warmup_batch(tokenizer, random.Random(1), 16, 0.25, 0.15)
-    other = warmup_batch(tokenizer, random.Random(2), 16, 0.25, 0.15)
+    first = warmup_batch(tokenizer, random.Random(1), 16, 0.3, 0.2)
+    again = warmup_batch(tokenizer, random.Random(1), 16, 0.3, 0.2)
+    other = warmup_batch(tokenizer, random.Random(2), 16, 0.3, 0.2)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not torch.equal(first[0][:, :40], other[0][:, :40]) or first[0].shape != other[0].shape
     inputs, labels = first
@@ -107,3 +117,5 @@ def test_spec_key_changes_with_any_field_and_rejects_useless_mistake_rates():
     assert AgentWorldSpec(stop_early_prob=0.1).key() != AgentWorldSpec().key()
     with pytest.raises(Exception, match="stop_early_prob"):
         AgentWorldSpec(stop_early_prob=0.6)
+    with pytest.raises(Exception, match="guess_prob"):
+        AgentWorldSpec(guess_prob=-0.1)
