@@ -34,12 +34,12 @@ def agent_config(world: Any, output_dir: str = "runs/demo-agent") -> dict[str, A
         "model_name_or_path": str(world.model_dir),
         "dataset_name": str(world.train_file),  # rows: prompt (one user message), answer, key, hops, world_seed
         "reward_funcs": ["asyncgrpo.toy.agent_task:lookup_reward"],
-        "tools": [],  # the environment's `lookup` method is the one tool
+        "tools": [],  # the environment's `lookup()` method is the one tool
         "environment_factory": "asyncgrpo.toy.agent_task:LookupEnv",
         "max_turns": 5,  # chains have at most 4 hops: 4 calls + the answer
-        "max_episode_tokens": 200,  # a 4-hop episode is 147 tokens after a 45-token prompt; the model sees 256
+        "max_episode_tokens": 200,  # a 4-hop episode is 132 tokens after a 42-token prompt; the model sees 256
         "tool_timeout": 10.0,
-        "max_completion_length": 24,  # one turn: `@lookup(key=qx)<|im_end|>` is 16 tokens
+        "max_completion_length": 24,  # one turn: `@lookup()<|im_end|>` is 10 tokens, an answer `7<|im_end|>` 2
         "use_lora": True,
         "lora_adapter_path": f"{output_dir}/adapters",
         "lora_name": "demo-agent",

@@ -1,9 +1,9 @@
 """The toy agent task: find the value at the end of a hidden chain that only the `lookup` tool can walk.
 
 A world seed draws the table: chains `key -> key -> ... -> value` of 1-4 hops (keys are two lowercase letters,
-values a digit and a capital letter, `4K`), short chains more often than long ones. A question names a chain's
+values one digit, `7`), short chains more often than long ones. A question names a chain's
 first key (`find qx`); `LookupEnv` (stateful, one instance per episode) starts there and its argument-free
-`lookup()` follows one hop per call (`-> rk`, then `= 4K` at the end), so the model must keep calling until it reads
+`lookup()` follows one hop per call (`-> rk`, then `= 7` at the end), so the model must keep calling until it reads
 a value and then answer it. `lookup_reward` is the reward. Imports neither torch nor transformers.
 """
 
@@ -34,9 +34,9 @@ DEFAULT_LATENCY_S = 0.005
 
 
 def draw_value(rng: random.Random) -> str:
-    """A chain's value: a digit then a capital letter (260 values). Nothing else in an episode is a digit or a
-    capital, so answering means copying the one digit and the one capital the tool returned."""
-    return rng.choice(string.digits) + rng.choice(string.ascii_uppercase)
+    """A chain's value: one digit (a guess is right 1 time in 10). Nothing else in an episode is a digit, so
+    answering means copying the one digit the tool returned."""
+    return rng.choice(string.digits)
 
 
 def question_text(key: str) -> str:
@@ -86,16 +86,16 @@ def make_agent_split(seed: int, n_heldout: int = 100) -> tuple[list[dict[str, An
 KEY_MARK = "-> "
 """`lookup()` returns KEY_MARK + the next key while the chain goes on (`-> rk`)."""
 VALUE_MARK = "= "
-"""... and VALUE_MARK + the value at the chain's end (`= 4K`): the answer."""
+"""... and VALUE_MARK + the value at the chain's end (`= 7`): the answer."""
 
 
 def is_value(entry: str) -> bool:
-    """Whether a table entry is a chain's value (`4K`) rather than the next key (`rk`)."""
-    return entry[:1].isdigit()
+    """Whether a table entry is a chain's value (`7`) rather than the next key (`rk`)."""
+    return entry.isdigit()
 
 
 def lookup_text(entry: str) -> str:
-    """What `lookup()` returns for a table entry: `-> rk` for a key, `= 4K` for a value."""
+    """What `lookup()` returns for a table entry: `-> rk` for a key, `= 7` for a value."""
     return (VALUE_MARK if is_value(entry) else KEY_MARK) + entry
 
 
@@ -137,7 +137,7 @@ class LookupEnv:
         """Follow the hidden chain one hop from where this episode stands.
 
         Returns:
-            `-> ab` when the chain goes on to key ab (call lookup again), or `= 4K` at its end: the value, the answer.
+            `-> ab` when the chain goes on to key ab (call lookup again), or `= 7` at its end: the value, the answer.
         """
         if self.table is None or self.position is None:
             raise RuntimeError("LookupEnv.lookup called before reset(**row)")

@@ -51,13 +51,13 @@ class AgentWorldSpec:
     """AdamW learning rate of the supervised warm-up."""
     batch_size: int = 64
     """Warm-up episodes per step."""
-    warmup_steps: int = 250
+    warmup_steps: int = 200
     """Supervised warm-up steps."""
-    eval_every: int = 50
+    eval_every: int = 100
     """Warm-up steps between progress lines (held-out success, sampled)."""
     stop_early_prob: float = 0.3
     """Warm-up: chance, before each call, that the episode stops and answers the last key it read or a guess."""
-    guess_prob: float = 0.2
+    guess_prob: float = 0.1
     """Warm-up: chance that an episode that read the value answers a guessed value instead."""
     n_heldout: int = 100
     """Held-out chains (of the table's 300); the rest are train."""

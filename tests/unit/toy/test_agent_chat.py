@@ -39,7 +39,7 @@ def test_a_rendered_tool_call_parses_back_into_the_same_call_from_text_and_from_
     expected = {"role": "assistant", "tool_calls": CALL["tool_calls"]}
     assert tokenizer.parse_response(turn_ids, prefix=prefix, tools=TOOLS) == expected
     assert tokenizer.parse_response(tokenizer.decode(turn_ids), prefix=prefix) == expected
-    assert tokenizer.parse_response("4K<|im_end|>", prefix=prefix) == {"role": "assistant", "content": "4K"}
+    assert tokenizer.parse_response("7<|im_end|>", prefix=prefix) == {"role": "assistant", "content": "7"}
     two = tokenizer.parse_response("@lookup(key=ab)@lookup(key=cd)<|im_end|>", prefix=prefix)
     assert [c["function"]["arguments"]["key"] for c in two["tool_calls"]] == ["ab", "cd"]
 

@@ -36,7 +36,7 @@ def test_chains_have_one_to_four_hops_short_ones_more_often():
     assert hops[1] > hops[2] > hops[3] > hops[4] > 0.05 * N_CHAINS  # long-tailed, and the tail is there
     keys = [k for c in chains for k in c[:-1]]
     assert len(keys) == len(set(keys)) == len(table)  # chains never share a key
-    assert all(k in KEYS for k in keys) and all(re.fullmatch(r"[0-9][A-Z]", c[-1]) for c in chains)
+    assert all(k in KEYS for k in keys) and all(re.fullmatch(r"[0-9]", c[-1]) for c in chains)
 
 
 def test_lookup_walks_the_chain_from_the_rows_key_and_ends_on_its_answer(env):
@@ -107,15 +107,15 @@ def test_latency_knob_is_the_class_attribute_else_the_environment_variable(env, 
 
 
 def test_reward_is_one_only_for_the_right_final_answer():
-    right = [{"role": "user", "content": "x"}, _call(), {"role": "tool", "name": "lookup", "content": "= 4K"},
-             {"role": "assistant", "content": " 4K "}]
-    wrong = [*right[:-1], {"role": "assistant", "content": "K4"}]
+    right = [{"role": "user", "content": "x"}, _call(), {"role": "tool", "name": "lookup", "content": "= 7"},
+             {"role": "assistant", "content": " 7 "}]
+    wrong = [*right[:-1], {"role": "assistant", "content": "3"}]
     ended_on_call = [_call()]  # max_turns reached: no answer
     ended_on_tool = right[:-1]
-    answered_and_called = [{"role": "assistant", "content": "4K", **_call()}]
-    rewards = lookup_reward([right, wrong, ended_on_call, ended_on_tool, answered_and_called, [], "4K"],
-                            answer=["4K"] * 7)
+    answered_and_called = [{"role": "assistant", "content": "7", **_call()}]
+    rewards = lookup_reward([right, wrong, ended_on_call, ended_on_tool, answered_and_called, [], "7"],
+                            answer=["7"] * 7)
     assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="answer"):
-        lookup_reward([right], answer=["4K", "4K"])
+        lookup_reward([right], answer=["7", "7"])
     assert episode_counts(right) == (2, 1)
