@@ -1,6 +1,6 @@
-"""The toy agent world: the toy Qwen2 warmed up to answer table questions by calling a `lookup` tool, often wrongly.
+"""The toy agent world: the toy Qwen2 warmed up to walk a hidden chain with a `lookup()` tool, often stopping early.
 
-`build_agent_world()` returns a cached world or builds one (about a minute on 2 CPU cores), offline and deterministic
+`build_agent_world()` returns a cached world or builds one (minutes on 2 busy CPU cores), offline and deterministic
 from `AgentWorldSpec.seed`: `agent-<key>/` holds `model/` (HF model + tokenizer with the chat and response
 templates), `train.jsonl`, `heldout.jsonl` and `world.json` (written last). `heldout_success` plays whole episodes
 with HF generate and `LookupEnv`: the check of the base (and of a trained adapter) that needs no inference server.
