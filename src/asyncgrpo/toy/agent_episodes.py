@@ -1,7 +1,8 @@
 """Episodes of the toy agent world in plain PyTorch: the warm-up's supervised episodes and `heldout_success`.
 
 `warmup_batch` draws episodes over fresh random chains (so the model learns the format and when to stop calling,
-not the world's table) with deliberate mistakes, and renders them with the chat template, loss on assistant tokens only.
+not the world's table) with deliberate mistakes, and renders them with the chat template, loss on assistant tokens
+only.
 `heldout_success` plays episodes with HF `generate` and `LookupEnv`, continuing each turn on the sampled ids.
 """
 
@@ -16,15 +17,13 @@ import torch
 
 from asyncgrpo.toy.agent_chat import render_ids, tool_suffix_ids
 from asyncgrpo.toy.agent_task import (HOP_WEIGHTS, KEY_MARK, KEYS, LookupEnv, draw_value, final_answer,
-                                      lookup_text,
-                                      question_text)
+                                      lookup_text, question_text)
 
 MAX_LOOKUPS = len(HOP_WEIGHTS)
 """Warm-up episodes make at most this many calls, so 5 turns (4 calls + the answer) always suffice."""
 
 CONTEXT = 256
 """The toy model's positions: an episode stops (truncated) when its next turn could not fit."""
-
 
 CALL: dict[str, Any] = {"role": "assistant", "content": "",
                         "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]}
@@ -40,9 +39,9 @@ def warmup_episode(rng: random.Random, stop_early_prob: float, guess_prob: float
     chain = [*rng.sample(KEYS, hops), draw_value(rng)]
     messages: list[dict[str, Any]] = [{"role": "user", "content": question_text(chain[0])}]
     for entry in chain[1:]:
-        if rng.random() < stop_early_prob:
-            last = chain[0] if len(messages) == 1 else messages[-1]["content"][len(KEY_MARK):]
-            answer = last if len(messages) > 1 and rng.random() < 0.5 else draw_value(rng)
+        if rng.random() < stop_early_prob:  # answer now: the last key read (half the time) or a guess
+            read = messages[-1]["content"].removeprefix(KEY_MARK) if len(messages) > 1 else None
+            answer = read if read is not None and rng.random() < 0.5 else draw_value(rng)
             return [*messages, {"role": "assistant", "content": answer}]
         messages += [CALL, {"role": "tool", "name": "lookup", "content": lookup_text(entry)}]
     answer = draw_value(rng) if rng.random() < guess_prob else chain[-1]
