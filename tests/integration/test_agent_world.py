@@ -1,5 +1,5 @@
-"""The toy agent world's build (a minute or more of warm-up): its base calls the tool but often wrongly, and what
-it saved plays the same episodes after a reload. Integration tier for its duration, not for a server."""
+"""The toy agent world's build (minutes of warm-up on 2 busy cores): its base calls the tool but often wrongly, and
+what it saved plays the same episodes after a reload. Integration tier for its duration, not for a server."""
 
 import dataclasses
 import json
