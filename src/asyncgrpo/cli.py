@@ -14,6 +14,7 @@ import sys
 from asyncgrpo.bench import run_bench
 from asyncgrpo.config import AsyncGRPOConfig, reference
 from asyncgrpo.demo import run_demo
+from asyncgrpo.demo_agent import run_agent_demo
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, PeerFailed
 from asyncgrpo.shutdown import exit_on_signal
 
@@ -38,6 +39,8 @@ def cmd_train(args, overrides: list[str]) -> int:
 
 
 def cmd_demo(args, overrides: list[str]) -> int:
+    if args.world == "agent":
+        return run_agent_demo(args, overrides)
     return run_demo(args, overrides)
 
 
@@ -105,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--config", default=None, help="default: configs/demo.yaml")
     demo.add_argument("--num_processes", type=int, default=2)
     demo.add_argument("--port", type=int, default=0, help="vLLM port (0 = a free one)")
+    demo.add_argument("--world", default="toy", choices=["toy", "agent"],
+                      help="toy: which of two numbers is larger (one turn); agent: answer through a lookup tool "
+                           "over several turns (--config is then not read; `--key value` overrides still apply)")
     doctor = sub.add_parser("doctor", help="check the inference server(s) and adapter directory against a config")
     doctor.add_argument("--config", help="YAML config file; `--key value` after it overrides a config key")
     bench = sub.add_parser("bench", help="benchmarks that print JSON")

@@ -357,14 +357,34 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def _remove_debris(cache: Path, root: Path, key: str, log: Log) -> None:
-    """Delete what killed builds of `key` left behind. Call only while holding the key's lock."""
-    debris = [p for p in cache.glob(f".toy-{key}-*") if p.is_dir()]
+def _remove_debris(cache: Path, root: Path, log: Log) -> None:
+    """Delete what killed builds of `root` left behind. Call only while holding its lock."""
+    debris = [p for p in cache.glob(f".{root.name}-*") if p.is_dir()]
     if root.exists():  # a root without world.json never completed
         debris.append(root)
     for path in debris:
         log(f"toy world: removing incomplete {path}")
         shutil.rmtree(path)
+
+
+def build_cached(root: Path, build_into: Callable[[Path], None], log: Log) -> None:
+    """Build `root` (a world directory whose world.json marks it complete) unless it is complete already.
+
+    Safe against concurrent callers: one builds (`build_into` fills a temp directory beside `root`, renamed into
+    place when complete) while the others wait on a lock and then find it built.
+    """
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(root.with_name(root.name + ".lock")):
+        if (root / "world.json").is_file():  # another process built it while we waited
+            return
+        _remove_debris(root.parent, root, log)
+        staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+        try:
+            build_into(staging)
+            _make_readable(staging)
+            os.rename(staging, root)  # atomic on one filesystem: readers see no world or a complete one
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def build_toy_world(
@@ -380,18 +400,7 @@ def build_toy_world(
     root = (cache / f"toy-{spec.key()}").resolve()
     if (root / "world.json").is_file():
         return ToyWorld.load(root)
-    cache.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(cache / f"toy-{spec.key()}.lock"):
-        if (root / "world.json").is_file():  # another process built it while we waited
-            return ToyWorld.load(root)
-        _remove_debris(cache, root, spec.key(), log)
-        staging = Path(tempfile.mkdtemp(prefix=f".toy-{spec.key()}-", dir=cache))
-        try:
-            _build_into(staging, spec, log)
-            _make_readable(staging)
-            os.rename(staging, root)  # atomic on one filesystem: readers see no world or a complete one
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    build_cached(root, lambda staging: _build_into(staging, spec, log), log)
     world = ToyWorld.load(root)
     log(f"toy world ready at {root}: base held-out accuracy greedy {world.base_accuracy:.3f}, sampled "
         f"{world.base_sampled_accuracy:.3f}, after {world.warmup_steps} warm-up steps ({world.warmup_seconds:.1f}s)")

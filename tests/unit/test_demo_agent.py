@@ -1,0 +1,72 @@
+"""`asyncgrpo demo --world agent`: the training config it writes and the summary it prints (the run itself needs the
+episode runner and a server: integration territory)."""
+
+import dataclasses
+import importlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from asyncgrpo.cli import main
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.demo_agent import AGENT_KEYS, agent_config, load_agent_config, summary_lines
+from asyncgrpo.errors import AsyncGRPOError
+
+WORLD = SimpleNamespace(model_dir=Path("/cache/agent-x/model"), train_file=Path("/cache/agent-x/train.jsonl"))
+
+
+def _resolve(spec: str):
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_config_names_the_toy_environment_reward_and_turn_budget():
+    values = agent_config(WORLD)
+    assert values["environment_factory"] == "asyncgrpo.toy.agent_task:LookupEnv" and values["tools"] == []
+    assert values["max_turns"] == 5 and values["max_episode_tokens"] + 45 <= 256  # prompt + episode fit the model
+    env = _resolve(values["environment_factory"])()
+    assert callable(env.reset) and callable(env.lookup)
+    reward = _resolve(values["reward_funcs"][0])
+    assert reward([[{"role": "assistant", "content": "42"}]], answer=["42"]) == [1.0]
+    assert values["model_name_or_path"] == "/cache/agent-x/model"
+    assert values["dataset_name"] == "/cache/agent-x/train.jsonl"
+
+
+def test_config_loads_with_the_episode_keys_or_says_they_are_missing():
+    values = agent_config(WORLD)
+    known = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    if set(AGENT_KEYS) <= known:  # a build with the episode runner: the whole mapping validates
+        cfg = load_agent_config(values)
+        assert (cfg.max_turns, cfg.environment_factory) == (5, "asyncgrpo.toy.agent_task:LookupEnv")
+    else:  # this build: every other key validates, and the episode keys get an error that names them
+        with pytest.raises(AsyncGRPOError, match="environment_factory"):
+            load_agent_config(values)
+    rest = AsyncGRPOConfig.from_dict({k: v for k, v in values.items() if k not in AGENT_KEYS})
+    assert (rest.num_generations, rest.max_completion_length, rest.lora_name) == (8, 24, "demo-agent")
+
+
+def test_summary_reports_success_turns_and_tool_calls_before_and_after():
+    def figures(success, turns, calls):
+        row = {"success": success, "turns_mean": turns, "tool_calls_mean": calls, "tool_errors": 3, "truncated": 0}
+        return {"greedy": {**row, "success": success + 0.1}, "sampled": row}
+
+    result = summary_lines(figures(0.25, 2.0, 1.5), figures(0.75, 3.0, 2.25))
+    assert result["heldout_success_before"] == 0.25 and result["heldout_success_after"] == 0.75
+    assert result["gain"] == 0.5 and result["heldout_greedy_success_after"] == 0.85
+    assert (result["turns_per_episode_after"], result["tool_calls_per_episode_before"]) == (3.0, 1.5)
+    assert "gain" not in summary_lines(figures(0.25, 2.0, 1.5), None)
+
+
+def test_cli_offers_the_agent_world(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--world", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_agent_demo_stops_before_building_when_the_build_cannot_train_agents(capsys):
+    known = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    if set(AGENT_KEYS) <= known:
+        pytest.skip("this build has the episode runner: the demo would build and train")
+    assert main(["demo", "--world", "agent"]) == 2  # returns at once: no world is built, no server started
+    assert "no multi-turn episodes" in capsys.readouterr().err
