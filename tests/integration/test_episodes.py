@@ -24,6 +24,20 @@ ROW = PromptRow(prompt=[{"role": "user", "content": "07,45>"}], prompt_ids=[], c
 EOS = 0
 
 
+@pytest.fixture(scope="module")
+def client(world, tmp_path_factory):
+    """A server of this module's own: these tests compare the server's logprobs with the trainer's to 1e-3, and on
+    the session's shared server they differed by up to 0.25 in 3 of 5 runs right after test_entropy.py's training
+    run (never alone; cause not found yet), so nothing another test left on a server can reach them."""
+    from asyncgrpo.inference.client import InferenceClient
+    from asyncgrpo.inference.server import VLLMServer, find_free_port
+
+    with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
+                    log_path=tmp_path_factory.mktemp("episodes") / "vllm.log") as server:
+        with InferenceClient(server.base_url) as c:
+            yield c
+
+
 class Recording:
     """The real client, keeping each turn's answer (what the server sampled, exactly)."""
 
