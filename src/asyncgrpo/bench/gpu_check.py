@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,8 +74,6 @@ def launch(backend: str, args, out: Path) -> subprocess.CompletedProcess:
 
         config, processes, env, batch = f"launch/accelerate/{backend}_cpu.yaml", 2, cpu_launch_env(backend), CPU_BATCH
     else:
-        import os
-
         config, processes, batch = f"launch/accelerate/{backend}.yaml", 1, GPU_BATCH
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env["PYTHONPATH"] = f"{REPO / 'src'}:{env.get('PYTHONPATH', '')}".rstrip(":")

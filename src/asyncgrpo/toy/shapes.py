@@ -9,9 +9,6 @@ byte-level one padded with never-produced filler tokens to the model's vocabular
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,7 @@ from typing import Any
 from asyncgrpo.errors import ConfigError
 
 PREFIX = "shape:"
+COMPLETE = "tokenizer.json"  # build_shape_model saves it last: a directory holding it is a complete build
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -127,7 +125,7 @@ def build_shape_model(name: str, directory: str | Path, dtype: str = "bfloat16",
 def shape_model_dir(model: str, dtype: str = "bfloat16", cache_dir: str | Path | None = None,
                     log=print) -> str:
     """The cached directory of `shape:<name>` in `dtype`, built on first use (one builder; others wait)."""
-    from asyncgrpo.toy.world import _exclusive_lock, default_cache_dir
+    from asyncgrpo.toy.world import build_cached, default_cache_dir
 
     name = shape_name(model)
     assert name is not None, model
@@ -135,22 +133,8 @@ def shape_model_dir(model: str, dtype: str = "bfloat16", cache_dir: str | Path |
         raise ConfigError("torch_dtype", f"a shape is built in {dtype!r}", f"use one of {', '.join(DTYPES)}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     root = (cache / f"shape-{name}-{dtype}").resolve()
-    done = root / "config.json"
-    if done.is_file() and (root / "tokenizer.json").is_file():
-        return str(root)
-    cache.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(cache / f"shape-{name}-{dtype}.lock"):
-        if done.is_file() and (root / "tokenizer.json").is_file():
-            return str(root)
-        shutil.rmtree(root, ignore_errors=True)  # what a killed build left
+    if not (root / COMPLETE).is_file():
         log(f"building {model} ({SHAPES[name].parameters / 1e9:.2f}B parameters, random weights, {dtype}) "
             f"into {root}: once, then cached")
-        staging = Path(tempfile.mkdtemp(prefix=f".shape-{name}-", dir=cache))
-        try:
-            build_shape_model(name, staging, dtype)
-            for path in [staging, *staging.rglob("*")]:
-                path.chmod(0o755 if path.is_dir() else 0o644)  # a server in another account reads it
-            os.rename(staging, root)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        build_cached(root, lambda staging: build_shape_model(name, staging, dtype), log, marker=COMPLETE)
     return str(root)

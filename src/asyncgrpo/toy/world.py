@@ -360,22 +360,23 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
 def _remove_debris(cache: Path, root: Path, log: Log) -> None:
     """Delete what killed builds of `root` left behind. Call only while holding its lock."""
     debris = [p for p in cache.glob(f".{root.name}-*") if p.is_dir()]
-    if root.exists():  # a root without world.json never completed
+    if root.exists():  # a root without its completion marker never completed
         debris.append(root)
     for path in debris:
-        log(f"toy world: removing incomplete {path}")
+        log(f"removing incomplete {path}")
         shutil.rmtree(path)
 
 
-def build_cached(root: Path, build_into: Callable[[Path], None], log: Log) -> None:
-    """Build `root` (a world directory whose world.json marks it complete) unless it is complete already.
+def build_cached(root: Path, build_into: Callable[[Path], None], log: Log, marker: str = "world.json") -> None:
+    """Build `root` (a directory whose file `marker`, written last by `build_into`, marks it complete) unless it is
+    complete already.
 
     Safe against concurrent callers: one builds (`build_into` fills a temp directory beside `root`, renamed into
     place when complete) while the others wait on a lock and then find it built.
     """
     root.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(root.with_name(root.name + ".lock")):
-        if (root / "world.json").is_file():  # another process built it while we waited
+        if (root / marker).is_file():  # another process built it while we waited
             return
         _remove_debris(root.parent, root, log)
         staging = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
