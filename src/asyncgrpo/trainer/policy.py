@@ -15,7 +15,7 @@ from asyncgrpo.distributed import (configure_backend, deepspeed_mode_on, fp32_bu
                                    zero3_init_in)
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.lora import with_lora
-from asyncgrpo.trainer.gather import lora_parameters
+from asyncgrpo.trainer.gather import backend_of, lora_parameters
 from asyncgrpo.trainer.logprobs import find_scoring_head
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,16 @@ def base_dtype(cfg, acc) -> str:
     return "bfloat16"
 
 
+def load_placement(acc) -> dict:
+    """Where `from_pretrained` puts the base. Under DDP and ZeRO-2 on a GPU every rank keeps the whole base on its
+    device, so it is read straight onto that device; read into host RAM first, 8 ranks of a 7B bf16 base would hold
+    8 x 15 GB of a node's memory at once. FSDP (one rank reads, then shards) and ZeRO-3 (partitioned as it is built)
+    load their own way, and on CPU the weights are already where they go."""
+    if acc.device.type != "cuda" or backend_of(acc) not in ("ddp", "zero2"):
+        return {}
+    return {"device_map": {"": acc.device}}
+
+
 def build_policy(cfg, acc, model_path: str) -> Policy:
     """Collective (under FSDP/ZeRO `prepare` shards the model): the tokenizer and base model of `model_path` in
     `torch_dtype`, the LoRA adapter (the same initialisation on every rank: seeded), AdamW over the LoRA parameters
@@ -60,7 +70,7 @@ def build_policy(cfg, acc, model_path: str) -> Policy:
     # `fsdp_cpu_ram_efficient_loading` only local rank 0 reads the weights (transformers), the others get them
     # from rank 0 when the model is sharded (accelerate).
     with zero3_init_in(dtype):
-        base = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
+        base = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype, **load_placement(acc))
     if any(hasattr(p, "ds_id") for p in base.parameters()):
         rebuilt = recompute_rotary_buffers(base)  # zero.Init rounded them to torch_dtype too
         log.info("ZeRO-3: the base was partitioned as it was built (zero.Init), in %s; rotary buffers of %d "
