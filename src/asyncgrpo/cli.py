@@ -124,14 +124,22 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--servers", type=int, default=1,
                        help="sync: start this many local vLLM CPU servers (~2.5 GiB each) and sync all of them")
     bench.add_argument("--model", default=None,
-                       help="sync: model directory to use instead of the built-in hidden-512, 4-layer bench model")
+                       help="sync: model directory (or shape:NAME) to use instead of the built-in hidden-512, 4-layer "
+                            "bench model; memory: measure this model (e.g. shape:qwen2.5-1.5b) per rank under "
+                            "--backend, 2 CPU ranks")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="throughput: draw the trainer/server busy timelines of each run into this PNG; "
                             "staleness: held-out reward against max_staleness per correction")
     bench.add_argument("--duration", type=float, default=5.0,
                        help="producer: seconds of each timed run (after a 1 s warm-up)")
     bench.add_argument("--vocab_size", type=int, default=151936, help="memory: vocabulary of the random model")
-    bench.add_argument("--completion_tokens", type=int, default=1024, help="memory: completion tokens in the step")
+    bench.add_argument("--completion_tokens", type=int, default=None,
+                       help="memory: completion tokens in the step (default 1024); with --model: per completion "
+                            "(default 512)")
+    bench.add_argument("--completions", type=int, default=8, help="memory with --model: completions in the step")
+    bench.add_argument("--variants", type=lambda t: tuple(t.split(",")), default=("default",),
+                       help="memory with --model: default (gradient checkpointing, chunked head), "
+                            "no_checkpointing, no_chunking; comma-separated")
     bench.add_argument("--num_iterations", type=int, default=1, help="staleness: optimizer steps per batch")
     bench.add_argument("--grid", type=_ints, default=None, help="staleness: max_staleness values, e.g. 0,2,4")
     bench.add_argument("--seeds", type=_ints, default=None, help="staleness: seeds, e.g. 0,1,2")

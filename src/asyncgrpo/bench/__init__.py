@@ -21,8 +21,13 @@ def run_bench(args, overrides: list[str]) -> int:
         if args.name == "sync":
             result = module.run(args.backend, server_url=args.server, overrides=overrides, model=args.model,
                                 servers=args.servers)
+        elif args.name == "memory" and args.model:  # a real-shape model under two ranks per backend
+            module = importlib.import_module("asyncgrpo.bench.memory_ranks")
+            backends = list(module.SHARDED) if args.backend == "all" else [args.backend]
+            result = module.run(args.model, backends, list(args.variants), completions=args.completions,
+                                completion_tokens=args.completion_tokens or 512, overrides=overrides)
         elif args.name == "memory":
-            result = module.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens)
+            result = module.run(vocab_size=args.vocab_size, completion_tokens=args.completion_tokens or 1024)
         elif args.name in ("rank0", "policy_equivalence"):
             result = module.run(server_url=args.server, overrides=overrides)
         elif args.name == "throughput":

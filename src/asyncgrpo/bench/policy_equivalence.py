@@ -10,13 +10,16 @@ Three comparisons on the same fixed completions (sampled from the server under t
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from pathlib import Path
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import load_prompts, toy_world
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference.server import VLLMServer, find_free_port, served_lora_rank
+from asyncgrpo.rewards import completion_text
+from asyncgrpo.toy.shapes import shape_model_dir, shape_name
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 
@@ -49,15 +52,32 @@ def measure(trainer, prompts: list[list[int]], n: int = 4) -> dict:
             "policy_version": trainer.version}
 
 
+def text_length_reward(prompts, completions, **columns) -> list[float]:
+    """A reward for random-weight models (whose answers the toy cannot grade): the completion's length in
+    characters / 100. It differs within a group, so every step moves the adapter."""
+    return [len(completion_text(c)) / 100 for c in completions]
+
+
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None) -> dict:
-    """Build the toy world, start a vLLM server unless `server_url` is given, train 2 steps, measure."""
+    """Build the toy world, start a vLLM server unless `server_url` is given, train 2 steps (`--max_steps N`: N),
+    measure. `--model_name_or_path shape:NAME` trains and serves that real-shape model (the toy's prompts)."""
     base = AsyncGRPOConfig.load(default_config_path(), overrides)
     world = toy_world(base)
+    model_dir = world.model_dir
+    if shape_name(base.model_name_or_path):
+        model_dir = shape_model_dir(base.model_name_or_path, base.torch_dtype, os.environ.get("ASYNCGRPO_CACHE"))
+        # The toy's reward gives a random model 0 everywhere: no advantage, no update, nothing to tell apart.
+        overrides = ["--reward_funcs", "asyncgrpo.bench.policy_equivalence:text_length_reward", *overrides,
+                     "--model_name_or_path", model_dir]
     with contextlib.ExitStack() as stack:
         work = Path(workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-")))
         if server_url is None:
-            server = stack.enter_context(VLLMServer(world.model_dir, find_free_port(), max_loras=2,
-                                                    max_model_len=256, log_path=work / "vllm.log"))
+            # The trainer's dtype and LoRA rank: served == trained is then a like-for-like comparison.
+            server = VLLMServer(model_dir, find_free_port(), max_loras=2, max_model_len=256, dtype=base.torch_dtype,
+                                max_lora_rank=served_lora_rank(base.lora_r), log_path=work / "vllm.log")
+            stack.callback(server.stop)
+            server.start()
+            server.wait_ready(timeout_s=180.0 if model_dir == world.model_dir else 900.0)  # a real shape loads slowly
             server_url = server.base_url
         cfg = AsyncGRPOConfig.load(default_config_path(), [
             "--max_steps", "2", "--per_device_train_batch_size", "64", "--max_staleness", "0",
