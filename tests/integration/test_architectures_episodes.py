@@ -5,11 +5,11 @@ inside the model turn, turn 2 samples on the exact running ids, and the trainer'
 logprob code) of every sampled token equal the server's.
 
 How turn 1 samples a call: a random model never writes one, and a call given as prompt ids would not be sampled. So
-the fixture first fine-tunes the tiny model's weights (Adam, a few dozen steps on CPU) on the one episode expected
+the fixture first fine-tunes the tiny model's weights (Adam: 93 steps, ~80 s on 2 busy cores) on the episode expected
 here, until its sampled tokens (the call, then the answer after the result) are near-certain at the sampling
 temperature; the server then samples them like any others, and that turn 1 parses as a call is asserted. vLLM's
-structured outputs were not used: they would sample from a masked distribution whose logprobs are not the
-policy's. The episode runs on a small random LoRA over that model, as a training run's episodes do."""
+structured outputs were not used: they sample from the policy masked by a grammar, not the distribution the trainer
+scores. The episode runs on a small random LoRA over that model, as a training run's episodes do."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
 
 ROW = PromptRow(prompt=[{"role": "user", "content": "Weather in Oslo?"}], prompt_ids=[], columns={}, rendered="")
 CALL = '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:2}<tool_call|><|tool_response>'
-RESULT = 'response:get_weather{value:<|"|>rain<|"|>}<tool_response|>'  # get_weather("Oslo", 2), as the template writes it
+RESULT = 'response:get_weather{value:<|"|>rain<|"|>}<tool_response|>'  # get_weather's answer, as the template renders
 ANSWER = "It rains.<turn|>"
 # Gemma 4's generation_config.json stops on <eos>, <turn|> and <|tool_response>; the toy's eos (id 0) stays one too.
 STOPS = ["<eos>", "<turn|>", "<|tool_response>"]
