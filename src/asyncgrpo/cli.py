@@ -127,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="sync: model directory (or shape:NAME) to use instead of the built-in hidden-512, 4-layer "
                             "bench model; memory: measure this model (e.g. shape:qwen2.5-1.5b) per rank under "
                             "--backend, 2 CPU ranks")
+    bench.add_argument("--skip_naive", action="store_true",
+                       help="sync: do not time the whole-model gather beside the LoRA-only one (it holds a second "
+                            "copy of the base on rank 0, on every rank under FSDP1: too much for a large model on a "
+                            "small host)")
     bench.add_argument("--plot", default=None, metavar="FILE.png",
                        help="throughput: draw the trainer/server busy timelines of each run into this PNG; "
                             "staleness: held-out reward against max_staleness per correction")

@@ -20,7 +20,7 @@ def run_bench(args, overrides: list[str]) -> int:
         module = importlib.import_module(f"asyncgrpo.bench.{args.name}")
         if args.name == "sync":
             result = module.run(args.backend, server_url=args.server, overrides=overrides, model=args.model,
-                                servers=args.servers)
+                                servers=args.servers, naive=not args.skip_naive)
         elif args.name == "memory" and args.model:  # a real-shape model under two ranks per backend
             module = importlib.import_module("asyncgrpo.bench.memory_ranks")
             backends = list(module.SHARDED) if args.backend == "all" else [args.backend]

@@ -115,7 +115,7 @@ def launch(backend: str, variant: str, model: str, work: Path, *, completions: i
            "--prompt_tokens", str(prompt_tokens), "--model_name_or_path", model, *overrides]
     print(f"bench memory: {backend} {variant} ({completions} x {completion_tokens} tokens)...", file=sys.stderr,
           flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend, large_model=True), capture_output=True, text=True,
                           timeout=timeout_s)
     if proc.returncode != 0 or not out.exists():
         raise AsyncGRPOError(f"bench memory worker for {backend}/{variant} failed (exit {proc.returncode}):\n"
@@ -136,8 +136,9 @@ def run(model: str, backends: list[str], variants: list[str], *, completions: in
             raise ConfigError(name, f"{','.join(given)!r} is not a list of {', '.join(allowed)}", "pick from those")
     overrides = overrides or []
     cfg = AsyncGRPOConfig.load(default_config_path(), overrides)
-    model_dir = str(shape_model_dir(model, cfg.torch_dtype, os.environ.get("ASYNCGRPO_CACHE"))) if model.startswith("shape:") \
-        else model
+    model_dir = model
+    if model.startswith("shape:"):
+        model_dir = str(shape_model_dir(model, cfg.torch_dtype, os.environ.get("ASYNCGRPO_CACHE")))
     runs = []
     with tempfile.TemporaryDirectory(prefix="asyncgrpo-bench-memory-") as work:
         for backend in backends:

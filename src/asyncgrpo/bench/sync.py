@@ -38,11 +38,14 @@ BACKEND_ENV = {"ddp": {"ACCELERATE_USE_CPU": "true"},
 BACKENDS = tuple(BACKEND_ENV)
 
 
-def cpu_launch_env(backend: str | None = None) -> dict[str, str]:
+def cpu_launch_env(backend: str | None = None, large_model: bool = False) -> dict[str, str]:
     """This process's environment for a launch on CPU: `backend`'s variables (None: a plain process) and none of
-    the other backends' switches, offline, one OpenMP thread per process."""
+    the other backends' switches, offline, one OpenMP thread per process. `large_model`: glibc hands freed tensors
+    of 1 MiB and more back to the system (docs/cpu-hosts.md: without it a rank keeps its load buffers)."""
     env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
     env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(BACKEND_ENV[backend] if backend else {})})
+    if large_model:
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
     return env
 LORA_TARGETS = "[q_proj,k_proj,v_proj,o_proj]"
 ROUNDS = 4  # per sync mode; the first is warm-up
@@ -76,7 +79,7 @@ def bench_model_dir(cache: Path, tokenizer_dir: str) -> Path:
 # ---- the parent: server + launch ---------------------------------------------------------------------------
 
 def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, overrides: list[str],
-                  timeout_s: float = 900) -> dict:
+                  timeout_s: float = 1800, large_model: bool = False) -> dict:
     """Two CPU ranks of the worker under `accelerate launch` with the backend's config; returns its JSON."""
     repo = Path(__file__).resolve().parents[3]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,10 +97,11 @@ def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, ove
 
 
 def run(backend: str, server_url: str | None, overrides: list[str], model: str | None = None,
-        sync_mode: str = "pause", servers: int = 1) -> dict:
+        sync_mode: str = "pause", servers: int = 1, naive: bool = True) -> dict:
     """Build the bench model, start `servers` vLLM servers on it unless `server_url` (one URL, or several joined by
     commas) is given, run the worker for `backend` (or for each backend, one after another against the same
-    servers, with `all`). `sync_mode`: whose figures go at the top level of the JSON (both modes are measured)."""
+    servers, with `all`). `sync_mode`: whose figures go at the top level of the JSON (both modes are measured).
+    `naive` False: no whole-model gather to compare with (it holds a second copy of the base on rank 0)."""
     # heavy: the toy world's module imports torch (tests import cpu_launch_env from here)
     from asyncgrpo.toy.world import default_cache_dir
 
@@ -119,7 +123,8 @@ def run(backend: str, server_url: str | None, overrides: list[str], model: str |
             server_url = ",".join(_start_servers(stack, servers, model_dir, work, dtype=cfg.torch_dtype,
                                                  max_lora_rank=served_lora_rank(cfg.lora_r)))
         for name in backends:
-            result = launch_worker(name, model_dir, server_url, work / name / "result.json", overrides)
+            result = launch_worker(name, model_dir, server_url, work / name / "result.json",
+                                   [*overrides, *([] if naive else ["--skip_naive"])], large_model=model is not None)
             results[name] = {"backend": name, "sync_mode": sync_mode, **result["modes"][sync_mode],
                              **{k: v for k, v in result.items() if k != "modes"}, "modes": result["modes"]}
     if backend != "all":
@@ -230,7 +235,7 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows[1:] or rows)
 
 
-def _measure_mode(rig: Rig, backend: str, mode: str, version0, generator) -> dict:
+def _measure_mode(rig: Rig, backend: str, mode: str, version0, generator, naive: bool = True) -> dict:
     """Collective: ROUNDS x (step, gather, write, publish, naive gather) with a fresh publisher in `mode`."""
     # heavy: torch and the trainer's modules, needed by the worker ranks only (tests import cpu_launch_env from here)
     import torch.distributed as dist
@@ -273,22 +278,26 @@ def _measure_mode(rig: Rig, backend: str, mode: str, version0, generator) -> dic
                        step_end_to_served_s=served - step_end,
                        adapter_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
         dist.barrier()
-        t0 = time.perf_counter()
-        naive, naive_bytes = _naive_gather(backend, rig.acc, rig.policy.model)
-        row.update(naive_gather_s=time.perf_counter() - t0, naive_gathered_bytes=naive_bytes)
-        if rig.main:
-            row["naive_matches"] = _same_tensors(tensors, naive, peft_keys)
+        if naive:
+            t0 = time.perf_counter()
+            full, naive_bytes = _naive_gather(backend, rig.acc, rig.policy.model)
+            row.update(naive_gather_s=time.perf_counter() - t0, naive_gathered_bytes=naive_bytes)
+            if rig.main:
+                row["naive_matches"] = _same_tensors(tensors, full, peft_keys)
+            del full
         rows.append(row)
     if not rig.main:
         return {}
-    summary = {k: _median(rows, k) for k in ("gather_s", "naive_gather_s", "write_s", "load_s", "pause_s",
-                                             "server_s", "server_sum_s", "step_end_to_served_s")}
+    summary = {k: _median(rows, k) for k in ("gather_s", "write_s", "load_s", "pause_s", "server_s", "server_sum_s",
+                                             "step_end_to_served_s")}
     summary.update(gathered_bytes=rows[-1]["gathered_bytes"], adapter_bytes=rows[-1]["adapter_bytes"],
-                   naive_gathered_bytes=rows[-1]["naive_gathered_bytes"],
-                   naive_matches=all(r["naive_matches"] for r in rows), rounds=len(rows),
-                   served_adapter=publisher.current_name)
+                   rounds=len(rows), served_adapter=publisher.current_name)
     summary["gathered_over_adapter_bytes"] = summary["gathered_bytes"] / summary["adapter_bytes"]
-    summary["naive_over_gather_s"] = summary["naive_gather_s"] / max(summary["gather_s"], 1e-9)
+    if naive:
+        summary.update(naive_gather_s=_median(rows, "naive_gather_s"),
+                       naive_gathered_bytes=rows[-1]["naive_gathered_bytes"],
+                       naive_matches=all(r["naive_matches"] for r in rows))
+        summary["naive_over_gather_s"] = summary["naive_gather_s"] / max(summary["gather_s"], 1e-9)
     return summary
 
 
@@ -332,8 +341,9 @@ def worker(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--skip_naive", action="store_true")
     args, overrides = parser.parse_known_args(argv)
-    cfg = AsyncGRPOConfig.load(default_config_path(), ["--torch_num_threads", "1", "--ddp_timeout", "300", *overrides])
+    cfg = AsyncGRPOConfig.load(default_config_path(), ["--torch_num_threads", "1", "--ddp_timeout", "600", *overrides])
     torch.set_num_threads(1)
     acc = make_accelerator(cfg.ddp_timeout)
     # Exactly the trainer's model: dtype, LoRA config, FSDP wrapping, prepare.
@@ -349,7 +359,8 @@ def worker(argv: list[str]) -> None:
         rig.store = AdapterStore(Path(cfg.lora_adapter_path) / rig.prefix)
         version0 = rig.store.write(0, first, rig.policy.peft_config, base_model=rig.model_path)
     generator = torch.Generator().manual_seed(0)
-    modes = {mode: _measure_mode(rig, backend, mode, version0, generator) for mode in ("pause", "versioned")}
+    modes = {mode: _measure_mode(rig, backend, mode, version0, generator, naive=not args.skip_naive)
+             for mode in ("pause", "versioned")}
     diff = _policy_equivalence(rig, modes["versioned"].get("served_adapter"))
     if rig.main:
         base_bytes = sum(p.numel() * p.element_size() for p in acc.unwrap_model(rig.policy.model).parameters())
