@@ -158,7 +158,8 @@ class AsyncGRPOConfig:
     episode_version: str = "pinned"
     """Which adapter an episode's later turns are sent to. `pinned` (default): every turn on the version its group
     was sent with, so each episode is sampled by one policy. `latest`: each turn on the newest served version (the
-    adapters turns in flight use stay loaded); a group is as old as its oldest sampled token for `max_staleness`."""
+    adapters turns in flight use stay loaded); a group is as old as its oldest sampled token for `max_staleness`.
+    Why pinned is the default and what latest measured: docs/agents.md, "Versions inside an episode"."""
 
     # ---- generation -----------------------------------------------------------------------------
     num_generations: int = 8
