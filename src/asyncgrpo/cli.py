@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="check the inference server(s) and adapter directory against a config")
     doctor.add_argument("--config", help="YAML config file; `--key value` after it overrides a config key")
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
-    bench.add_argument("name", choices=["memory", "policy_equivalence", "producer", "rank0", "staleness", "sync",
-                                               "throughput"])
+    bench.add_argument("name", choices=["agent", "memory", "policy_equivalence", "producer", "rank0", "staleness",
+                                        "sync", "throughput"])
     bench.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     bench.add_argument("--server", default=None, help="use a running vLLM server at this URL instead of starting "
                                                       "one (sync: several URLs joined by commas)")
@@ -144,8 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--variants", type=lambda t: tuple(t.split(",")), default=("default",),
                        help="memory with --model: default (gradient checkpointing, chunked head), "
                             "no_checkpointing, no_chunking; comma-separated")
-    bench.add_argument("--num_iterations", type=int, default=1, help="staleness: optimizer steps per batch")
-    bench.add_argument("--grid", type=_ints, default=None, help="staleness: max_staleness values, e.g. 0,2,4")
+    bench.add_argument("--num_iterations", type=int, default=None,
+                       help="staleness, agent: optimizer steps per batch (staleness: 1 by default; agent: see "
+                            "docs/benchmarks.md)")
+    bench.add_argument("--grid", type=_ints, default=None,
+                       help="staleness, agent: max_staleness values, e.g. 0,2,4 (agent: 0,1,2 by default)")
+    bench.add_argument("--compare_versions", action="store_true",
+                       help="agent: also run `episode_version: latest` at each max_staleness above 0")
+    bench.add_argument("--tool_latency", type=float, default=None,
+                       help="agent: seconds each simulated tool call sleeps (0.05 by default)")
     bench.add_argument("--seeds", type=_ints, default=None, help="staleness: seeds, e.g. 0,1,2")
     bench.add_argument("--corrections", type=lambda t: tuple(t.split(",")), default=None,
                        help="staleness: e.g. none,default,token_truncate (none: delta null, no correction)")

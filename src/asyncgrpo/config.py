@@ -155,6 +155,11 @@ class AsyncGRPOConfig:
     model turn samples at most `max_completion_length` tokens."""
     tool_timeout: float = 30.0
     """Seconds one tool call may take; past it the call is abandoned and the model reads an error saying so."""
+    episode_version: str = "pinned"
+    """Which adapter an episode's later turns are sent to. `pinned` (default): every turn on the version its group
+    was sent with, so each episode is sampled by one policy. `latest`: each turn on the newest served version (the
+    adapters turns in flight use stay loaded); a group is as old as its oldest sampled token for `max_staleness`.
+    Why pinned is the default and what latest measured: docs/agents.md, "Versions inside an episode"."""
 
     # ---- generation -----------------------------------------------------------------------------
     num_generations: int = 8
@@ -516,6 +521,8 @@ class AsyncGRPOConfig:
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
             raise ConfigError("deepspeed", f"file {self.deepspeed!r} does not exist",
                               "pass a DeepSpeed JSON such as launch/deepspeed/zero3.json (relative to where you launch)")
+        if self.episode_version not in ("pinned", "latest"):
+            raise ConfigError("episode_version", f"unknown choice {self.episode_version!r}", "use pinned or latest")
         if self.sync_mode not in ("pause", "versioned"):
             raise ConfigError("sync_mode", f"unknown mode {self.sync_mode!r}", "use pause or versioned")
         if self.sync_pause_mode not in ("keep", "wait", "abort"):

@@ -1,6 +1,7 @@
 """Episodes against the real vLLM server: a 3-turn episode's sampled tokens, scored by the trainer's own logprob code
 on the ids the group carries, equal the server's behaviour logprobs (fp32, staleness 0); tool tokens carry no loss;
-and an episode keeps its start adapter while a new version is published between its turns.
+and an episode keeps its start adapter while a new version is published between its turns (`episode_version:
+pinned`), or moves its later turns to the new one, each token sampled by the version it is tagged with (`latest`).
 
 The chat format is tests/agent_format.py's (the toy model knows no tool format: every non-empty turn parses as a
 `lookup` call, so a 3-turn episode does not depend on what the model writes; max_turns 3 ends it)."""
@@ -51,7 +52,7 @@ class Recording:
         return out
 
 
-def run_episodes(client, model: str, n: int, tools, max_len: int = 256, seed: int = 11):
+def run_episodes(client, model: str, n: int, tools, max_len: int = 256, seed: int = 11, latest=None):
     cfg = make_cfg(num_generations=2, tools=["agent_format:lookup"], max_turns=3, max_completion_length=12,
                    seeded_generation=True)
     runner = EpisodeRunner(ChatFormat(TOK, TOK.response_template, stop_ids={EOS}), cfg, tools=tools, factory=None,
@@ -60,7 +61,7 @@ def run_episodes(client, model: str, n: int, tools, max_len: int = 256, seed: in
     for j in range(n):  # one at a time, so that each episode's turns are recorded apart
         rec = Recording(client)
         e = runner.start(ROW)
-        runner.run(rec, e, adapter=model, version=0, seed=seed + j)
+        runner.run(rec, e, adapter=model, version=0, seed=seed + j, latest=latest)
         episodes.append(e)
         recorded.append(rec.turns)
     return cfg, episodes, recorded
@@ -156,6 +157,56 @@ def test_an_episode_keeps_its_start_adapter_when_a_version_is_published_between_
             v0 = max(abs(under[names[0]][p] - s) for p, s in zip(positions, sampled))
             v1 = max(abs(under[names[1]][p] - s) for p, s in zip(positions, sampled))
             assert v0 < 1e-3 < 1e-2 < v1, (v0, v1)  # every turn, before and after the publish, sampled by v0
+    finally:
+        for name in names:
+            try:
+                client.unload_adapter(name)
+            except Exception:  # noqa: BLE001 - v1 may not have been loaded
+                pass
+
+
+def test_with_latest_the_turns_after_a_publish_are_sampled_by_the_new_version_and_tagged_with_it(
+        world, client, tmp_path, random_adapter):
+    from asyncgrpo.rollout.scheduler import RolloutSchedule
+
+    store = AdapterStore(tmp_path)
+    names = ["episode-latest-v0", "episode-latest-v1"]
+
+    def scaled(seed: int, scale: float):
+        tensors, config = random_adapter(seed=seed)
+        return {k: v * scale for k, v in tensors.items()}, config
+
+    # v0 close to the base model, so that its turns end (eos) as the base model's do; v1 far from it
+    client.load_adapter(names[0], store.write(0, *scaled(21, 0.05), base_model=str(world.model_dir)))
+    schedule = RolloutSchedule(make_cfg(), groups_per_step=1, max_inflight=4)
+    schedule.set_policy(0, names[0])
+
+    def lookup(key: str) -> str:  # noqa: F811 - the format's tool name; this one publishes v1 on its first call
+        """Answer, publishing version 1 the first time.
+
+        Args:
+            key: what the model wrote
+        """
+        if schedule.version == 0:
+            client.load_adapter(names[1], store.write(1, *scaled(22, 1.0), base_model=str(world.model_dir)))
+            schedule.set_policy(1, names[1])  # as the rollout side does once the version is served
+        return f"[{len(key)}]"
+
+    try:
+        _, episodes, _ = run_episodes(client, names[0], n=4, tools=[lookup], seed=31, latest=schedule.latest)
+        assert schedule.version == 1, [(e.turns, TOK.decode(e.ids)) for e in episodes]
+        diffs = {0: [0.0], 1: [0.0]}  # |server logprob under v0 - sampled| per token, by the version it is tagged
+        for e in episodes:
+            seq = e.prompt_ids + e.ids
+            under = {v: client.score(name, seq) for v, name in enumerate(names)}
+            for i, (m, v, lp) in enumerate(zip(e.loss_mask, e.versions, e.logprobs)):
+                if m:
+                    position = len(e.prompt_ids) + i
+                    assert abs(under[v][position] - lp) < 1e-3, (v, i)  # sampled by the version it is tagged with
+                    diffs[v].append(abs(under[0][position] - lp))
+        assert len(diffs[0]) > 1 and len(diffs[1]) > 1  # turns before the publish on v0, after it on v1
+        assert max(diffs[1]) > 1e-2  # and those after it were not sampled by v0
+        assert schedule.adapters_in_use() == set()  # every turn let its adapter go
     finally:
         for name in names:
             try:

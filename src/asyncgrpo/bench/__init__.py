@@ -36,7 +36,12 @@ def run_bench(args, overrides: list[str]) -> int:
             grid = {k: v for k, v in (("stalenesses", args.grid), ("corrections", args.corrections),
                                       ("seeds", args.seeds)) if v is not None}
             result = module.run(server_url=args.server, overrides=overrides, plot=args.plot,
-                                num_iterations=args.num_iterations, **grid)
+                                num_iterations=args.num_iterations or 1, **grid)
+        elif args.name == "agent":
+            extra = {k: v for k, v in (("stalenesses", args.grid), ("tool_latency_s", args.tool_latency),
+                                       ("num_iterations", args.num_iterations)) if v is not None}
+            result = module.run(server_url=args.server, overrides=overrides, compare_versions=args.compare_versions,
+                                **extra)
         elif args.name == "producer":
             result = module.run(overrides=overrides, duration_s=args.duration)
         else:

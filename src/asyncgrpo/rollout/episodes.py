@@ -9,11 +9,12 @@ that is 1 only on sampled ids, and per token its behaviour logprob and policy ve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from asyncgrpo.contracts import Group, centred_advantages
 from asyncgrpo.data import PromptRow
@@ -182,9 +183,14 @@ def reset_environment(environment, row: PromptRow) -> str | None:
     return observation if isinstance(observation, str) and observation else None
 
 
+Latest = Callable[[], ContextManager[tuple[int, str]]]
+"""`episode_version: latest`: gives the (version, adapter) served now, held in use while its turn runs."""
+
+
 class EpisodeRunner:
     """Runs a group's episodes against one server: each episode on a thread of its own, its turns one request each,
-    every turn on the adapter the group was sent with (episodes are pinned to their start version: docs/agents.md)."""
+    every turn on the adapter the group was sent with (`episode_version: pinned`) or on the newest served one
+    (`latest`): docs/agents.md, "Versions inside an episode"."""
 
     def __init__(self, fmt: ChatFormat, cfg, *, tools: list[Callable], factory: Callable | None,
                  max_model_len: int | None):
@@ -221,16 +227,16 @@ class EpisodeRunner:
 
     # ---- running --------------------------------------------------------------------------------------------
     def run_group(self, client, row: PromptRow, *, n: int, adapter: str, version: int,
-                  seed: int | None) -> list[Episode]:
-        """`n` episodes of `row`, all turns on `adapter`. Raises what a turn's request raised (the producer loses
-        and resends the group on a server fault) or TurnAborted."""
+                  seed: int | None, latest: Latest | None = None) -> list[Episode]:
+        """`n` episodes of `row`, all turns on `adapter`, or each on what `latest()` gives. Raises what a turn's
+        request raised (the producer loses and resends the group on a server fault) or TurnAborted."""
         episodes = [self.start(row) for _ in range(n)]
         errors: list[BaseException] = []
 
         def one(j: int) -> None:
             try:
                 self.run(client, episodes[j], adapter=adapter, version=version,
-                         seed=None if seed is None else seed + j)
+                         seed=None if seed is None else seed + j, latest=latest)
             except BaseException as exc:  # noqa: BLE001 - raised again in the group's thread
                 errors.append(exc)
 
@@ -257,9 +263,10 @@ class EpisodeRunner:
         left = self._left(e)
         return self.cfg.max_completion_length if left is None else min(self.cfg.max_completion_length, left)
 
-    def run(self, client, e: Episode, *, adapter: str, version: int, seed: int | None) -> None:
+    def run(self, client, e: Episode, *, adapter: str, version: int, seed: int | None,
+            latest: Latest | None = None) -> None:
         """One episode, turn after turn, until it answers without a tool call, its environment is done, `max_turns`
-        or a token budget is reached."""
+        or a token budget is reached. Each turn on `adapter` (pinned) or on what `latest()` gives then."""
         cfg = self.cfg
         while True:
             room = self._room(e)
@@ -267,12 +274,14 @@ class EpisodeRunner:
                 e.finish_reason = "length"
                 return
             turn_seed = None if seed is None else (seed + 7919 * e.turns) % 2**31
-            (c,) = client.complete(adapter, e.prompt_ids + e.ids, n=1, max_tokens=room, temperature=cfg.temperature,
-                                   top_p=cfg.top_p, seed=turn_seed)
+            policy = contextlib.nullcontext((version, adapter)) if latest is None else latest()
+            with policy as (turn_version, turn_adapter):  # the turn's adapter stays loaded until its answer is in
+                (c,) = client.complete(turn_adapter, e.prompt_ids + e.ids, n=1, max_tokens=room,
+                                       temperature=cfg.temperature, top_p=cfg.top_p, seed=turn_seed)
             if c.finish_reason == "abort":
                 raise TurnAborted(f"turn {e.turns + 1} was aborted by a sync")
             context = e.prompt_ids + e.ids
-            e.append(c.token_ids, c.logprobs, version)
+            e.append(c.token_ids, c.logprobs, turn_version)
             e.turns += 1
             message = self.fmt.parse(context, c.token_ids, list(e.tools.values()))
             e.messages.append(message)
@@ -293,7 +302,7 @@ class EpisodeRunner:
             if left is not None and left < 1:
                 e.finish_reason = "length"  # no room for the results and one more token: truncated here (TRL)
                 return
-            e.append(suffix, None, version)
+            e.append(suffix, None, turn_version)
 
     @staticmethod
     def _count(e: Episode, results: list[ToolResult]) -> None:
@@ -316,7 +325,10 @@ def common_prefix(sequences: list[list[int]]) -> int:
 def episode_group(row: PromptRow, episodes: list[Episode], rewards: list[float], parts: dict, *, index: int,
                   version: int, adapter: str, cfg) -> Group:
     """The group the trainer gets: the prompt ids every episode shares, then per episode the rest of its own prompt
-    (a reset observation; context) and its ids, with loss mask, logprobs and versions."""
+    (a reset observation; context) and its ids, with loss mask, logprobs and versions. Its `version` is its oldest
+    sampled token's (`version`, the one it was sent with, when all turns were pinned to it or nothing was sampled),
+    so that `max_staleness` bounds every token of it."""
+    version = min((v for e in episodes for v, m in zip(e.versions, e.loss_mask) if m), default=version)
     shared = common_prefix([e.prompt_ids for e in episodes])
     completions, masks, logprobs, versions = [], [], [], []
     for e in episodes:

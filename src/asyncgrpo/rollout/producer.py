@@ -297,11 +297,13 @@ class RolloutProducer:
 
     def _generate_episodes(self, client: InferenceClient, row: PromptRow, index: int, version: int, adapter: str,
                            seed: int | None) -> Group | None:
-        """`_generate` for episodes (rollout/episodes.py): every turn of the group's episodes on `adapter`."""
+        """`_generate` for episodes (rollout/episodes.py): every turn of the group's episodes on `adapter`, or on
+        the newest served one with `episode_version: latest`."""
+        latest = self.schedule.latest if self.cfg.episode_version == "latest" else None
         self.server_busy.enter()
         try:
             episodes = self.episodes.run_group(client, row, n=self.cfg.num_generations, adapter=adapter,
-                                               version=version, seed=seed)
+                                               version=version, seed=seed, latest=latest)
         except TurnAborted:
             episodes = None
         finally:

@@ -9,9 +9,10 @@ Why this bounds staleness: docs/rollout-internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 def version_needed(batch: int, cfg) -> int:
@@ -106,6 +107,21 @@ class RolloutSchedule:
         with self.cond:
             self.pending -= 1
             self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def latest(self) -> Iterator[tuple[int, str]]:
+        """For one turn of an episode (`episode_version: latest`): the (version, adapter) served now, counted as in
+        use until the turn's request ends. Read and counted under one lock, so a publisher that unloads what is not
+        in use after `set_policy` sees every turn that still reads an older adapter."""
+        with self.cond:
+            version, adapter = self.version, self.adapter
+            self._inflight_by_adapter[adapter] += 1
+        try:
+            yield version, adapter
+        finally:
+            with self.cond:
+                self._inflight_by_adapter[adapter] -= 1
+                self.cond.notify_all()
 
     def adapters_in_use(self) -> set[str]:
         """Adapter names that requests in flight were sent to (they must stay loaded)."""

@@ -7,12 +7,17 @@ from __future__ import annotations
 import agent_tools
 import pytest
 from agent_format import agent_tokenizer, lookup
+from fakes import FakeVLLM
 from fakes import cfg as make_cfg
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import PromptRow
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.inference.client import Completion
 from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, TurnAborted, common_prefix, episode_group
+from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.rollout.queue import RolloutQueue
+from asyncgrpo.rollout.scheduler import RolloutSchedule
 
 TOK = agent_tokenizer()
 EOS = 0
@@ -177,3 +182,107 @@ def test_an_environments_get_reward_is_one_more_reward_named_after_its_class_and
     assert parts == {"messages_reward": [1.0, 3.0], "Counter": [1.0, 3.0]}
     assert rewards == [2.0, 6.0]
     assert build_episode_runner(make_cfg(), TOK, "/nonexistent", None) is None  # no tools: plain completions
+
+
+# ---- episode_version: which adapter each turn is sent to. Pinned: every turn on the group's start version. Latest:
+# each turn on the version served when it starts, held in use (never unloaded) until its answer is in, and the group
+# as old as its oldest sampled token for max_staleness. The scripted client makes a publish land between two turns,
+# which a real server cannot be timed to do. ------------------------------------------------------------------------
+class PublishingClient(ScriptedClient):
+    """Scripted turns; after turn k's answer, `after[k]()` runs (a publish between turns). Records each turn's
+    adapter and what was in use while it ran."""
+
+    def __init__(self, turns, after, schedule):
+        super().__init__(turns)
+        self.after, self.schedule, self.models, self.in_use = after, schedule, [], []
+
+    def complete(self, model, prompt_ids, **kwargs):
+        self.models.append(model)
+        self.in_use.append(self.schedule.adapters_in_use())
+        answer = super().complete(model, prompt_ids, **kwargs)
+        self.after.get(len(self.models) - 1, lambda: None)()
+        return answer
+
+
+def schedule_at(version: int) -> RolloutSchedule:
+    schedule = RolloutSchedule(make_cfg(), groups_per_step=1, max_inflight=4)
+    schedule.set_policy(version, f"a-v{version}")
+    return schedule
+
+
+def run_three_turns(latest: bool):
+    """One episode of three turns, its group sent at version 2; version 3 is served by its first turn, 4 and 5 are
+    published after turns 1 and 2. Returns the episode, the client, its group and the schedule."""
+    schedule = schedule_at(3)
+    client = PublishingClient(["45", "7", ""], {0: lambda: schedule.set_policy(4, "a-v4"),
+                                               1: lambda: schedule.set_policy(5, "a-v5")}, schedule)
+    r = runner(max_turns=3, max_completion_length=20)
+    e = r.start(ROW)
+    r.run(client, e, adapter="a-v2", version=2, seed=None, latest=schedule.latest if latest else None)
+    group = episode_group(ROW, [e, e], [0.0, 1.0], {}, index=0, version=2, adapter="a-v2", cfg=r.cfg)
+    return e, client, group, schedule
+
+
+def sampled_versions(e) -> list[int]:
+    return [v for v, m in zip(e.versions, e.loss_mask) if m]
+
+
+def test_pinned_sends_every_turn_to_the_version_the_group_started_on():
+    e, client, group, _ = run_three_turns(latest=False)
+    assert client.models == ["a-v2"] * 3
+    assert set(e.versions) == {2} and group.version == 2
+
+
+def test_latest_sends_each_turn_to_the_newest_served_version_and_tags_its_tokens_with_it():
+    e, client, group, _ = run_three_turns(latest=True)
+    assert client.models == ["a-v3", "a-v4", "a-v5"]
+    assert sampled_versions(e) == [3, 3, 3, 4, 4, 5]  # "45"+eos on v3, "7"+eos on v4, eos on v5
+    # each tool message is tagged with the turn it follows (context: never in the loss)
+    assert [v for v, m in zip(e.versions, e.loss_mask) if not m] == sorted(v for v, m in zip(e.versions, e.loss_mask)
+                                                                            if not m)
+    assert group.versions[0][-1] == 5
+    assert group.version == 3  # as old as its oldest token: not its newest (5), nor the version it was sent at (2)
+
+
+def test_a_turn_holds_its_adapter_in_use_until_its_answer_is_in():
+    _, client, _, schedule = run_three_turns(latest=True)
+    assert client.in_use == [{"a-v3"}, {"a-v4"}, {"a-v5"}]
+    assert schedule.adapters_in_use() == set()  # released after each turn
+
+
+def test_the_publisher_never_unloads_the_adapter_a_turn_in_flight_uses(tmp_path):
+    paths = [tmp_path / f"v{i:06d}" for i in range(1, 4)]
+    for p in paths:
+        p.mkdir()
+    server = FakeVLLM("http://a:8000")
+    publisher = AdapterPublisher([server], "pol", sync_mode="versioned", adapter_root=tmp_path)
+    schedule = RolloutSchedule(make_cfg(), groups_per_step=1, max_inflight=4)
+
+    def publish(version: int) -> None:  # as the rollout side does: serve, tell the schedule, then retire
+        publisher.publish(version, paths[version - 1])
+        schedule.set_policy(version, publisher.current_name)
+        publisher.retire(in_use=schedule.adapters_in_use())
+
+    publish(1)
+    with schedule.latest() as (version, adapter):  # a turn sent on v1 ...
+        publish(2)
+        publish(3)  # ... is still running while two versions are published
+        assert (version, adapter) == (1, "pol-v1") and "pol-v1" in server.served and "pol-v2" not in server.served
+    publisher.retire(in_use=schedule.adapters_in_use())
+    assert set(server.served) == {"pol-v3"}  # once its answer is in, the next retire unloads it
+
+
+def test_the_staleness_bound_reads_the_oldest_token_of_a_latest_group():
+    _, _, group, _ = run_three_turns(latest=True)  # tokens of versions 3, 4 and 5
+    queue = RolloutQueue(max_staleness=1)
+    queue.put(group)
+    with pytest.raises(TimeoutError):
+        queue.take(1, trainer_version=5, timeout_s=0.01)  # 5 - 3 > 1: dropped, though its newest token is fresh
+    assert queue.dropped_stale == 1
+    queue.put(group)
+    assert queue.take(1, trainer_version=4, timeout_s=0.01) == [group]  # 4 - 3 <= 1 (4 - 2 would not be)
+
+
+def test_an_unknown_episode_version_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match="episode_version.*use pinned or latest"):
+        make_cfg(episode_version="newest")

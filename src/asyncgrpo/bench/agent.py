@@ -1,0 +1,150 @@
+"""`asyncgrpo bench agent --json [--compare_versions] [--grid 0,1,2]`: does asynchrony pay off on episodes?
+
+The toy agent world (docs/agents.md) with its long-tailed episodes (1-4 hops, so 2-5 turns) and `TOOL_LATENCY_S` of
+simulated latency per tool call, trained at `max_staleness` 0, 1 and 2 (same seed, same number of optimizer steps)
+against one vLLM CPU server, server and trainer on separate cores as in `bench throughput`. Per run: steps/s, the
+speedup over the synchronous run, the trainer's idle fraction, and the final adapter's held-out success measured as
+the agent demo measures it. `--compare_versions` adds runs with `episode_version: latest` at each staleness above 0.
+The workload and the figures: docs/benchmarks.md ("`bench agent`").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from asyncgrpo.bench.throughput import max_sequences, process_tree_cpu_s, run_summary, split_cores, step_history
+from asyncgrpo.config import parse_overrides
+from asyncgrpo.demo_agent import agent_config, episode_figures, load_agent_config
+from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.toy.agent_task import LookupEnv
+from asyncgrpo.toy.agent_world import build_agent_world
+from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+
+STALENESS = (0, 1, 2)
+DEFAULT_WORKDIR = "runs/bench-agent"
+WARMUP_STEPS = 2
+TOOL_LATENCY_S = 0.1
+"""Seconds each `lookup()` call sleeps: a slow tool, during which the episode's server slot is idle."""
+NUM_ITERATIONS = 2
+"""Optimizer steps per generated batch, one publish per batch (`weight_sync_steps` the same): balances training
+against generation (docs/benchmarks.md, "`bench agent`")."""
+WORKLOAD = {"max_steps": 60, "per_device_train_batch_size": 64, "sync_mode": "versioned", "seed": 0,
+            "lora_name": "bench-agent"}
+"""On top of the agent demo's config (overrides on the command line win): one trainer process of 8 questions x 8
+episodes per batch, each new version activated without pausing generation."""
+
+
+def run_config(world, work: Path, staleness: int, server_url: str, overrides: dict, name: str,
+               num_iterations: int = NUM_ITERATIONS, **extra):
+    """One run's config: the demo's, the bench's workload, this run's staleness and directories, the overrides."""
+    return load_agent_config({**agent_config(world, output_dir=str(work / name)), **WORKLOAD,
+                              "num_iterations": num_iterations, "weight_sync_steps": num_iterations,
+                              "max_staleness": staleness, "vllm_server_base_url": server_url, **overrides, **extra})
+
+
+def compare_to_sync(runs: list[dict]) -> list[dict]:
+    """Each run's speedup over the synchronous run (max_staleness 0) and its held-out success minus the synchronous
+    one's (None without a synchronous run, as with `--grid 1,2`)."""
+    sync = next((r for r in runs if r["max_staleness"] == 0), None)
+    for r in runs:
+        r["speedup_over_sync"] = round(r["steps_per_s"] / sync["steps_per_s"], 3) if sync else None
+        r["heldout_success_minus_sync"] = round(r["heldout_success"] - sync["heldout_success"], 4) if sync else None
+    return runs
+
+
+def run_one(cfg, world, server_pid: int | None) -> dict:
+    """Train `cfg.max_steps` steps (timed), then play the final adapter's held-out episodes (not timed)."""
+    trainer = AsyncGRPOTrainer(cfg)
+    try:
+        trainer.setup()
+        server_cpu0 = process_tree_cpu_s(server_pid)
+        t0 = time.monotonic()
+        summary = trainer.train()
+        t1 = time.monotonic()
+        server_cpu = None if server_pid is None else process_tree_cpu_s(server_pid) - server_cpu0
+        waits = trainer.wait_timeline.snapshot(t0, t1)
+        busy = trainer.rollout.producer.server_busy.snapshot(t0, t1)
+        generated = trainer.rollout.producer.generated_tokens
+        stats = trainer.rollout.stats()
+        dropped = trainer.rollout.queue.dropped_stale
+    finally:
+        trainer.cleanup()
+    result = run_summary(staleness=cfg.max_staleness, steps=trainer.step, t0=t0, t1=t1, waits=waits, busy=busy,
+                         history=step_history(Path(cfg.output_dir) / "tensorboard"), generated_tokens=generated)
+    heldout = episode_figures(world.model_dir, world.read_rows(heldout=True), Path(summary["adapter_path"]))
+    sampled = heldout["sampled"]
+    return {"max_staleness": cfg.max_staleness, "episode_version": cfg.episode_version, **result,
+            "heldout_success": round(sampled["success"], 4),
+            "heldout_greedy_success": round(heldout["greedy"]["success"], 4),
+            "turns_mean": round(sampled["turns_mean"], 3), "tool_calls_per_episode": round(sampled["tool_calls_mean"], 3),
+            "train_turns_mean": round(stats.get("episodes/turns_mean", 0.0), 3),
+            "train_episodes": stats.get("episodes/total"), "groups_dropped_stale": dropped,
+            "server_cpu_s_per_step": round(server_cpu / max(trainer.step, 1), 4) if server_cpu is not None else None}
+
+
+def run(server_url: str | None, overrides: list[str], workdir: str | None = None, stalenesses=STALENESS,
+        tool_latency_s: float = TOOL_LATENCY_S, num_iterations: int = NUM_ITERATIONS,
+        compare_versions: bool = False) -> dict:
+    """Find (or build) the toy agent world, start a pinned vLLM server unless `server_url` is given, warm it up
+    (untimed), then train at each staleness (and, with `compare_versions`, again with `episode_version: latest`
+    at each staleness above 0)."""
+    LookupEnv.latency_s = tool_latency_s  # the environments run in this process's rollout threads
+    world = build_agent_world()
+    values = parse_overrides(overrides)
+    per_run = {"num_iterations": num_iterations}
+    work = Path(workdir or DEFAULT_WORKDIR)
+    work.mkdir(parents=True, exist_ok=True)
+    base = run_config(world, work, max(stalenesses), "http://127.0.0.1:1", values, "base", **per_run)
+    cores = split_cores() if server_url is None else {"note": f"external server {server_url}: nothing pinned"}
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        server_pid = None
+        if server_url is None:
+            env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores["server"][0])}
+            os.sched_setaffinity(0, cores["server"])  # the server inherits this affinity...
+            server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=max(8, base.lora_r),
+                                max_loras=max(stalenesses) + 3, max_model_len=256,
+                                max_num_seqs=max_sequences(base, max(stalenesses)), log_path=work / "vllm.log",
+                                env=env)
+            try:
+                server.start()
+            finally:
+                os.sched_setaffinity(0, cores["trainer"])  # ...and this process moves to the trainer's core
+            stack.callback(server.stop)
+            server.wait_ready()
+            server_url, server_pid = server.base_url, server.process.pid
+        # Untimed warm-up: the server's first LoRA requests are slow; no timed run should pay for them.
+        warm = AsyncGRPOTrainer(run_config(world, work, 0, server_url, values, "warmup", max_steps=WARMUP_STEPS,
+                                           **per_run))
+        try:
+            warm.setup()
+            warm.train()
+        finally:
+            warm.cleanup()
+        plan = [(s, base.episode_version) for s in stalenesses]
+        plan += [(s, "latest") for s in stalenesses if compare_versions and s > 0 and base.episode_version != "latest"]
+        runs = []
+        for staleness, version in plan:
+            name = f"s{staleness}-{version}"
+            shutil.rmtree(work / name / "tensorboard", ignore_errors=True)  # this run's steps only
+            cfg = run_config(world, work, staleness, server_url, values, name, **per_run, episode_version=version)
+            runs.append(run_one(cfg, world, server_pid))
+            with open(work / "runs.jsonl", "a") as f:  # a long bench: each run kept as it finishes
+                f.write(json.dumps(runs[-1]) + "\n")
+            print(f"[bench agent] {name}: {runs[-1]['steps_per_s']} steps/s, held-out success "
+                  f"{runs[-1]['heldout_success']} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+    return {"runs": compare_to_sync(runs), "settings": {**WORKLOAD, **values, "tool_latency_s": tool_latency_s,
+                                                        "num_iterations": base.num_iterations,
+                                                        "weight_sync_steps": base.weight_sync_steps,
+                                       "episode_version": base.episode_version, "max_turns": base.max_turns,
+                                       "warmup_steps": WARMUP_STEPS},
+            "base_heldout_success": world.base_sampled["success"], "cores": cores,
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "total_s": round(time.monotonic() - started, 1)}
