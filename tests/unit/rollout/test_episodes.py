@@ -4,15 +4,20 @@ environment that is done) hold. The format is tests/agent_format.py's; the integ
 
 from __future__ import annotations
 
+import threading
+
 import agent_tools
 import pytest
 from agent_format import agent_tokenizer, lookup
 from fakes import cfg as make_cfg
+from liveness import returns_within
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import PromptRow
 from asyncgrpo.inference.client import Completion
-from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, TurnAborted, common_prefix, episode_group
+from asyncgrpo.errors import ToolError
+from asyncgrpo.rollout.episodes import (ChatFormat, Episode, EpisodeRunner, EpisodeStats, TurnAborted, common_prefix,
+                                        episode_group, reset_environment, tool_calls_of)
 
 TOK = agent_tokenizer()
 EOS = 0
@@ -27,12 +32,15 @@ class ScriptedClient:
 
     def __init__(self, turns: list[str], finish: dict[int, str] | None = None):
         self.turns, self.finish, self.prompts, self.max_tokens = turns, finish or {}, [], []
+        self.seeds, self.sampling = [], []  # per request: its seed; its (temperature, top_p)
         self.base_url = "http://scripted"
 
     def complete(self, model, prompt_ids, *, n, max_tokens, temperature, top_p, seed):
         k = TOK.decode(prompt_ids).count("<|im_start|>tool")  # the turn's index: tool messages before it
         self.prompts.append(list(prompt_ids))
         self.max_tokens.append(max_tokens)
+        self.seeds.append(seed)
+        self.sampling.append((temperature, top_p))
         text = self.turns[min(k, len(self.turns) - 1)]
         reason = self.finish.get(k, "stop")
         sampled = (ids(text) + ([EOS] if reason == "stop" else []))[:max_tokens]
@@ -177,3 +185,216 @@ def test_an_environments_get_reward_is_one_more_reward_named_after_its_class_and
     assert parts == {"messages_reward": [1.0, 3.0], "Counter": [1.0, 3.0]}
     assert rewards == [2.0, 6.0]
     assert build_episode_runner(make_cfg(), TOK, "/nonexistent", None) is None  # no tools: plain completions
+
+
+# ---- the parts of an episode, one at a time ---------------------------------------------------------------------
+def test_tool_calls_are_read_in_the_openai_and_the_bare_form_and_a_call_without_name_or_arguments_still_counts():
+    message = {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "lookup", "arguments": {"key": "a"}}},
+        {"name": "add", "arguments": {"x": 1}},  # no `function` wrapper: the call itself
+        {"function": {}},  # neither: a call of no tool (call_tool answers "no tool named ''"), with no arguments
+        "lookup(a)",  # not an object at all
+    ]}
+    assert tool_calls_of(message) == [("lookup", {"key": "a"}), ("add", {"x": 1}), ("", {}), ("", {})]
+    assert tool_calls_of({"role": "assistant", "content": "done"}) == []
+    assert tool_calls_of({"role": "assistant", "tool_calls": None}) == []
+
+
+def test_append_adds_sampled_ids_with_their_logprobs_and_context_ids_with_none_after_what_is_there():
+    e = Episode(prompt=[], prompt_ids=[9], tools={}, schemas=[])
+    e.append([1, 2], [-0.5, -0.25], 3)
+    e.append([5, 6, 7], None, 4)
+    e.append([8], [-1.0], 4)
+    assert e.ids == [1, 2, 5, 6, 7, 8]
+    assert e.loss_mask == [1, 1, 0, 0, 0, 1]
+    assert e.logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+    assert e.versions == [3, 3, 4, 4, 4, 4]
+
+
+def finished(turns: int, calls: int, errors: int, seconds: float, tokens: int, reason: str) -> Episode:
+    e = Episode(prompt=[], prompt_ids=[], tools={}, schemas=[], ids=[0] * tokens, finish_reason=reason, turns=turns)
+    e.tool_calls, e.tool_errors, e.tool_seconds = calls, errors, seconds
+    return e
+
+
+def test_episode_stats_add_up_every_episode_so_far_and_average_over_episodes():
+    stats = EpisodeStats()
+    assert stats.values()["episodes/turns_mean"] == 0.0  # none yet: no division by zero
+    stats.add([finished(turns=2, calls=1, errors=1, seconds=0.5, tokens=4, reason="length")])
+    assert stats.values() == {"episodes/total": 1, "episodes/turns_mean": 2.0, "episodes/tool_calls_total": 1,
+                              "episodes/tool_errors_total": 1, "episodes/tool_seconds_total": 0.5,
+                              "episodes/tokens_mean": 4.0, "episodes/truncated_total": 1}
+    stats.add([finished(turns=1, calls=0, errors=0, seconds=0.25, tokens=2, reason="stop"),
+               finished(turns=6, calls=2, errors=1, seconds=1.0, tokens=9, reason="length")])
+    assert stats.values() == {"episodes/total": 3, "episodes/turns_mean": 3.0, "episodes/tool_calls_total": 3,
+                              "episodes/tool_errors_total": 2, "episodes/tool_seconds_total": 1.75,
+                              "episodes/tokens_mean": 5.0, "episodes/truncated_total": 2}
+
+
+class Observer:
+    """An environment whose reset returns what the test sets in `observation` (awaited if `asynchronous`)."""
+
+    observation: object = None
+    asynchronous = False
+
+    def reset(self, **row):
+        if not self.asynchronous:
+            return self.observation
+
+        async def later():
+            return self.observation
+
+        return later()
+
+
+class Broken:
+    def reset(self, **row):
+        raise ValueError("no table for this row")
+
+
+def test_a_reset_observation_is_text_only_sync_or_async_and_a_failing_reset_names_the_class_and_the_prompt():
+    env = Observer()
+    for asynchronous in (False, True):
+        env.asynchronous = asynchronous
+        env.observation = " (start 3)"
+        assert reset_environment(env, ROW) == " (start 3)"
+        for nothing in ("", None, {"start": 3}, 7):  # no text: nothing is appended to the prompt
+            env.observation = nothing
+            assert reset_environment(env, ROW) is None
+    with pytest.raises(ToolError, match=r"^Broken.reset raised ValueError: no table for this row on prompt \[\{'role'"):
+        reset_environment(Broken(), ROW)
+
+
+def test_common_prefix_is_the_length_every_sequence_shares():
+    assert common_prefix([[1, 2, 3]]) == 3
+    assert common_prefix([[1, 2, 3], [1, 2]]) == 2
+    assert common_prefix([[1, 2, 3], [1, 5, 3], [1, 2, 3]]) == 1
+    assert common_prefix([[4], [1, 2]]) == 0
+
+
+# ---- sampling settings, seeds and budgets -------------------------------------------------------------------------
+def test_every_turn_is_sampled_with_the_configured_settings_and_a_seed_of_its_own_per_episode_and_turn():
+    r = runner(max_turns=3, max_completion_length=20, temperature=0.7)
+    client = ScriptedClient(["45", "7", ""])
+    r.run_group(client, ROW, n=2, adapter="a", version=0, seed=7)
+    assert sorted(client.seeds) == sorted([7, 7 + 7919, 7 + 2 * 7919, 8, 8 + 7919, 8 + 2 * 7919])  # episode j: seed + j
+    assert set(client.sampling) == {(0.7, 1.0)}
+    e = r.start(ROW)
+    client = ScriptedClient(["45", "7", ""])
+    r.run(client, e, adapter="a", version=0, seed=2**31 - 5)
+    assert client.seeds == [2**31 - 5, 7914, 7914 + 7919]  # kept within vLLM's 31 bits
+    client = ScriptedClient(["45", ""])
+    r.run_group(client, ROW, n=2, adapter="a", version=0, seed=None)
+    assert client.seeds == [None] * 4  # no seed: the server draws
+
+
+def turn_lengths() -> tuple[int, int]:
+    """(ids of the sampled turn "45" with its eos, ids of the tool message and generation prompt that follow it)."""
+    r = runner(max_turns=2, max_completion_length=20)
+    e = r.start(ROW)
+    r.run(ScriptedClient(["45"]), e, adapter="a", version=0, seed=None)
+    return 3, e.loss_mask.count(0)
+
+
+def test_a_turn_with_one_token_of_room_left_is_still_sampled_and_the_next_tool_message_then_does_not_fit():
+    turn, suffix = turn_lengths()
+    r = runner(max_turns=5, max_completion_length=20, max_episode_tokens=turn + suffix + 1)
+    client = ScriptedClient(["45"])
+    e = r.start(ROW)
+    r.run(client, e, adapter="a", version=0, seed=None)
+    assert client.max_tokens == [20, 1]
+    assert e.turns == 2 and e.finish_reason == "length" and len(e.ids) == turn + suffix + 1
+    r = runner(max_turns=5, max_completion_length=20, max_episode_tokens=turn + suffix)  # no token after the message
+    e = r.start(ROW)
+    client = ScriptedClient(["45"])
+    r.run(client, e, adapter="a", version=0, seed=None)
+    assert client.max_tokens == [20] and e.finish_reason == "length" and e.ids == e.ids[:turn]
+
+
+def test_an_episode_never_outgrows_the_server_context_and_a_prompt_that_fills_it_is_truncated_unsent():
+    turn, suffix = turn_lengths()
+    prompt = len(runner().start(ROW).prompt_ids)
+    r = runner(max_turns=5, max_completion_length=20, max_model_len=prompt + turn + suffix - 1)
+    e = r.start(ROW)
+    r.run(ScriptedClient(["45"]), e, adapter="a", version=0, seed=None)
+    assert e.finish_reason == "length" and len(e.ids) == turn  # the tool message did not fit: not appended
+    r = runner(max_turns=5, max_completion_length=20, max_model_len=prompt)
+    client = ScriptedClient(["45"])
+    e = r.start(ROW)
+    r.run(client, e, adapter="a", version=0, seed=None)
+    assert client.prompts == [] and e.turns == 0 and e.finish_reason == "length"
+
+
+# ---- an environment's tool --------------------------------------------------------------------------------------
+class Desk:
+    """An environment whose one tool is this format's `lookup`, so the scripted turns call it with their text as the
+    key: an int, as its schema says (the parser casts it). Key 9 ends the episode (`done`, set only then), key 1
+    raises, key 0 hangs until `release` is set."""
+
+    release = threading.Event()
+
+    def __init__(self):
+        self.keys = []
+
+    def reset(self, **row):
+        return None
+
+    def lookup(self, key: int) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key
+        """
+        self.keys.append(key)
+        if key == 9:
+            self.done = True
+        if key == 1:
+            raise KeyError(key)
+        if key == 0:
+            Desk.release.wait(60)
+        return "ok"
+
+
+def test_an_environment_that_is_done_ends_the_episode_after_its_tool_message():
+    r = runner(tools=(), factory=Desk, max_turns=5, max_completion_length=20)
+    e = r.start(ROW)
+    client = ScriptedClient(["45", "9", "7"])
+    r.run(client, e, adapter="a", version=0, seed=None)
+    assert e.environment.keys == [45, 9]  # ints: the schema of the environment's tool cast them
+    assert e.turns == 2 and e.finish_reason == "stop" and len(client.prompts) == 2
+    assert e.messages[-1] == {"role": "tool", "name": "lookup", "content": "ok"}
+    assert e.ids[-2:] == ids("9") + [EOS] and e.loss_mask[-2:] == [1, 1]  # no tool message rendered after it
+
+
+def test_tool_errors_and_seconds_add_up_over_the_turns_and_a_hung_tool_is_cut_at_tool_timeout():
+    Desk.release = threading.Event()
+    r = runner(tools=(), factory=Desk, max_turns=5, max_completion_length=20, tool_timeout=0.2)
+    e = r.start(ROW)
+    try:
+        returns_within(lambda: r.run(ScriptedClient(["0", "1", ""]), e, adapter="a", version=0, seed=None), 20.0,
+                       "an episode whose first tool call hangs")
+    finally:
+        Desk.release.set()
+    assert e.turns == 3 and e.tool_calls == 2 and e.tool_errors == 2
+    assert e.tool_seconds >= 0.2  # the first turn's call waited its whole tool_timeout
+    assert "did not finish within tool_timeout=0.2 s" in e.messages[1]["content"]
+    assert e.messages[3]["content"] == '{"error": "KeyError: 1"}'
+
+
+# ---- the group the trainer gets ---------------------------------------------------------------------------------
+def test_an_episode_group_carries_the_rows_rendered_prompt_its_scores_and_finish_reasons():
+    a = Episode(prompt=[], prompt_ids=[1, 2, 3], tools={}, schemas=[], finish_reason="stop")
+    b = Episode(prompt=[], prompt_ids=[1, 2, 3], tools={}, schemas=[], finish_reason="length")
+    a.append([4, 5], [-0.5, -0.5], 2)
+    b.append([6], [-0.25], 2)
+    parts = {"r": [0.0, 4.0]}
+    group = episode_group(ROW, [a, b], [0.0, 4.0], parts, index=5, version=2, adapter="a-v2",
+                          cfg=make_cfg(scale_rewards="batch"))  # the batch's std scales it later: centred only
+    assert group.prompt == "<rendered>" and group.prompt_ids == [1, 2, 3]
+    assert group.completion_ids == [[4, 5], [6]] and group.behaviour_logprobs == [[-0.5, -0.5], [-0.25]]
+    assert group.rewards == [0.0, 4.0] and group.reward_parts == parts and group.advantages == [-2.0, 2.0]
+    assert (group.version, group.adapter, group.index) == (2, "a-v2", 5)
+    assert group.finish_reasons == ["stop", "length"] and group.masked == []  # mask_truncated_completions off
+    group = episode_group(ROW, [a, b], [0.0, 4.0], parts, index=5, version=2, adapter="a-v2",
+                          cfg=make_cfg(scale_rewards="group"))
+    assert group.advantages == pytest.approx([-2.0 / 8**0.5, 2.0 / 8**0.5], abs=1e-3)
