@@ -30,7 +30,7 @@ def test_the_runner_gets_the_configs_tools_environment_template_arguments_system
     assert runner.fmt.response_template == TOK.response_template
     e = runner.start(ROW)
     assert isinstance(e.environment, agent_tools.Counter) and e.environment.count == 2
-    assert e.tools == {"lookup": lookup, "increment": e.tools["increment"]}
+    assert list(e.tools) == ["lookup", "increment"] and e.tools["lookup"] is lookup  # the config's, then the class's
     assert TOK.decode(e.prompt_ids).startswith("<|im_start|>system\ntools: lookup increment<|im_end|>\n"
                                                "<|im_start|>system\nBe brief.<|im_end|>\n")
 

@@ -4,20 +4,22 @@ environment that is done) hold. The format is tests/agent_format.py's; the integ
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import agent_tools
 import pytest
-from agent_format import agent_tokenizer, lookup
+from agent_format import CHAT_TEMPLATE, agent_tokenizer, lookup
 from fakes import cfg as make_cfg
 from liveness import returns_within
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import PromptRow
 from asyncgrpo.inference.client import Completion
-from asyncgrpo.errors import ToolError
+from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.episodes import (ChatFormat, Episode, EpisodeRunner, EpisodeStats, TurnAborted, common_prefix,
                                         episode_group, reset_environment, tool_calls_of)
+from asyncgrpo.rollout.tools import tool_schema
 
 TOK = agent_tokenizer()
 EOS = 0
@@ -82,7 +84,8 @@ def test_each_turn_continues_on_the_exact_sampled_ids_plus_the_rendered_tool_mes
 def test_an_episode_stops_at_max_turns_with_its_last_call_not_run():
     r = runner(max_turns=2, max_completion_length=20)
     e = r.start(ROW)
-    r.run(ScriptedClient(["45"]), e, adapter="a", version=0, seed=None)
+    # bounded: every turn calls the tool, so a miscounted turn would never end the episode
+    returns_within(lambda: r.run(ScriptedClient(["45"]), e, adapter="a", version=0, seed=None), 20.0, "max_turns: 2")
     assert e.turns == 2 and e.tool_calls == 1 and e.finish_reason == "stop"
     assert e.messages[-1]["role"] == "assistant" and "tool_calls" in e.messages[-1]
 
@@ -164,13 +167,6 @@ def test_a_turn_the_parser_rejects_is_plain_text_and_ends_the_episode():
     fmt = ChatFormat(TOK, {"fields": {"content": {"close": "<|im_end|>", "content": "json"}}}, stop_ids={EOS})
     message = fmt.parse(ids("ok"), ids("not json"), [])
     assert message == {"role": "assistant", "content": "not json"}
-
-
-def test_a_tokenizer_without_a_response_template_is_refused_for_tools():
-    from asyncgrpo.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="response_template"):
-        ChatFormat(TOK, None, stop_ids={EOS})
 
 
 def test_an_environments_get_reward_is_one_more_reward_named_after_its_class_and_rewards_see_the_environments():
@@ -398,3 +394,85 @@ def test_an_episode_group_carries_the_rows_rendered_prompt_its_scores_and_finish
     group = episode_group(ROW, [a, b], [0.0, 4.0], parts, index=5, version=2, adapter="a-v2",
                           cfg=make_cfg(scale_rewards="group"))
     assert group.advantages == pytest.approx([-2.0 / 8**0.5, 2.0 / 8**0.5], abs=1e-3)
+
+
+# ---- the chat format: what it renders, and what it refuses --------------------------------------------------------
+def test_the_prompt_lists_the_tools_and_gets_the_system_prompt_unless_it_has_its_own():
+    schemas = [tool_schema(lookup)]
+    plain = ChatFormat(TOK, TOK.response_template, stop_ids={EOS})
+    assert TOK.decode(plain.prompt_ids(ROW.prompt, schemas)) == \
+        "<|im_start|>system\ntools: lookup<|im_end|>\n<|im_start|>user\n07,45><|im_end|>\n<|im_start|>assistant\n"
+    told = ChatFormat(TOK, TOK.response_template, stop_ids={EOS}, system_prompt="Be brief.")
+    assert TOK.decode(told.prompt_ids(ROW.prompt, [])) == \
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n07,45><|im_end|>\n<|im_start|>assistant\n"
+    own = [{"role": "system", "content": "Mine."}, *ROW.prompt]
+    assert TOK.decode(told.prompt_ids(own, [])) == \
+        "<|im_start|>system\nMine.<|im_end|>\n<|im_start|>user\n07,45><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_template_kwargs_reach_the_prompt_and_the_tool_messages():
+    tok = copy.deepcopy(TOK)
+    tok.chat_template = CHAT_TEMPLATE + "{% if mark %}[mark]{% endif %}"
+    fmt = ChatFormat(tok, tok.response_template, stop_ids={EOS}, template_kwargs={"mark": True})
+    assert TOK.decode(fmt.prompt_ids(ROW.prompt, [])).endswith("<|im_start|>assistant\n[mark]")
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "lookup",
+                                                                                  "arguments": {"key": "45"}}}]}
+    suffix = fmt.tool_suffix(call, [{"role": "tool", "name": "lookup", "content": "[2]"}], [])
+    assert TOK.decode(suffix) == "\n<|im_start|>tool\n[2]<|im_end|>\n<|im_start|>assistant\n[mark]"
+
+
+def test_a_tokenizer_that_cannot_run_episodes_is_refused_naming_what_is_missing_and_the_fix():
+    with pytest.raises(ConfigError) as error:
+        ChatFormat(TOK, None, stop_ids={EOS})
+    assert error.value.field == "tools"
+    assert "has no response_template, so tool calls cannot be parsed from what the model samples" in str(error.value)
+    assert str(error.value).endswith(". Fix: set `tokenizer.response_template` (transformers' response template dict; "
+                                     "TRL's chat_template_utils has them for Qwen3 and Gemma 4) and save the tokenizer")
+    bare = copy.deepcopy(TOK)
+    bare.chat_template = None
+    with pytest.raises(ConfigError) as error:
+        ChatFormat(bare, TOK.response_template, stop_ids={EOS})
+    assert error.value.field == "tools" and "has no chat template" in str(error.value)
+    assert str(error.value).endswith(". Fix: use a tokenizer whose chat template renders tool calls and tool messages")
+
+
+def test_a_template_whose_turns_end_on_no_stop_id_or_that_rerenders_earlier_turns_is_refused_for_tool_messages():
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "lookup",
+                                                                                  "arguments": {"key": "45"}}}]}
+    result = [{"role": "tool", "name": "lookup", "content": "[2]"}]
+    with pytest.raises(ToolError, match=r"renders an assistant tool-call turn with none of the stop ids \[7\], so "
+                                        r"where a sampled turn ends in it is unknown. Fix: give the tokenizer"):
+        ChatFormat(TOK, TOK.response_template, stop_ids={7}).tool_suffix(call, result, [])
+    counting = copy.deepcopy(TOK)
+    counting.chat_template = "{{ messages | length }}" + CHAT_TEMPLATE  # the count changes as messages are added
+    with pytest.raises(ToolError) as error:
+        ChatFormat(counting, TOK.response_template, stop_ids={EOS}).tool_suffix(call, result, [])
+    assert "not prefix-preserving" in str(error.value)
+    assert str(error.value).endswith(". Fix: use a template that keeps earlier turns as they were rendered (TRL ships "
+                                     "*_training templates)")
+
+
+def test_episodes_need_chat_prompts_and_an_environment_that_can_be_built_with_documented_tools():
+    with pytest.raises(ConfigError) as error:
+        runner().start(PromptRow(prompt="07,45>", prompt_ids=[1], columns={}))
+    assert error.value.field == "prompt_format" and "is plain text, but episodes need chat messages" in str(error.value)
+    assert str(error.value).endswith(". Fix: use `prompt_format: chat`")
+
+    def broken():
+        raise RuntimeError("no room")
+
+    with pytest.raises(ToolError, match=r"^environment_factory agent_tools:Counter could not be built: RuntimeError: "
+                                        r"no room"):
+        runner(tools=(), factory=broken, environment_factory="agent_tools:Counter").start(ROW)
+
+    class Undocumented(Observer):
+        def peek(self, x: int) -> int:
+            return x
+
+    with pytest.raises(ConfigError) as error:
+        runner(tools=(), factory=Undocumented).start(ROW)
+    assert error.value.field == "environment_factory" and "no schema for tool" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        runner(tools=(agent_tools.no_docstring,))
+    assert error.value.field == "tools"
+    assert runner().start(ROW).environment is None  # tools alone: no environment

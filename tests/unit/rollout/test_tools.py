@@ -4,10 +4,12 @@ arguments), or a ToolError naming the tool that ended its worker thread; and TRL
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import agent_tools
 import pytest
+from liveness import returns_within
 
 from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.tools import (ToolResult, call_tool, environment_tools, load_environment_factory, load_tools,
@@ -29,9 +31,10 @@ def test_a_raising_tool_returns_its_error_to_the_model_and_is_counted_as_an_erro
 
 
 def test_a_hanging_tool_is_cut_off_at_the_timeout_and_the_message_says_so():
+    agent_tools.RELEASE = threading.Event()  # unset: an earlier test may have released the last one
     try:
         result = call_tool(TOOLS, "hang", {"seconds": 60}, 0.2)
-        assert result.error
+        assert result.error and result.name == "hang"
         assert "hang did not finish within tool_timeout=0.2 s" in json.loads(result.content)["error"]
         assert result.seconds >= 0.2
     finally:
@@ -101,7 +104,7 @@ def test_a_reference_that_cannot_be_loaded_is_refused_naming_the_key_the_referen
         load_tools(["no_such_module_for_tools:f"])
     assert error.value.field == "tools"
     assert "cannot import module 'no_such_module_for_tools'" in str(error.value)
-    assert "make the module importable (installed, or on PYTHONPATH)" in str(error.value)
+    assert str(error.value).endswith(". Fix: make the module importable (installed, or on PYTHONPATH)")
     with pytest.raises(ConfigError) as error:
         load_tools(["agent_tools"])  # no ':' and no name after it
     assert error.value.field == "tools" and "'agent_tools' has no ''" in str(error.value)
@@ -119,7 +122,8 @@ def test_a_tool_that_is_not_a_function_or_has_no_schema_is_refused_under_tools()
     with pytest.raises(ConfigError) as error:
         load_tools(["agent_tools:no_docstring"])
     assert error.value.field == "tools" and "no schema for tool 'no_docstring'" in str(error.value)
-    assert "give every argument a type hint and a Google docstring with an `Args:` entry each" in str(error.value)
+    assert str(error.value).endswith(". Fix: give every argument a type hint and a Google docstring with an `Args:` "
+                                     "entry each (transformers.utils.get_json_schema)")
 
 
 def test_an_environment_factory_without_reset_is_refused_naming_the_contract():
@@ -128,4 +132,16 @@ def test_an_environment_factory_without_reset_is_refused_naming_the_contract():
             load_environment_factory(ref)
         assert error.value.field == "environment_factory"
         assert f"{ref} is not a class with a reset(**row) method" in str(error.value)
-        assert "name a class whose instances have reset(**row) and public tool methods" in str(error.value)
+        assert str(error.value).endswith(
+            ". Fix: name a class whose instances have reset(**row) and public tool methods")
+
+
+def test_a_hung_call_among_several_of_one_turn_is_cut_at_the_timeout_and_the_others_answer():
+    agent_tools.RELEASE = threading.Event()
+    try:
+        results = returns_within(lambda: run_tool_calls(TOOLS, [("hang", {"seconds": 60}), ("lookup", {"key": "a"})],
+                                                        0.2), 20.0, "two calls, one hanging")
+    finally:
+        agent_tools.RELEASE.set()
+    assert results[0].error and "hang did not finish within tool_timeout=0.2 s" in results[0].content
+    assert (results[1].content, results[1].error) == ("b", False)
