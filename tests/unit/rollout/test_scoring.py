@@ -111,3 +111,7 @@ def test_a_hung_reward_function_on_episodes_is_named_with_the_prompt_within_rewa
                        BOUND_S, "score_episodes")
     assert "reward function scoring_fns:stuck did not finish within reward_timeout=0.3 s" in str(error.value)
     assert "'07,45>' (3 completions)" in str(error.value)
+    assert str(error.value).endswith(
+        "\n  It runs in the training process (reward_workers: 0), where a thread cannot be stopped: it is left running."
+        " Fix: find where the function hangs or make it faster, raise `reward_timeout`, or set `reward_workers: 2` "
+        "(worker processes: a hung one is killed and replaced)")
