@@ -274,3 +274,19 @@ def test_a_hub_id_stays_an_id_and_a_local_base_becomes_absolute(tmp_path, monkey
     (tmp_path / "models" / "mine").mkdir(parents=True)
     assert base_model_reference("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # no such directory: a hub id
     assert base_model_reference("models/mine") == str(tmp_path / "models" / "mine")
+
+
+def test_the_final_adapter_goes_into_a_new_nested_output_dir_past_a_stale_temporary_and_loads_as_pytorch(tmp_path):
+    out = tmp_path / "final"
+    out.mkdir(parents=True)
+    stale = out / f".tmp-final-{store_module.host_name()}-{os.getpid()}"  # a killed export's, of this host and pid
+    stale.mkdir()
+    (stale / WEIGHTS_NAME).write_bytes(b"half")
+    tensors = {"base_model.model.layer.lora_A.weight": torch.ones(2, 3)}
+    store_module.export_adapter(out, tensors, LoraConfig(r=2, target_modules=["q_proj"]), base_model="b")
+    assert sorted(p.name for p in out.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]  # the stale temporary is gone
+    with safetensors.safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what transformers and PEFT require of a PyTorch safetensors file
+    nested = tmp_path / "new" / "nested" / "final"
+    store_module.export_adapter(nested, tensors, LoraConfig(r=2, target_modules=["q_proj"]), base_model="b")
+    assert sorted(p.name for p in nested.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]

@@ -4,20 +4,26 @@ environment that is done) hold. The format is tests/agent_format.py's; the integ
 
 from __future__ import annotations
 
+import copy
+import threading
+
 import agent_tools
 import pytest
-from agent_format import agent_tokenizer, lookup
+from agent_format import CHAT_TEMPLATE, agent_tokenizer, lookup
 from fakes import FakeVLLM
 from fakes import cfg as make_cfg
+from liveness import returns_within
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import PromptRow
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.inference.client import Completion
-from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, TurnAborted, common_prefix, episode_group
+from asyncgrpo.rollout.episodes import (ChatFormat, Episode, EpisodeRunner, EpisodeStats, TurnAborted, common_prefix,
+                                        episode_group, reset_environment, tool_calls_of)
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.scheduler import RolloutSchedule
+from asyncgrpo.rollout.tools import tool_schema
 
 TOK = agent_tokenizer()
 EOS = 0
@@ -32,12 +38,15 @@ class ScriptedClient:
 
     def __init__(self, turns: list[str], finish: dict[int, str] | None = None):
         self.turns, self.finish, self.prompts, self.max_tokens = turns, finish or {}, [], []
+        self.seeds, self.sampling = [], []  # per request: its seed; its (temperature, top_p)
         self.base_url = "http://scripted"
 
     def complete(self, model, prompt_ids, *, n, max_tokens, temperature, top_p, seed):
         k = TOK.decode(prompt_ids).count("<|im_start|>tool")  # the turn's index: tool messages before it
         self.prompts.append(list(prompt_ids))
         self.max_tokens.append(max_tokens)
+        self.seeds.append(seed)
+        self.sampling.append((temperature, top_p))
         text = self.turns[min(k, len(self.turns) - 1)]
         reason = self.finish.get(k, "stop")
         sampled = (ids(text) + ([EOS] if reason == "stop" else []))[:max_tokens]
@@ -79,7 +88,8 @@ def test_each_turn_continues_on_the_exact_sampled_ids_plus_the_rendered_tool_mes
 def test_an_episode_stops_at_max_turns_with_its_last_call_not_run():
     r = runner(max_turns=2, max_completion_length=20)
     e = r.start(ROW)
-    r.run(ScriptedClient(["45"]), e, adapter="a", version=0, seed=None)
+    # bounded: every turn calls the tool, so a miscounted turn would never end the episode
+    returns_within(lambda: r.run(ScriptedClient(["45"]), e, adapter="a", version=0, seed=None), 20.0, "max_turns: 2")
     assert e.turns == 2 and e.tool_calls == 1 and e.finish_reason == "stop"
     assert e.messages[-1]["role"] == "assistant" and "tool_calls" in e.messages[-1]
 
@@ -161,13 +171,6 @@ def test_a_turn_the_parser_rejects_is_plain_text_and_ends_the_episode():
     fmt = ChatFormat(TOK, {"fields": {"content": {"close": "<|im_end|>", "content": "json"}}}, stop_ids={EOS})
     message = fmt.parse(ids("ok"), ids("not json"), [])
     assert message == {"role": "assistant", "content": "not json"}
-
-
-def test_a_tokenizer_without_a_response_template_is_refused_for_tools():
-    from asyncgrpo.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="response_template"):
-        ChatFormat(TOK, None, stop_ids={EOS})
 
 
 def test_an_environments_get_reward_is_one_more_reward_named_after_its_class_and_rewards_see_the_environments():
@@ -286,3 +289,298 @@ def test_the_staleness_bound_reads_the_oldest_token_of_a_latest_group():
 def test_an_unknown_episode_version_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="episode_version.*use pinned or latest"):
         make_cfg(episode_version="newest")
+
+
+# ---- the parts of an episode, one at a time ---------------------------------------------------------------------
+def test_tool_calls_are_read_in_the_openai_and_the_bare_form_and_a_call_without_name_or_arguments_still_counts():
+    message = {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "lookup", "arguments": {"key": "a"}}},
+        {"name": "add", "arguments": {"x": 1}},  # no `function` wrapper: the call itself
+        {"function": {}},  # neither: a call of no tool (call_tool answers "no tool named ''"), with no arguments
+        "lookup(a)",  # not an object at all
+    ]}
+    assert tool_calls_of(message) == [("lookup", {"key": "a"}), ("add", {"x": 1}), ("", {}), ("", {})]
+    assert tool_calls_of({"role": "assistant", "content": "done"}) == []
+    assert tool_calls_of({"role": "assistant", "tool_calls": None}) == []
+
+
+def test_append_adds_sampled_ids_with_their_logprobs_and_context_ids_with_none_after_what_is_there():
+    e = Episode(prompt=[], prompt_ids=[9], tools={}, schemas=[])
+    e.append([1, 2], [-0.5, -0.25], 3)
+    e.append([5, 6, 7], None, 4)
+    e.append([8], [-1.0], 4)
+    assert e.ids == [1, 2, 5, 6, 7, 8]
+    assert e.loss_mask == [1, 1, 0, 0, 0, 1]
+    assert e.logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+    assert e.versions == [3, 3, 4, 4, 4, 4]
+
+
+def finished(turns: int, calls: int, errors: int, seconds: float, tokens: int, reason: str) -> Episode:
+    e = Episode(prompt=[], prompt_ids=[], tools={}, schemas=[], ids=[0] * tokens, finish_reason=reason, turns=turns)
+    e.tool_calls, e.tool_errors, e.tool_seconds = calls, errors, seconds
+    return e
+
+
+def test_episode_stats_add_up_every_episode_so_far_and_average_over_episodes():
+    stats = EpisodeStats()
+    assert stats.values()["episodes/turns_mean"] == 0.0  # none yet: no division by zero
+    stats.add([finished(turns=2, calls=1, errors=1, seconds=0.5, tokens=4, reason="length")])
+    assert stats.values() == {"episodes/total": 1, "episodes/turns_mean": 2.0, "episodes/tool_calls_total": 1,
+                              "episodes/tool_errors_total": 1, "episodes/tool_seconds_total": 0.5,
+                              "episodes/tokens_mean": 4.0, "episodes/truncated_total": 1}
+    stats.add([finished(turns=1, calls=0, errors=0, seconds=0.25, tokens=2, reason="stop"),
+               finished(turns=6, calls=2, errors=1, seconds=1.0, tokens=9, reason="length")])
+    assert stats.values() == {"episodes/total": 3, "episodes/turns_mean": 3.0, "episodes/tool_calls_total": 3,
+                              "episodes/tool_errors_total": 2, "episodes/tool_seconds_total": 1.75,
+                              "episodes/tokens_mean": 5.0, "episodes/truncated_total": 2}
+
+
+class Observer:
+    """An environment whose reset returns what the test sets in `observation` (awaited if `asynchronous`)."""
+
+    observation: object = None
+    asynchronous = False
+
+    def reset(self, **row):
+        if not self.asynchronous:
+            return self.observation
+
+        async def later():
+            return self.observation
+
+        return later()
+
+
+class Broken:
+    def reset(self, **row):
+        raise ValueError("no table for this row")
+
+
+def test_a_reset_observation_is_text_only_sync_or_async_and_a_failing_reset_names_the_class_and_the_prompt():
+    env = Observer()
+    for asynchronous in (False, True):
+        env.asynchronous = asynchronous
+        env.observation = " (start 3)"
+        assert reset_environment(env, ROW) == " (start 3)"
+        for nothing in ("", None, {"start": 3}, 7):  # no text: nothing is appended to the prompt
+            env.observation = nothing
+            assert reset_environment(env, ROW) is None
+    with pytest.raises(ToolError, match=r"^Broken.reset raised ValueError: no table for this row on prompt \[\{'role'"):
+        reset_environment(Broken(), ROW)
+
+
+def test_common_prefix_is_the_length_every_sequence_shares():
+    assert common_prefix([[1, 2, 3]]) == 3
+    assert common_prefix([[1, 2, 3], [1, 2]]) == 2
+    assert common_prefix([[1, 2, 3], [1, 5, 3], [1, 2, 3]]) == 1
+    assert common_prefix([[4], [1, 2]]) == 0
+
+
+# ---- sampling settings, seeds and budgets -------------------------------------------------------------------------
+def test_every_turn_is_sampled_with_the_configured_settings_and_a_seed_of_its_own_per_episode_and_turn():
+    r = runner(max_turns=3, max_completion_length=20, temperature=0.7)
+    client = ScriptedClient(["45", "7", ""])
+    r.run_group(client, ROW, n=2, adapter="a", version=0, seed=7)
+    assert sorted(client.seeds) == sorted([7, 7 + 7919, 7 + 2 * 7919, 8, 8 + 7919, 8 + 2 * 7919])  # episode j: seed + j
+    assert set(client.sampling) == {(0.7, 1.0)}
+    e = r.start(ROW)
+    client = ScriptedClient(["45", "7", ""])
+    r.run(client, e, adapter="a", version=0, seed=2**31 - 5)
+    assert client.seeds == [2**31 - 5, 7914, 7914 + 7919]  # kept within vLLM's 31 bits
+    client = ScriptedClient(["45", ""])
+    r.run_group(client, ROW, n=2, adapter="a", version=0, seed=None)
+    assert client.seeds == [None] * 4  # no seed: the server draws
+
+
+def turn_lengths() -> tuple[int, int]:
+    """(ids of the sampled turn "45" with its eos, ids of the tool message and generation prompt that follow it)."""
+    r = runner(max_turns=2, max_completion_length=20)
+    e = r.start(ROW)
+    r.run(ScriptedClient(["45"]), e, adapter="a", version=0, seed=None)
+    return 3, e.loss_mask.count(0)
+
+
+def test_a_turn_with_one_token_of_room_left_is_still_sampled_and_the_next_tool_message_then_does_not_fit():
+    turn, suffix = turn_lengths()
+    r = runner(max_turns=5, max_completion_length=20, max_episode_tokens=turn + suffix + 1)
+    client = ScriptedClient(["45"])
+    e = r.start(ROW)
+    r.run(client, e, adapter="a", version=0, seed=None)
+    assert client.max_tokens == [20, 1]
+    assert e.turns == 2 and e.finish_reason == "length" and len(e.ids) == turn + suffix + 1
+    r = runner(max_turns=5, max_completion_length=20, max_episode_tokens=turn + suffix)  # no token after the message
+    e = r.start(ROW)
+    client = ScriptedClient(["45"])
+    r.run(client, e, adapter="a", version=0, seed=None)
+    assert client.max_tokens == [20] and e.finish_reason == "length" and e.ids == e.ids[:turn]
+
+
+def test_an_episode_never_outgrows_the_server_context_and_a_prompt_that_fills_it_is_truncated_unsent():
+    turn, suffix = turn_lengths()
+    prompt = len(runner().start(ROW).prompt_ids)
+    r = runner(max_turns=5, max_completion_length=20, max_model_len=prompt + turn + suffix - 1)
+    e = r.start(ROW)
+    r.run(ScriptedClient(["45"]), e, adapter="a", version=0, seed=None)
+    assert e.finish_reason == "length" and len(e.ids) == turn  # the tool message did not fit: not appended
+    r = runner(max_turns=5, max_completion_length=20, max_model_len=prompt)
+    client = ScriptedClient(["45"])
+    e = r.start(ROW)
+    r.run(client, e, adapter="a", version=0, seed=None)
+    assert client.prompts == [] and e.turns == 0 and e.finish_reason == "length"
+
+
+# ---- an environment's tool --------------------------------------------------------------------------------------
+class Desk:
+    """An environment whose one tool is this format's `lookup`, so the scripted turns call it with their text as the
+    key: an int, as its schema says (the parser casts it). Key 9 ends the episode (`done`, set only then), key 1
+    raises, key 0 hangs until `release` is set."""
+
+    release = threading.Event()
+
+    def __init__(self):
+        self.keys = []
+
+    def reset(self, **row):
+        return None
+
+    def lookup(self, key: int) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key
+        """
+        self.keys.append(key)
+        if key == 9:
+            self.done = True
+        if key == 1:
+            raise KeyError(key)
+        if key == 0:
+            Desk.release.wait(60)
+        return "ok"
+
+
+def test_an_environment_that_is_done_ends_the_episode_after_its_tool_message():
+    r = runner(tools=(), factory=Desk, max_turns=5, max_completion_length=20)
+    e = r.start(ROW)
+    client = ScriptedClient(["45", "9", "7"])
+    r.run(client, e, adapter="a", version=0, seed=None)
+    assert e.environment.keys == [45, 9]  # ints: the schema of the environment's tool cast them
+    assert e.turns == 2 and e.finish_reason == "stop" and len(client.prompts) == 2
+    assert e.messages[-1] == {"role": "tool", "name": "lookup", "content": "ok"}
+    assert e.ids[-2:] == ids("9") + [EOS] and e.loss_mask[-2:] == [1, 1]  # no tool message rendered after it
+
+
+def test_tool_errors_and_seconds_add_up_over_the_turns_and_a_hung_tool_is_cut_at_tool_timeout():
+    Desk.release = threading.Event()
+    r = runner(tools=(), factory=Desk, max_turns=5, max_completion_length=20, tool_timeout=0.2)
+    e = r.start(ROW)
+    try:
+        returns_within(lambda: r.run(ScriptedClient(["0", "1", ""]), e, adapter="a", version=0, seed=None), 20.0,
+                       "an episode whose first tool call hangs")
+    finally:
+        Desk.release.set()
+    assert e.turns == 3 and e.tool_calls == 2 and e.tool_errors == 2
+    assert e.tool_seconds >= 0.2  # the first turn's call waited its whole tool_timeout
+    assert "did not finish within tool_timeout=0.2 s" in e.messages[1]["content"]
+    assert e.messages[3]["content"] == '{"error": "KeyError: 1"}'
+
+
+# ---- the group the trainer gets ---------------------------------------------------------------------------------
+def test_an_episode_group_carries_the_rows_rendered_prompt_its_scores_and_finish_reasons():
+    a = Episode(prompt=[], prompt_ids=[1, 2, 3], tools={}, schemas=[], finish_reason="stop")
+    b = Episode(prompt=[], prompt_ids=[1, 2, 3], tools={}, schemas=[], finish_reason="length")
+    a.append([4, 5], [-0.5, -0.5], 2)
+    b.append([6], [-0.25], 2)
+    parts = {"r": [0.0, 4.0]}
+    group = episode_group(ROW, [a, b], [0.0, 4.0], parts, index=5, version=2, adapter="a-v2",
+                          cfg=make_cfg(scale_rewards="batch"))  # the batch's std scales it later: centred only
+    assert group.prompt == "<rendered>" and group.prompt_ids == [1, 2, 3]
+    assert group.completion_ids == [[4, 5], [6]] and group.behaviour_logprobs == [[-0.5, -0.5], [-0.25]]
+    assert group.rewards == [0.0, 4.0] and group.reward_parts == parts and group.advantages == [-2.0, 2.0]
+    assert (group.version, group.adapter, group.index) == (2, "a-v2", 5)
+    assert group.finish_reasons == ["stop", "length"] and group.masked == []  # mask_truncated_completions off
+    group = episode_group(ROW, [a, b], [0.0, 4.0], parts, index=5, version=2, adapter="a-v2",
+                          cfg=make_cfg(scale_rewards="group"))
+    assert group.advantages == pytest.approx([-2.0 / 8**0.5, 2.0 / 8**0.5], abs=1e-3)
+
+
+# ---- the chat format: what it renders, and what it refuses --------------------------------------------------------
+def test_the_prompt_lists_the_tools_and_gets_the_system_prompt_unless_it_has_its_own():
+    schemas = [tool_schema(lookup)]
+    plain = ChatFormat(TOK, TOK.response_template, stop_ids={EOS})
+    assert TOK.decode(plain.prompt_ids(ROW.prompt, schemas)) == \
+        "<|im_start|>system\ntools: lookup<|im_end|>\n<|im_start|>user\n07,45><|im_end|>\n<|im_start|>assistant\n"
+    told = ChatFormat(TOK, TOK.response_template, stop_ids={EOS}, system_prompt="Be brief.")
+    assert TOK.decode(told.prompt_ids(ROW.prompt, [])) == \
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n07,45><|im_end|>\n<|im_start|>assistant\n"
+    own = [{"role": "system", "content": "Mine."}, *ROW.prompt]
+    assert TOK.decode(told.prompt_ids(own, [])) == \
+        "<|im_start|>system\nMine.<|im_end|>\n<|im_start|>user\n07,45><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_template_kwargs_reach_the_prompt_and_the_tool_messages():
+    tok = copy.deepcopy(TOK)
+    tok.chat_template = CHAT_TEMPLATE + "{% if mark %}[mark]{% endif %}"
+    fmt = ChatFormat(tok, tok.response_template, stop_ids={EOS}, template_kwargs={"mark": True})
+    assert TOK.decode(fmt.prompt_ids(ROW.prompt, [])).endswith("<|im_start|>assistant\n[mark]")
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "lookup",
+                                                                                  "arguments": {"key": "45"}}}]}
+    suffix = fmt.tool_suffix(call, [{"role": "tool", "name": "lookup", "content": "[2]"}], [])
+    assert TOK.decode(suffix) == "\n<|im_start|>tool\n[2]<|im_end|>\n<|im_start|>assistant\n[mark]"
+
+
+def test_a_tokenizer_that_cannot_run_episodes_is_refused_naming_what_is_missing_and_the_fix():
+    with pytest.raises(ConfigError) as error:
+        ChatFormat(TOK, None, stop_ids={EOS})
+    assert error.value.field == "tools"
+    assert "has no response_template, so tool calls cannot be parsed from what the model samples" in str(error.value)
+    assert str(error.value).endswith(". Fix: set `tokenizer.response_template` (transformers' response template dict; "
+                                     "TRL's chat_template_utils has them for Qwen3 and Gemma 4) and save the tokenizer")
+    bare = copy.deepcopy(TOK)
+    bare.chat_template = None
+    with pytest.raises(ConfigError) as error:
+        ChatFormat(bare, TOK.response_template, stop_ids={EOS})
+    assert error.value.field == "tools" and "has no chat template" in str(error.value)
+    assert str(error.value).endswith(". Fix: use a tokenizer whose chat template renders tool calls and tool messages")
+
+
+def test_a_template_whose_turns_end_on_no_stop_id_or_that_rerenders_earlier_turns_is_refused_for_tool_messages():
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "lookup",
+                                                                                  "arguments": {"key": "45"}}}]}
+    result = [{"role": "tool", "name": "lookup", "content": "[2]"}]
+    with pytest.raises(ToolError, match=r"renders an assistant tool-call turn with none of the stop ids \[7\], so "
+                                        r"where a sampled turn ends in it is unknown. Fix: give the tokenizer"):
+        ChatFormat(TOK, TOK.response_template, stop_ids={7}).tool_suffix(call, result, [])
+    counting = copy.deepcopy(TOK)
+    counting.chat_template = "{{ messages | length }}" + CHAT_TEMPLATE  # the count changes as messages are added
+    with pytest.raises(ToolError) as error:
+        ChatFormat(counting, TOK.response_template, stop_ids={EOS}).tool_suffix(call, result, [])
+    assert "not prefix-preserving" in str(error.value)
+    assert str(error.value).endswith(". Fix: use a template that keeps earlier turns as they were rendered (TRL ships "
+                                     "*_training templates)")
+
+
+def test_episodes_need_chat_prompts_and_an_environment_that_can_be_built_with_documented_tools():
+    with pytest.raises(ConfigError) as error:
+        runner().start(PromptRow(prompt="07,45>", prompt_ids=[1], columns={}))
+    assert error.value.field == "prompt_format" and "is plain text, but episodes need chat messages" in str(error.value)
+    assert str(error.value).endswith(". Fix: use `prompt_format: chat`")
+
+    def broken():
+        raise RuntimeError("no room")
+
+    with pytest.raises(ToolError, match=r"^environment_factory agent_tools:Counter could not be built: RuntimeError: "
+                                        r"no room"):
+        runner(tools=(), factory=broken, environment_factory="agent_tools:Counter").start(ROW)
+
+    class Undocumented(Observer):
+        def peek(self, x: int) -> int:
+            return x
+
+    with pytest.raises(ConfigError) as error:
+        runner(tools=(), factory=Undocumented).start(ROW)
+    assert error.value.field == "environment_factory" and "no schema for tool" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        runner(tools=(agent_tools.no_docstring,))
+    assert error.value.field == "tools"
+    assert runner().start(ROW).environment is None  # tools alone: no environment

@@ -4,12 +4,15 @@ environments. A stub HTTP server stands in for vLLM: a real one cannot be made t
 
 from __future__ import annotations
 
+import agent_tools
 import pytest
 from agent_format import agent_tokenizer, lookup
+from fakes import generation
 
 from asyncgrpo.data import PromptRow
+from asyncgrpo.errors import BehaviourLogprobError
 from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner
-from fakes import generation
+from asyncgrpo.rollout.producer import request_seed
 
 TOK = agent_tokenizer()
 
@@ -68,3 +71,86 @@ def test_a_server_that_dies_between_turns_loses_the_group_and_it_is_sent_again_f
     assert rollout.producer.lost_groups == 1 and rollout.producer.resent_groups == 1
     assert sorted(g.index for g in groups) == [0, 1]
     assert all(g.loss_mask for g in groups)
+
+
+def seven_then_stop(body):
+    ids = TOK.encode("7", add_special_tokens=False) + [0] if turn_of(body) == 0 else [0]
+    return [ids] * body["n"]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("factory", [None, "agent_tools:Counter"])
+def test_episodes_are_scored_on_what_they_said_with_their_environments_and_each_turn_is_seeded(rollout_on_stub,
+                                                                                              factory):
+    seen = []
+
+    def reward(prompts, completions, **columns):
+        seen.append({"prompts": prompts, "completions": completions, **columns})
+        return [float(len(c)) for c in completions]
+
+    @generation
+    def route(body):
+        return rollout_on_stub.answer(body, seven_then_stop(body))
+
+    extra = {} if factory is None else {"environment_factory": factory}
+    rollout = rollout_on_stub(route, rows=rows(), reward=reward, tools=["agent_format:lookup"], max_turns=4,
+                              seeded_generation=True, seed=11, **extra)
+    rollout.producer.episodes = EpisodeRunner(ChatFormat(TOK, TOK.response_template, stop_ids={0}), rollout.cfg,
+                                              tools=[lookup], factory=agent_tools.Counter if factory else None,
+                                              max_model_len=None)
+    groups = rollout.run()
+    rollout_on_stub.stop(rollout.producer)
+    by_index = {g.index: g for g in groups}
+    scored = {int(call["prompts"][0][-1]["content"][1]): call for call in seen}  # by row: "0{i},45>..."
+    for g in groups:
+        i = int(g.prompt[1:])  # the row's rendered prompt, "p{i}" (the stream's order is shuffled)
+        call = scored[i]
+        assert call["completion_ids"] == g.completion_ids  # the whole prompt is shared: the ids are the episode's
+        assert g.reward_parts == {"format_reward": [3.0, 3.0]} and g.rewards == [3.0, 3.0]  # assistant, tool, assistant
+        assert [m["role"] for m in call["completions"][0]] == ["assistant", "tool", "assistant"]
+        assert g.adapter == "demo-v0" and call["truncated"] == [False, False]
+        if factory is None:
+            assert "environments" not in call and call["prompts"] == [rows()[i].prompt] * 2
+        else:  # each episode's own environment, reset with the row: its observation is in the prompt scored
+            envs = call["environments"]
+            assert all(isinstance(e, agent_tools.Counter) for e in envs) and envs[0] is not envs[1]
+            assert call["prompts"][0][-1]["content"] == f"0{i},45> (start 0)"
+    # every sampled token is counted (a group: two episodes of "7", eos then eos), also of groups not taken yet
+    assert rollout.producer.generated_tokens >= 6 * len(groups) and rollout.producer.generated_tokens % 6 == 0
+    first_turns = {b["seed"] for b in rollout.generation_bodies() if turn_of(b) == 0}
+    second_turns = {b["seed"] for b in rollout.generation_bodies() if turn_of(b) == 1}
+    for index in by_index:
+        seed = request_seed(11, index, 2)
+        assert {seed, seed + 1} <= first_turns and {seed + 7919, seed + 1 + 7919} <= second_turns
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_turn_aborted_by_a_sync_loses_the_group_and_it_is_sent_again(rollout_on_stub):
+    aborted = []
+
+    @generation
+    def route(body):
+        if turn_of(body) == 1 and not aborted:
+            aborted.append(body["prompt"])
+            return rollout_on_stub.answer(body, [[0]], finish_reasons=["abort"])
+        return rollout_on_stub.answer(body, seven_then_stop(body))
+
+    rollout = with_episodes(rollout_on_stub(route, rows=rows(), tools=["agent_format:lookup"], max_turns=4))
+    groups = rollout.run()
+    rollout_on_stub.stop(rollout.producer)
+    assert rollout.producer.lost_groups == 1 and rollout.producer.resent_groups == 1
+    assert sorted(g.index for g in groups) == [0, 1] and all(len(g.completion_ids) == 2 for g in groups)
+
+
+def test_a_turn_with_an_impossible_logprob_stops_the_run_naming_the_server_the_prompt_and_the_adapter(rollout_on_stub):
+    @generation
+    def route(body):
+        return rollout_on_stub.answer(body, seven_then_stop(body), logprob=-5000.0 if turn_of(body) == 0 else -0.5)
+
+    rollout = with_episodes(rollout_on_stub(route, rows=rows()[:1], groups_per_step=1, tools=["agent_format:lookup"],
+                                            max_turns=4))
+    seven = TOK.encode("7", add_special_tokens=False)[0]
+    with pytest.raises(BehaviourLogprobError, match=rf"^{rollout.server.url} returned logprob -5000.0 for token 0 "
+                                                    rf"\(id {seven}\) of completion 0 of the request for prompt 0 "
+                                                    rf"\(adapter 'demo-v0'\)"):
+        rollout.run()

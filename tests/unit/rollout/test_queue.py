@@ -111,8 +111,10 @@ def test_one_completion_of_a_group_keeps_every_per_completion_field_of_that_comp
     g = Group(prompt="p", prompt_ids=[1, 2], completion_ids=[[3], [4, 5], [6]],
               behaviour_logprobs=[[-0.1], [-0.2, -0.3], [-0.4]], rewards=[1.0, 0.5, 0.0],
               reward_parts={"a": [1.0, None, 0.0], "b": [0.0, 0.5, 0.0]}, advantages=[0.6, 0.1, -0.7], version=3,
-              adapter="pol-v3", finish_reasons=["stop", "length", "stop"], index=9, masked=[False, True, False])
+              adapter="pol-v3", finish_reasons=["stop", "length", "stop"], index=9, masked=[False, True, False],
+              loss_mask=[[1], [1, 0], [1]], versions=[[3], [2, 3], [3]])  # episodes: per-token mask and versions
     one = g.completion(1)
+    assert (one.loss_mask, one.versions) == ([[1, 0]], [[2, 3]])
     assert (one.completion_ids, one.behaviour_logprobs, one.rewards, one.advantages) == \
         ([[4, 5]], [[-0.2, -0.3]], [0.5], [0.1])
     assert (one.finish_reasons, one.masked, one.reward_parts) == (["length"], [True], {"a": [None], "b": [0.5]})

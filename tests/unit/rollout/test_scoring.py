@@ -78,3 +78,40 @@ def test_make_group_scorer_applies_reward_timeout_in_thread(rewards):
     scoring = make_group_scorer(cfg(reward_funcs=["scoring_fns:count_digits"], reward_timeout=7.5), DigitTokenizer(),
                                 None)
     assert isinstance(scoring, InThreadScoring) and scoring.timeout_s == 7.5
+
+
+def test_episodes_are_scored_on_their_messages_with_the_rows_columns_the_last_answer_and_the_environments(rewards):
+    seen = []
+
+    def record(prompts, completions, **columns):
+        seen.append({"prompts": prompts, "completions": completions, **columns})
+        return [float(len(c)) for c in completions]
+
+    rewards.record = record
+    scoring = InThreadScoring(RewardScorer(["scoring_fns:record"]), DigitTokenizer(), timeout_s=BOUND_S)
+    row = PromptRow(prompt=[{"role": "user", "content": "07,45>"}], prompt_ids=[1], columns={"start": 3},
+                    rendered="<rendered>")
+    answer, call, result = ({"role": "assistant", "content": "7"}, {"role": "assistant", "tool_calls": []},
+                            {"role": "tool", "name": "lookup", "content": "[2]"})
+    messages = [[call, result, answer, result], [result]]  # the second episode never answered
+    prompts = [row.prompt, [{"role": "user", "content": "07,45> (start 3)"}]]
+    envs = [object(), object()]
+    assert scoring.score_episodes(row, prompts, messages, [[4, 5], [6]], ["stop", "length"], envs) == \
+        ([4.0, 1.0], {"record": [4.0, 1.0]})
+    assert seen[0] == {"prompts": prompts, "completions": messages, "start": [3, 3], "environments": envs,
+                       "completion_ids": [[4, 5], [6]], "truncated": [False, True], "parsed": [answer, None]}
+    scoring.score_episodes(row, prompts, messages, [[4, 5], [6]], ["stop", "stop"], None)
+    assert "environments" not in seen[1]  # no environment_factory: no such column
+
+
+def test_a_hung_reward_function_on_episodes_is_named_with_the_prompt_within_reward_timeout(rewards):
+    scoring = InThreadScoring(RewardScorer(["scoring_fns:stuck"]), DigitTokenizer(), timeout_s=DEADLINE_S)
+    with pytest.raises(RewardFunctionError) as error:
+        returns_within(lambda: scoring.score_episodes(ROW, ["p"] * 3, [[]] * 3, [[1]] * 3, ["stop"] * 3, None),
+                       BOUND_S, "score_episodes")
+    assert "reward function scoring_fns:stuck did not finish within reward_timeout=0.3 s" in str(error.value)
+    assert "'07,45>' (3 completions)" in str(error.value)
+    assert str(error.value).endswith(
+        "\n  It runs in the training process (reward_workers: 0), where a thread cannot be stopped: it is left running."
+        " Fix: find where the function hangs or make it faster, raise `reward_timeout`, or set `reward_workers: 2` "
+        "(worker processes: a hung one is killed and replaced)")

@@ -4,12 +4,16 @@ arguments), or a ToolError naming the tool that ended its worker thread; and TRL
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import agent_tools
 import pytest
+from liveness import returns_within
 
 from asyncgrpo.errors import ConfigError, ToolError
-from asyncgrpo.rollout.tools import call_tool, environment_tools, load_environment_factory, load_tools, run_tool_calls
+from asyncgrpo.rollout.tools import (ToolResult, call_tool, environment_tools, load_environment_factory, load_tools,
+                                     render_result, run_tool_calls)
 
 TOOLS = {"lookup": agent_tools.lookup, "add": agent_tools.add, "hang": agent_tools.hang, "leave": agent_tools.leave}
 
@@ -27,9 +31,10 @@ def test_a_raising_tool_returns_its_error_to_the_model_and_is_counted_as_an_erro
 
 
 def test_a_hanging_tool_is_cut_off_at_the_timeout_and_the_message_says_so():
+    agent_tools.RELEASE = threading.Event()  # unset: an earlier test may have released the last one
     try:
         result = call_tool(TOOLS, "hang", {"seconds": 60}, 0.2)
-        assert result.error
+        assert result.error and result.name == "hang"
         assert "hang did not finish within tool_timeout=0.2 s" in json.loads(result.content)["error"]
         assert result.seconds >= 0.2
     finally:
@@ -68,3 +73,75 @@ def test_an_environments_tools_are_its_public_methods_but_reset_and_get_reward()
     assert tools[0](2) == 2 and env.count == 2  # bound to that instance
     with pytest.raises(ConfigError, match="reset"):
         load_environment_factory("agent_tools:lookup")
+
+
+def test_an_unknown_tool_and_arguments_that_are_not_an_object_answer_at_once_naming_what_is_wrong():
+    tools = {"lookup": agent_tools.lookup, "add": agent_tools.add}
+    assert call_tool(tools, "search", {}, 1.0) == ToolResult(
+        "search", json.dumps({"error": "no tool named 'search'; tools: ['add', 'lookup']"}), True, 0.0)
+    assert call_tool(tools, "lookup", ["a"], 1.0) == ToolResult(
+        "lookup", json.dumps({"error": "arguments of lookup must be an object, got ['a']"}), True, 0.0)
+
+
+def test_a_tool_result_names_its_tool_and_the_seconds_it_took_are_those_of_the_call():
+    t0 = time.monotonic()
+    ok = call_tool(TOOLS, "lookup", {"key": "b"}, 5.0)
+    raised = call_tool(TOOLS, "lookup", {"key": "zz"}, 5.0)
+    took = time.monotonic() - t0
+    assert (ok.name, ok.content, ok.error) == ("lookup", "c", False)
+    assert (raised.name, raised.error) == ("lookup", True)
+    assert 0.0 <= ok.seconds and 0.0 <= raised.seconds and ok.seconds + raised.seconds <= took
+
+
+def test_a_non_text_result_keeps_its_unicode_and_one_json_cannot_write_is_its_str():
+    assert render_result({"city": "Zürich"}) == '{"city": "Zürich"}'
+    assert render_result({3}) == "{3}"
+    assert render_result("as it is") == "as it is"
+
+
+def test_a_reference_that_cannot_be_loaded_is_refused_naming_the_key_the_reference_and_the_fix():
+    with pytest.raises(ConfigError) as error:
+        load_tools(["no_such_module_for_tools:f"])
+    assert error.value.field == "tools"
+    assert "cannot import module 'no_such_module_for_tools'" in str(error.value)
+    assert str(error.value).endswith(". Fix: make the module importable (installed, or on PYTHONPATH)")
+    with pytest.raises(ConfigError) as error:
+        load_tools(["agent_tools"])  # no ':' and no name after it
+    assert error.value.field == "tools" and "'agent_tools' has no ''" in str(error.value)
+    assert "check the name after ':' in 'agent_tools'" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        load_environment_factory("agent_tools:Nope")
+    assert error.value.field == "environment_factory" and "'agent_tools' has no 'Nope'" in str(error.value)
+
+
+def test_a_tool_that_is_not_a_function_or_has_no_schema_is_refused_under_tools():
+    with pytest.raises(ConfigError) as error:
+        load_tools(["agent_tools:TABLE"])
+    assert error.value.field == "tools"
+    assert "agent_tools:TABLE is dict, not a function. Fix: name a function" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        load_tools(["agent_tools:no_docstring"])
+    assert error.value.field == "tools" and "no schema for tool 'no_docstring'" in str(error.value)
+    assert str(error.value).endswith(". Fix: give every argument a type hint and a Google docstring with an `Args:` "
+                                     "entry each (transformers.utils.get_json_schema)")
+
+
+def test_an_environment_factory_without_reset_is_refused_naming_the_contract():
+    for ref in ("agent_tools:lookup", "agent_tools:TABLE"):
+        with pytest.raises(ConfigError) as error:
+            load_environment_factory(ref)
+        assert error.value.field == "environment_factory"
+        assert f"{ref} is not a class with a reset(**row) method" in str(error.value)
+        assert str(error.value).endswith(
+            ". Fix: name a class whose instances have reset(**row) and public tool methods")
+
+
+def test_a_hung_call_among_several_of_one_turn_is_cut_at_the_timeout_and_the_others_answer():
+    agent_tools.RELEASE = threading.Event()
+    try:
+        results = returns_within(lambda: run_tool_calls(TOOLS, [("hang", {"seconds": 60}), ("lookup", {"key": "a"})],
+                                                        0.2), 20.0, "two calls, one hanging")
+    finally:
+        agent_tools.RELEASE.set()
+    assert results[0].error and "hang did not finish within tool_timeout=0.2 s" in results[0].content
+    assert (results[1].content, results[1].error) == ("b", False)
