@@ -94,7 +94,8 @@ def worker(argv: list[str]) -> None:
             "backend": backend_of(trainer.acc), "variant": args.variant, "world_size": trainer.world,
             "model": cfg.model_name_or_path, "torch_dtype": cfg.torch_dtype, "lora_r": cfg.lora_r,
             "gradient_checkpointing": cfg.gradient_checkpointing, "chunked_head": trainer.scoring_head is not None,
-            "parameters": sum(p.numel() for p in model.parameters()), "tokens": metrics.values["train/tokens"],
+            "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),  # ZeRO-3: full size
+            "tokens": metrics.values["train/tokens"],
             "ranks": sorted(rows, key=lambda r: r["rank"])}))
     trainer.acc.wait_for_everyone()
     trainer.acc.end_training()
