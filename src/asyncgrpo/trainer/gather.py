@@ -165,6 +165,32 @@ def _fsdp1_local_slices(model, rank: int) -> list[tuple[str, tuple[int, ...], in
     return slices
 
 
+def _fsdp1_slices_on_rank0(accelerator, mine: list) -> list | None:
+    """Collective: every rank's slices on rank 0 (None elsewhere). Where each slice goes (name, shape, offset, size)
+    travels as a small object; the values travel as one flat buffer per rank, point to point: pickling hundreds of
+    tensors for `gather_object` cost 0.8 s for a 74 MB adapter (Qwen2.5-1.5B's shape, r=16) on 2 CPU ranks."""
+    places = [(name, shape, start, piece.numel()) for name, shape, start, piece in mine]
+    dtype = mine[0][3].dtype if mine else torch.float32
+    assert all(piece.dtype == dtype for *_, piece in mine), "LoRA parameters of mixed dtypes"
+    local = torch.cat([piece.reshape(-1) for *_, piece in mine]) if mine else torch.zeros(0, dtype=dtype)
+    received = [None] * accelerator.num_processes if accelerator.is_main_process else None
+    dist.gather_object((places, str(dtype).removeprefix("torch.")), received, dst=0)
+    if not accelerator.is_main_process:
+        if local.numel():
+            dist.send(to_collective(local), dst=0)
+        return None
+    buffers = [to_collective(local)] + [to_collective(torch.empty(sum(p[3] for p in rank_places),
+                                                                  dtype=getattr(torch, rank_dtype)))
+                                        for rank_places, rank_dtype in received[1:]]
+    for request in [dist.irecv(buf, src=r) for r, buf in enumerate(buffers) if r and buf.numel()]:
+        request.wait()
+    slices = []
+    for (rank_places, _), buf in zip(received, buffers):
+        pieces = torch.split(to_host(buf), [p[3] for p in rank_places])
+        slices += [(name, shape, start, piece) for (name, shape, start, _), piece in zip(rank_places, pieces)]
+    return slices
+
+
 def clean_fsdp_name(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
@@ -176,14 +202,13 @@ def gather_fsdp1(accelerator, model) -> tuple[dict[str, torch.Tensor] | None, in
     the adapter's parameters (names, shapes, every element covered once), because PEFT's own save silently writes
     zero tensors for FSDP1 models (docs/cpu-hosts.md#gathering-only-the-adapter)."""
     mine = _fsdp1_local_slices(model, accelerator.process_index)
-    received = [None] * accelerator.num_processes if accelerator.is_main_process else None
-    dist.gather_object(mine, received, dst=0)
-    if not accelerator.is_main_process:
+    slices = _fsdp1_slices_on_rank0(accelerator, mine)
+    if slices is None:
         return None, 0
     peft_model = accelerator.unwrap_model(model)
     expected = {clean_fsdp_name(n): p for n, p in lora_parameters(peft_model)}
     flat, covered, shapes, nbytes = {}, {}, {}, 0
-    for name, shape, start, piece in (s for rank_slices in received for s in rank_slices):
+    for name, shape, start, piece in slices:
         numel = math.prod(shape)
         flat.setdefault(name, torch.zeros(numel, dtype=piece.dtype))[start:start + piece.numel()] = piece
         covered[name] = covered.get(name, 0) + piece.numel()
