@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from asyncgrpo.bench.throughput import max_sequences, process_tree_cpu_s, run_summary, split_cores, step_history
+from asyncgrpo.bench.throughput import (max_sequences, process_tree_cpu_s, run_summary, split_cores,
+                                       start_pinned_server, step_history)
 from asyncgrpo.config import parse_overrides
 from asyncgrpo.demo_agent import agent_config, episode_figures, load_agent_config
-from asyncgrpo.inference.server import VLLMServer, find_free_port
 from asyncgrpo.toy.agent_task import LookupEnv
 from asyncgrpo.toy.agent_world import build_agent_world
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
@@ -107,19 +107,10 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
     with contextlib.ExitStack() as stack:
         server_pid = None
         if server_url is None:
-            env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores["server"][0])}
-            os.sched_setaffinity(0, cores["server"])  # the server inherits this affinity...
-            server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=max(8, base.lora_r),
-                                max_loras=max(stalenesses) + 3, max_model_len=256,
-                                max_num_seqs=max_sequences(base, max(stalenesses)), log_path=work / "vllm.log",
-                                env=env)
-            try:
-                server.start()
-            finally:
-                os.sched_setaffinity(0, cores["trainer"])  # ...and this process moves to the trainer's core
-            stack.callback(server.stop)
-            server.wait_ready()
-            server_url, server_pid = server.base_url, server.process.pid
+            server_url, server_pid = start_pinned_server(stack, world.model_dir, work, cores,
+                                                         max_lora_rank=max(8, base.lora_r),
+                                                         max_loras=max(stalenesses) + 3,
+                                                         max_num_seqs=max_sequences(base, max(stalenesses)))
         # Untimed warm-up: the server's first LoRA requests are slow; no timed run should pay for them.
         warm = AsyncGRPOTrainer(run_config(world, work, 0, server_url, values, "warmup", max_steps=WARMUP_STEPS,
                                            **per_run))

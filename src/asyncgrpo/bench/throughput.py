@@ -184,6 +184,22 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
     return summary, record
 
 
+
+def start_pinned_server(stack, model_dir, work, cores: dict, **server_args) -> tuple[str, int]:
+    """A vLLM server on `cores["server"]` (its OMP threads bound there), this process moved to `cores["trainer"]`;
+    stopped when `stack` closes. Returns its URL and pid once it answers /health."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores["server"][0])}
+    os.sched_setaffinity(0, cores["server"])  # the server inherits this affinity...
+    server = VLLMServer(model_dir, find_free_port(), max_model_len=256, log_path=work / "vllm.log", env=env,
+                        **server_args)
+    try:
+        server.start()
+    finally:
+        os.sched_setaffinity(0, cores["trainer"])  # ...and this process moves to the trainer's core
+    stack.callback(server.stop)
+    server.wait_ready()
+    return server.base_url, server.process.pid
+
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
         stalenesses=STALENESS) -> dict:
     """Build the toy world, start a pinned vLLM server unless `server_url` is given, run each staleness."""
@@ -197,17 +213,9 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
         work.mkdir(parents=True, exist_ok=True)
         server_pid = None
         if server_url is None:
-            env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores["server"][0])}
-            os.sched_setaffinity(0, cores["server"])  # the server inherits this affinity...
-            server = VLLMServer(world.model_dir, find_free_port(), max_loras=max(stalenesses) + 3, max_model_len=256,
-                                max_num_seqs=max_sequences(base, max(stalenesses)), log_path=work / "vllm.log", env=env)
-            try:
-                server.start()
-            finally:
-                os.sched_setaffinity(0, cores["trainer"])  # ...and this process moves to the trainer's core
-            stack.callback(server.stop)
-            server.wait_ready()
-            server_url, server_pid = server.base_url, server.process.pid
+            server_url, server_pid = start_pinned_server(stack, world.model_dir, work, cores,
+                                                         max_loras=max(stalenesses) + 3,
+                                                         max_num_seqs=max_sequences(base, max(stalenesses)))
         client = InferenceClient(server_url, timeout_s=base.vllm_request_timeout)
         def config(staleness: int, name: str, *extra: str):
             return AsyncGRPOConfig.load(default_config_path(), [
