@@ -67,6 +67,15 @@ def run_episodes(client, model: str, n: int, tools, max_len: int = 256, seed: in
     return cfg, episodes, recorded
 
 
+def unload_all(client, names) -> None:
+    """Unload each adapter a test loaded; one a failed test never loaded is skipped."""
+    for name in names:
+        try:
+            client.unload_adapter(name)
+        except Exception:  # noqa: BLE001 - v1 may not have been loaded
+            pass
+
+
 def test_a_three_turn_episodes_sampled_tokens_score_the_same_in_the_trainer_and_tool_tokens_carry_no_loss(
         world, client):
     from transformers import AutoModelForCausalLM  # heavy: the trainer's model
@@ -158,11 +167,7 @@ def test_an_episode_keeps_its_start_adapter_when_a_version_is_published_between_
             v1 = max(abs(under[names[1]][p] - s) for p, s in zip(positions, sampled))
             assert v0 < 1e-3 < 1e-2 < v1, (v0, v1)  # every turn, before and after the publish, sampled by v0
     finally:
-        for name in names:
-            try:
-                client.unload_adapter(name)
-            except Exception:  # noqa: BLE001 - v1 may not have been loaded
-                pass
+        unload_all(client, names)
 
 
 def test_with_latest_the_turns_after_a_publish_are_sampled_by_the_new_version_and_tagged_with_it(
@@ -208,11 +213,7 @@ def test_with_latest_the_turns_after_a_publish_are_sampled_by_the_new_version_an
         assert max(diffs[1]) > 1e-2  # and those after it were not sampled by v0
         assert schedule.adapters_in_use() == set()  # every turn let its adapter go
     finally:
-        for name in names:
-            try:
-                client.unload_adapter(name)
-            except Exception:  # noqa: BLE001 - v1 may not have been loaded
-                pass
+        unload_all(client, names)
 
 
 def test_a_tool_calling_run_trains_on_exactly_the_tokens_the_server_sampled(world, vllm_server, tmp_path, tb_scalars):
