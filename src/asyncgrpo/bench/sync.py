@@ -83,7 +83,7 @@ def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, ove
     """Two CPU ranks of the worker under `accelerate launch` with the backend's config; returns its JSON."""
     repo = Path(__file__).resolve().parents[3]
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = cpu_launch_env(backend)
+    env = cpu_launch_env(backend, large_model=large_model)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(repo / "launch" / "accelerate" / f"{backend}_cpu.yaml"), "--main_process_port", str(find_free_port()),
            "-m", "asyncgrpo.bench.sync", "--worker", "--out", str(out),
