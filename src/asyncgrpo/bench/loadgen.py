@@ -10,6 +10,7 @@ and the answers: docs/benchmarks.md ("`bench producer` and its load generator").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -111,14 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     answers = Answers(json.load(sys.stdin)["completions"])
-    server = make_server(answers, args.port)
-    print(f"listening {server.server_address[1]}", flush=True)
-    try:
+    with make_server(answers, args.port) as server, contextlib.suppress(KeyboardInterrupt):  # exit: server_close
+        print(f"listening {server.server_address[1]}", flush=True)
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
     return 0
 
 
