@@ -68,12 +68,17 @@ def test_a_file_named_like_a_temporary_is_not_a_writers_directory(tmp_path):
 
 
 def test_checking_whether_a_writer_is_alive_sends_it_no_signal(tmp_path):
-    # another run, writing: it echoes one line back, which it cannot do if it was signalled (SIGHUP etc. end it)
-    echo = "import sys; sys.stdout.write(sys.stdin.readline()); sys.stdout.flush(); sys.stdin.readline()"
+    # another run, writing: it echoes lines back, which it cannot do if it was signalled (SIGHUP etc. end it). It sets
+    # SIGHUP (signal 1, what a mutated 0 becomes) back to its default first: under nohup it inherits it ignored.
+    echo = ("import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+            "[(sys.stdout.write(sys.stdin.readline()), sys.stdout.flush()) for _ in range(2)]; sys.stdin.readline()")
     writer = subprocess.Popen([sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         live = tmp_path / "run-b" / f".tmp-v000002-{writer.pid}"
         live.mkdir(parents=True)
+        writer.stdin.write("ready\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "ready\n"  # its own SIGHUP disposition is in place
         assert clean_stale_temporaries(tmp_path) == []
         assert live.exists()
         writer.stdin.write("still writing\n")
