@@ -1,6 +1,7 @@
 """The GRPO loss family (loss_type, GSPO, delta, CISPO), the off-policy correction and the safety clamp, each against
 numbers worked out by hand from the formula (written out in the comments), not recomputed with the same code."""
 
+import logging
 import math
 
 import pytest
@@ -325,12 +326,29 @@ def test_loss_spec_from_config_picks_up_every_field():
         "lora_adapter_path": "/tmp/adapters", "epsilon": 0.11, "epsilon_high": 0.33, "loss_type": "dr_grpo",
         "beta": 0.05, "importance_sampling_level": "sequence", "delta": 4.5,
         "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
-        "vllm_importance_sampling_cap": 2.5, "max_completion_length": 77})
+        "vllm_importance_sampling_cap": 2.5, "max_completion_length": 77, "vllm_importance_sampling_clip_min": 0.25,
+        "off_policy_mask_threshold": 0.6, "use_bias_correction_kl": True, "sapo_temperature_pos": 0.7,
+        "sapo_temperature_neg": 1.3, "top_entropy_quantile": 0.4})
     assert LossSpec.from_config(cfg) == LossSpec(
         epsilon_low=0.11, epsilon_high=0.33, loss_type="dr_grpo", beta=0.05, importance_sampling_level="sequence",
-        delta=4.5, is_mode="sequence_mask", is_cap=2.5, max_completion_length=77)
+        delta=4.5, is_mode="sequence_mask", is_cap=2.5, max_completion_length=77, is_clip_min=0.25,
+        off_policy_mask_threshold=0.6, use_bias_correction_kl=True, sapo_temperature_pos=0.7,
+        sapo_temperature_neg=1.3, top_entropy_quantile=0.4)
     spec = LossSpec.from_config(cfg)
     assert spec.counts_sequences and spec.needs_reference and spec.importance_weighted
+
+
+@pytest.mark.parametrize(("loss_type", "level", "warned"), [
+    ("luspo", "token", "luspo is defined with importance_sampling_level: sequence"),
+    ("luspo", "sequence", None), ("grpo", "token", None),
+    ("dapo", "sequence", "sums per-token contributions"), ("grpo", "sequence", None)])
+def test_loss_spec_from_config_warns_only_on_a_mismatched_level(caplog, loss_type, level, warned):
+    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "loss_type": loss_type,
+                                     "importance_sampling_level": level})
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.loss"):
+        LossSpec.from_config(cfg)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == (warned is not None) and all(warned in w for w in warnings)
 
 
 def test_loss_spec_from_a_default_config_has_delta_3_no_correction_and_epsilon_high_falls_back_to_epsilon():
