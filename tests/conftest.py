@@ -2,12 +2,26 @@
 must not depend on `make` having exported these (set before any test module imports huggingface_hub)."""
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_name, "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+STALE_LOCK_S = 600  # building DeepSpeed's CPU op takes a minute or two on 2 cores
+
+
+def pytest_sessionstart(session):
+    """Remove a stale lock from torch's extension builds. Every DeepSpeed start on CPU loads its shared-memory op,
+    and torch takes `<extensions>/<op>/lock` for that even when the op is built; a process killed while holding it
+    (`make mutate` kills a mutant's tests at their timeout) left every later DeepSpeed start waiting forever."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    for lock in root.glob("*/*/lock"):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logging.getLogger(__name__).warning("removing a stale torch extension lock %s", lock)
+            lock.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):
