@@ -588,6 +588,20 @@ def test_an_unlisted_file_is_refused_by_name_and_a_listed_one_must_match(tmp_pat
         assert f.tell() == 0 and f.read() == (path / "rng-rank0.pt").read_bytes()
 
 
+def test_a_listed_file_larger_than_one_hash_chunk_is_checked_whole(tmp_path):
+    # A real model's optimizer state is many MiB: the size and digest add up over every chunk, not the last one.
+    from asyncgrpo.files import HASH_CHUNK
+
+    data = os.urandom(2 * HASH_CHUNK + 7)
+    (tmp_path / "optimizer.pt").write_bytes(data)
+    manifest = {"files": {"optimizer.pt": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    with ckpt._open_listed(tmp_path, manifest, "optimizer.pt") as f:
+        assert f.read() == data
+    manifest["files"]["optimizer.pt"]["bytes"] = 7  # what counting only the last chunk would give
+    with pytest.raises(CheckpointError, match=f"corrupt .{len(data)} bytes, the manifest says 7"):
+        ckpt._open_listed(tmp_path, manifest, "optimizer.pt")
+
+
 def test_a_manifest_listing_a_path_outside_the_checkpoint_is_refused(tmp_path):
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
