@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.errors import ConfigError, InferenceServerError, SyncError
+from asyncgrpo.errors import ConfigError, InferenceServerError, ServerUnreachableError, SyncError
 from asyncgrpo.inference.receiver import AdapterReceiver, serve
 from asyncgrpo.rollout.delivery import HttpDelivery, ReceiverClient, SharedFsDelivery, make_delivery
 from asyncgrpo.rollout.publish import AdapterPublisher
@@ -162,6 +162,7 @@ def test_an_unreachable_receiver_is_reported_with_the_command_that_starts_it(tmp
     with pytest.raises(InferenceServerError) as info:
         client.committed()
     assert "launch/vllm/receiver.sh" in str(info.value) and "adapter_receiver_url" in str(info.value)
+    assert isinstance(info.value, ServerUnreachableError)  # the class the publisher's recovery path acts on
     assert not client.health()
 
 
