@@ -19,7 +19,11 @@ def pytest_sessionstart(session):
     (`make mutate` kills a mutant's tests at their timeout) left every later DeepSpeed start waiting forever."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
     for lock in root.glob("*/*/lock"):
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        try:
+            stale = time.time() - lock.stat().st_mtime > STALE_LOCK_S
+        except FileNotFoundError:  # its holder released it since the glob
+            continue
+        if stale:
             logging.getLogger(__name__).warning("removing a stale torch extension lock %s", lock)
             lock.unlink(missing_ok=True)
 

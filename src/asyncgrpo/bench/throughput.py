@@ -184,7 +184,6 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
     return summary, record
 
 
-
 def start_pinned_server(stack, model_dir, work, cores: dict, **server_args) -> tuple[str, int]:
     """A vLLM server on `cores["server"]` (its OMP threads bound there), this process moved to `cores["trainer"]`;
     stopped when `stack` closes. Returns its URL and pid once it answers /health."""
@@ -199,6 +198,7 @@ def start_pinned_server(stack, model_dir, work, cores: dict, **server_args) -> t
     stack.callback(server.stop)
     server.wait_ready()
     return server.base_url, server.process.pid
+
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
         stalenesses=STALENESS) -> dict:
