@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,15 @@ from asyncgrpo.toy.agent_chat import build_agent_tokenizer
 from asyncgrpo.toy.agent_episodes import AgentEval, heldout_success, warmup_batch
 from asyncgrpo.toy.agent_task import make_agent_split
 from asyncgrpo.toy.tokenizer import EOS_ID, IM_END_TOKEN, SPECIAL_TOKENS
-from asyncgrpo.toy.world import Log, ToyWorldBuildError, ToyWorldSpec, build_cached, build_model, default_cache_dir
+from asyncgrpo.toy.world import (
+    Log,
+    ToyWorldBuildError,
+    ToyWorldSpec,
+    WarmupSpec,
+    build_cached,
+    build_model,
+    default_cache_dir,
+)
 
 FORMAT_VERSION = 2
 """Bump when the agent world's layout or building code changes, so old caches are not reused."""
@@ -38,45 +45,30 @@ IM_END_ID = SPECIAL_TOKENS.index(IM_END_TOKEN)
 
 
 @dataclass(frozen=True)
-class AgentWorldSpec:
-    """Everything that decides the agent world's contents; `key()` names its cache directory."""
+class AgentWorldSpec(WarmupSpec):
+    """Everything that decides the agent world's contents (the seed also draws the table and the warm-up
+    episodes; `n_heldout` of the table's 300 chains are held out); `key()` names its cache directory."""
 
-    seed: int = 0
-    """Seeds the table, the split, the model init, the warm-up episodes and the evaluation."""
+    batch_size: int = 64
+    eval_every: int = 100
+    warmup_steps: int = 200
+    n_heldout: int = 100
     hidden: int = 128
     """Hidden size of the toy Qwen2 (the toy world's shapes; see ToyWorldSpec)."""
     layers: int = 2
     """Decoder layers."""
-    warmup_lr: float = 3e-3
-    """AdamW learning rate of the supervised warm-up."""
-    batch_size: int = 64
-    """Warm-up episodes per step."""
-    warmup_steps: int = 200
-    """Supervised warm-up steps."""
-    eval_every: int = 100
-    """Warm-up steps between progress lines (held-out success, sampled)."""
     stop_early_prob: float = 0.3
     """Warm-up: chance, before each call, that the episode stops and answers the last key it read or a guess."""
     guess_prob: float = 0.1
     """Warm-up: chance that an episode that read the value answers a guessed value instead."""
-    n_heldout: int = 100
-    """Held-out chains (of the table's 300); the rest are train."""
-    sample_seed: int = 1234
-    """Seed of the sampled (temperature 1) evaluation of the base."""
+    format_version: ClassVar[int] = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         """Reject probabilities that leave nothing to learn or nothing to improve."""
+        super().__post_init__()
         for name in ("stop_early_prob", "guess_prob"):
             if not 0.0 <= getattr(self, name) < 0.5:
                 raise ConfigError(name, f"must be in [0, 0.5), got {getattr(self, name)}", "use e.g. 0.2")
-        if self.eval_every < 1 or self.warmup_steps < self.eval_every:
-            raise ConfigError("eval_every", f"{self.eval_every} with warmup_steps={self.warmup_steps}",
-                              "use 1 <= eval_every <= warmup_steps")
-
-    def key(self) -> str:
-        """A short hex digest of every field and FORMAT_VERSION: equal keys mean interchangeable worlds."""
-        blob = json.dumps({**dataclasses.asdict(self), "format_version": FORMAT_VERSION}, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
     def model_spec(self) -> ToyWorldSpec:
         """The toy world's model shapes at this hidden size and depth (heads of 32)."""

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -60,11 +60,43 @@ class ToyWorldBuildError(AsyncGRPOError):
 
 
 @dataclass(frozen=True)
-class ToyWorldSpec:
-    """Everything that decides the toy world's contents; `key()` names its cache directory."""
+class WarmupSpec:
+    """What every toy world has: its seeds, its supervised warm-up and its held-out split; `key()` names its cache
+    directory. Subclasses add their shapes and set `format_version`."""
 
     seed: int = 0
     """Seeds the model init, the train/held-out split and the warm-up batches."""
+    warmup_lr: float = 3e-3
+    """AdamW learning rate for the supervised warm-up (no weight decay, no schedule)."""
+    batch_size: int = 256
+    """Warm-up examples per step, drawn without replacement within a step."""
+    eval_every: int = 50
+    """Warm-up steps between progress lines (held-out greedy and sampled figures)."""
+    warmup_steps: int = 300
+    """Supervised warm-up steps."""
+    sample_seed: int = 1234
+    """Seed of the sampled (temperature 1) evaluation of the base."""
+    n_heldout: int = 500
+    """Held-out examples; the rest are train."""
+    format_version: ClassVar[int] = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        """Reject a progress interval the warm-up never reaches."""
+        if self.eval_every < 1 or self.warmup_steps < self.eval_every:
+            raise ConfigError("eval_every", f"{self.eval_every} with warmup_steps={self.warmup_steps}",
+                              "use 1 <= eval_every <= warmup_steps")
+
+    def key(self) -> str:
+        """A short hex digest of every field and the format version: equal keys mean interchangeable worlds."""
+        fields = {**dataclasses.asdict(self), "format_version": self.format_version}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ToyWorldSpec(WarmupSpec):
+    """The toy world's model shapes and warm-up target mix (the format and the two candidates are learned in
+    about 200 warm-up steps; `n_heldout` of the 10,000 pairs are held out)."""
+
     hidden: int = 128
     """Hidden size; must equal heads * head_dim."""
     intermediate: int = 256
@@ -79,26 +111,15 @@ class ToyWorldSpec:
     """Per-head size."""
     vocab: int = 320
     """Model vocabulary: the tokenizer's 259 ids padded to a multiple of 64."""
-    warmup_lr: float = 3e-3
-    """AdamW learning rate for the supervised warm-up (no weight decay, no schedule)."""
     betas: tuple[float, float] = (0.9, 0.98)
     """AdamW betas for the warm-up."""
-    batch_size: int = 256
-    """Warm-up sequences per step, drawn without replacement within a step."""
-    eval_every: int = 50
-    """Warm-up steps between progress lines (held-out greedy and sampled accuracy)."""
-    warmup_steps: int = 300
-    """Supervised warm-up steps (the format and the two candidates are learned in about 200)."""
     warmup_correct_fraction: float = 0.3
     """Probability that a warm-up target is the right answer (else the smaller number): the base's sampled
     success rate ends up near this value."""
-    sample_seed: int = 1234
-    """Seed of the sampled (temperature 1) evaluation of the base."""
-    n_heldout: int = 500
-    """Held-out prompts (from the 10,000 pairs); the rest are train."""
 
     def __post_init__(self) -> None:
         """Reject shapes and knobs that cannot build a model or a split."""
+        super().__post_init__()
         if self.hidden != self.heads * self.head_dim:
             raise ConfigError(
                 "hidden", f"{self.hidden} != heads * head_dim = {self.heads} * {self.head_dim}",
@@ -111,17 +132,6 @@ class ToyWorldSpec:
         if not 0.0 < self.warmup_correct_fraction < 1.0:
             raise ConfigError("warmup_correct_fraction", f"must be in (0, 1), got {self.warmup_correct_fraction}",
                               "use e.g. 0.3")
-        if self.eval_every < 1 or self.warmup_steps < self.eval_every:
-            raise ConfigError(
-                "eval_every", f"{self.eval_every} with warmup_steps={self.warmup_steps}",
-                "use 1 <= eval_every <= warmup_steps",
-            )
-
-    def key(self) -> str:
-        """A short hex digest of every field and FORMAT_VERSION: equal keys mean interchangeable worlds."""
-        fields = {**dataclasses.asdict(self), "format_version": FORMAT_VERSION}
-        blob = json.dumps(fields, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> ToyWorldSpec:

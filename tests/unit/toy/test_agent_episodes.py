@@ -119,3 +119,6 @@ def test_spec_key_changes_with_any_field_and_rejects_useless_mistake_rates():
         AgentWorldSpec(stop_early_prob=0.6)
     with pytest.raises(Exception, match="guess_prob"):
         AgentWorldSpec(guess_prob=-0.1)
+    with pytest.raises(Exception, match="eval_every"):  # the shared warm-up check runs for the agent world too
+        AgentWorldSpec(warmup_steps=50)  # its eval_every is 100
+    assert AgentWorldSpec(batch_size=32).key() != AgentWorldSpec().key()  # an inherited field is in the key
