@@ -154,3 +154,32 @@ def test_a_turn_with_an_impossible_logprob_stops_the_run_naming_the_server_the_p
                                                     rf"\(id {seven}\) of completion 0 of the request for prompt 0 "
                                                     rf"\(adapter 'demo-v0'\)"):
         rollout.run()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("episode_version", ["pinned", "latest"])
+def test_a_version_published_between_turns_is_used_only_with_episode_version_latest(rollout_on_stub, episode_version):
+    published = []
+
+    @generation
+    def route(body):
+        if not published:  # the first request of the run: its episode's next turn is sent after version 1 is live
+            published.append(body["model"])
+            rollout.producer.set_policy(1, "demo-v1")
+        return rollout_on_stub.answer(body, seven_then_stop(body))
+
+    rollout = with_episodes(rollout_on_stub(route, rows=rows(), tools=["agent_format:lookup"], max_turns=4,
+                                            episode_version=episode_version))
+    group = rollout.run(groups=1)[0]
+    rollout_on_stub.stop(rollout.producer)
+    bodies = rollout.generation_bodies()  # one request in flight: the first group's turns come first
+    assert published == ["demo-v0"] and turn_of(bodies[0]) == 0
+    first_episode_second_turn = next(b for b in bodies[1:] if turn_of(b) == 1)
+    sampled = [v for vs, m in zip(group.versions, group.loss_mask) for v, k in zip(vs, m) if k]
+    assert group.version == 0  # the oldest sampled token's version: what max_staleness bounds
+    if episode_version == "latest":
+        assert first_episode_second_turn["model"] == "demo-v1"
+        assert set(sampled) == {0, 1}  # its first turn's tokens tagged 0, later turns' 1
+    else:  # every turn of the group's episodes on the adapter it started on
+        assert first_episode_second_turn["model"] == "demo-v0"
+        assert set(sampled) == {0}
