@@ -148,28 +148,50 @@ def test_a_receiver_refusal_names_the_call_the_url_the_status_and_the_receivers_
     assert client.committed() == [] and client.health()
 
 
-def test_a_receiver_answer_that_is_not_json_is_quoted_as_text(tmp_path):
+def plain_text_server(status: int, body: str):
+    """A server answering every GET with `status` and `body` as text/plain: what a proxy in front of a receiver may
+    answer (the receiver itself always answers JSON)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Plain(BaseHTTPRequestHandler):
         def do_GET(self):
-            body = b"upstream proxy said no"
-            self.send_response(502)
-            self.send_header("Content-Length", str(len(body)))
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(data)
 
         def log_message(self, *args):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Plain)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_receiver_answer_that_is_not_json_is_quoted_as_text():
+    server, url = plain_text_server(502, "upstream proxy said no")
     try:
         with pytest.raises(InferenceServerError) as info:
             ReceiverClient(url, KEY).committed()
         assert str(info.value) == f"list adapters: GET {url}/adapters answered HTTP 502: upstream proxy said no"
         assert info.value.status == 502 and info.value.body == "upstream proxy said no"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_success_that_is_not_json_is_refused_quoting_its_first_200_characters():
+    body = "<html>" + "x" * 194 + "TAIL beyond the quote</html>"  # characters 200 on are left out of the message
+    server, url = plain_text_server(200, body)
+    try:
+        with pytest.raises(InferenceServerError) as info:
+            ReceiverClient(url, KEY).committed()
+        assert str(info.value) == (f"list adapters: GET {url}/adapters answered 200 with a body that is not JSON: "
+                                   f"{body[:200]!r}")
+        assert "TAIL" not in str(info.value) and not isinstance(info.value, ServerUnreachableError)
+        assert info.value.status == 200 and info.value.body == body  # the whole answer, for whoever reads the error
     finally:
         server.shutdown()
         server.server_close()
