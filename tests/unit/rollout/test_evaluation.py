@@ -45,3 +45,25 @@ def test_the_held_out_reward_is_scored_as_training_scores_under_the_named_adapte
     assert result.reward_std == pytest.approx(statistics.stdev([1.0, 0.0, 1.0, 1.0]))
     assert result.metrics() == {"eval/reward": 0.75, "eval/reward_std": result.reward_std,
                                 "eval/rewards/math_accuracy/mean": 0.75}
+
+
+def scorer() -> InThreadScoring:
+    return InThreadScoring(RewardScorer(["asyncgrpo.rewards:math_accuracy"]), DigitTokenizer())
+
+
+def test_by_default_one_greedy_completion_per_prompt_and_one_completion_has_no_spread():
+    # the demo's evaluation leaves temperature and n at their defaults: one greedy completion, which vLLM serves
+    # (it refuses n > 1 at temperature 0)
+    row = PromptRow(prompt="07,45>", prompt_ids=[1], columns={"answer": "45"})
+    server = AnsweringServer({"1": ["45", "7"]})
+    result = evaluate_served(server, "base", [row], scorer(), max_tokens=4)
+    assert server.calls == [("base", 1, 4, 0.0)]
+    assert (result.reward, result.reward_std, result.completions) == (1.0, 0.0, 1)  # no stdev of one value
+
+
+def test_two_completions_are_enough_for_a_spread():
+    row = PromptRow(prompt="07,45>", prompt_ids=[1], columns={"answer": "45"})
+    result = evaluate_served(AnsweringServer({"1": ["45", "7"]}), "base", [row], scorer(), max_tokens=4,
+                             temperature=1.0, n=2)
+    assert (result.reward, result.completions) == (0.5, 2)
+    assert result.reward_std == pytest.approx(statistics.stdev([1.0, 0.0]))  # 0.7071..., sample std
