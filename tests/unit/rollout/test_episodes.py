@@ -187,6 +187,21 @@ def test_an_environments_get_reward_is_one_more_reward_named_after_its_class_and
     assert build_episode_runner(make_cfg(), TOK, "/nonexistent", None) is None  # no tools: plain completions
 
 
+def test_an_environment_without_get_reward_adds_no_reward():
+    from asyncgrpo.rollout.build import make_group_scorer
+    from asyncgrpo.toy.agent_task import LookupEnv
+
+    assert not hasattr(LookupEnv, "get_reward")  # the toy agent world's environment: scored by functions alone
+    config = make_cfg(environment_factory="asyncgrpo.toy.agent_task:LookupEnv",
+                      reward_funcs=["agent_tools:messages_reward"])
+    scoring = make_group_scorer(config, TOK, None)
+    assert (scoring.scorer.refs, scoring.scorer.weights) == (["agent_tools:messages_reward"], [1.0])
+    messages = [[{"role": "assistant", "content": "x"}], [{"role": "assistant", "content": "y"}] * 2]
+    rewards, parts = scoring.score_episodes(ROW, [ROW.prompt] * 2, messages, [[1], [2]], ["stop", "stop"],
+                                            [LookupEnv(), LookupEnv()])
+    assert parts == {"messages_reward": [1.0, 2.0]} and rewards == [1.0, 2.0]
+
+
 # ---- episode_version: which adapter each turn is sent to. Pinned: every turn on the group's start version. Latest:
 # each turn on the version served when it starts, held in use (never unloaded) until its answer is in, and the group
 # as old as its oldest sampled token for max_staleness. The scripted client makes a publish land between two turns,
