@@ -47,6 +47,13 @@ def test_unlikely_but_possible_logprobs_pass():
                              adapter="a")
 
 
+def test_a_logprob_exactly_at_the_floor_is_not_the_token_named():
+    # the completion is refused for its NaN; the token before it, at the floor itself, is a possible value
+    with pytest.raises(BehaviourLogprobError, match=r"returned logprob nan for token 1 \(id 7\)"):
+        check_behaviour_logprobs([completion([BEHAVIOUR_LOGPROB_FLOOR, math.nan])], server="s", prompt_index=0,
+                                 adapter="a")
+
+
 def test_the_check_finds_the_bad_token_wherever_it_is_and_passes_sums_that_overflow():
     # The check sums each completion's logprobs first (NaN or an infinity anywhere makes the sum one) and only then
     # walks the tokens: a finite list whose sum overflows must still pass, a bad value anywhere must still be named.

@@ -48,6 +48,14 @@ def test_the_server_with_the_fewest_in_flight_gets_the_next_request():
     assert picker.inflight == [2, 2, 2]
 
 
+def test_among_equally_idle_servers_the_turn_goes_forward_from_the_last_one_chosen():
+    a, b, c = (picker := ServerPicker(servers(3))).clients
+    assert picks(picker, 3) == list("abc")  # the turn is back at a
+    picker.done(b)
+    picker.done(c)  # in flight: a 1, b 0, c 0; b and c tie
+    assert picks(picker, 2) == list("bc")  # b comes after a in the turn, then c
+
+
 def test_a_server_that_is_down_is_skipped_however_idle_it_is():
     a, b = (picker := ServerPicker(servers(2))).clients
 

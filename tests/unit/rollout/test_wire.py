@@ -56,6 +56,22 @@ def test_a_batch_round_trips_exactly_through_the_binary_form():
     assert decode_groups(blob) == groups  # dataclass equality: every field, every value, None parts and empty lists
 
 
+def test_episode_groups_read_their_masks_and_versions_at_their_own_offsets():
+    # three completions in the first episode group and a second one after it: each row of loss_mask and versions
+    # starts where the one before ended, whichever completion or group it belongs to
+    first = Group(prompt="a", prompt_ids=[1], completion_ids=[[1, 2], [3], [4, 5, 6]],
+                  behaviour_logprobs=[[-1.0, -2.0], [-3.0], [-4.0, -5.0, -6.0]], rewards=[1.0, 0.0, 0.5],
+                  reward_parts={}, advantages=[0.5, -0.5, 0.0], version=7, adapter="p-v7",
+                  loss_mask=[[1, 0], [1], [1, 0, 1]], versions=[[10, 11], [12], [13, 14, 15]])
+    second = Group(prompt="b", prompt_ids=[2], completion_ids=[[7, 8]], behaviour_logprobs=[[-0.5, -0.25]],
+                   rewards=[0.0], reward_parts={}, advantages=[0.0], version=8, adapter="p-v8",
+                   loss_mask=[[0, 1]], versions=[[16, 17]])
+    back = decode_groups(encode_groups([first, second]))
+    assert [g.loss_mask for g in back] == [[[1, 0], [1], [1, 0, 1]], [[0, 1]]]
+    assert [g.versions for g in back] == [[[10, 11], [12], [13, 14, 15]], [[16, 17]]]
+    assert back == [first, second]
+
+
 def test_decoded_values_have_the_python_types_the_group_declares():
     back = decode_groups(encode_groups(_groups()))
     # (equality alone would accept 3.0 for 3 and 0.0 for False)
