@@ -151,11 +151,47 @@ def test_temporaries_carry_host_and_pid_and_only_this_hosts_dead_writers_or_a_da
                                                           f".tmp-v000006-node-{dead.pid}", ".tmp-x-1"]
 
 
+def test_another_hosts_temporary_is_gone_only_once_older_than_a_day(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from asyncgrpo import store
+
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "node-1")
+    theirs = tmp_path / ".tmp-v000003-node-2-1"
+    theirs.mkdir()
+    os.utime(theirs, (1_000_000, 1_000_000))  # whole seconds: the ages below are exact
+    day = store.OTHER_HOST_TMP_AGE_S
+    for now, gone in ((1_000_000 + day, False), (1_000_000 + day + 1, True)):  # exactly a day old: not yet
+        monkeypatch.setattr(store, "time", SimpleNamespace(time=lambda now=now: float(now)))
+        assert store.writer_is_gone(theirs) is gone, now - 1_000_000
+
+
+def test_another_hosts_temporary_renamed_away_while_it_is_checked_is_not_gone(tmp_path, monkeypatch):
+    # Stub: its writer finishing (renaming the temporary away) between writer_is_gone's is_dir and its stat cannot be
+    # timed for real; this path removes itself just after answering is_dir, as that rename would.
+    from asyncgrpo import store
+
+    class RenamedAfterIsDir(type(tmp_path)):
+        def is_dir(self):
+            answer = super().is_dir()
+            os.rmdir(self)
+            return answer
+
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "node-1")
+    theirs = tmp_path / ".tmp-v000003-node-2-1"
+    theirs.mkdir()
+    os.utime(theirs, (1_000_000, 1_000_000))  # decades old: had its stat answered, it would count as gone
+    assert store.writer_is_gone(RenamedAfterIsDir(theirs)) is False  # nothing left to remove
+    assert not theirs.exists()
+
+
 def test_the_host_in_a_temporary_name_is_one_path_component(monkeypatch):
     from asyncgrpo import store
 
     monkeypatch.setattr(store.socket, "gethostname", lambda: "gpu-7.cluster/a b")
     assert store.host_name() == "gpu-7.cluster_a_b"
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "NodeA")
+    assert store.host_name() == "NodeA"  # kept as it is: NodeA and NodeB must not both become one name
     monkeypatch.setattr(store.socket, "gethostname", lambda: "")
     assert store.host_name() == "_"
 
