@@ -3,6 +3,7 @@ arguments), or a ToolError naming the tool that ended its worker thread; and TRL
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -13,7 +14,7 @@ from liveness import returns_within
 
 from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.tools import (ToolResult, call_tool, environment_tools, load_environment_factory, load_tools,
-                                     render_result, run_tool_calls)
+                                     render_result, run_tool_calls, tool_schema)
 
 TOOLS = {"lookup": agent_tools.lookup, "add": agent_tools.add, "hang": agent_tools.hang, "leave": agent_tools.leave}
 
@@ -39,6 +40,17 @@ def test_a_hanging_tool_is_cut_off_at_the_timeout_and_the_message_says_so():
         assert result.seconds >= 0.2
     finally:
         agent_tools.RELEASE.set()  # its abandoned thread ends now
+
+
+def test_a_hung_tool_is_left_on_a_daemon_thread_that_cannot_keep_the_process_alive():
+    agent_tools.RELEASE = threading.Event()
+    before = set(threading.enumerate())
+    try:
+        assert call_tool(TOOLS, "hang", {"seconds": 60}, 0.05).error
+        abandoned = set(threading.enumerate()) - before  # the hung call's thread, still waiting
+        assert abandoned and all(t.daemon for t in abandoned)  # the interpreter exits without waiting for it
+    finally:
+        agent_tools.RELEASE.set()
 
 
 def test_a_tool_that_ends_its_worker_thread_stops_the_episode_naming_the_tool():
@@ -124,6 +136,13 @@ def test_a_tool_that_is_not_a_function_or_has_no_schema_is_refused_under_tools()
     assert error.value.field == "tools" and "no schema for tool 'no_docstring'" in str(error.value)
     assert str(error.value).endswith(". Fix: give every argument a type hint and a Google docstring with an `Args:` "
                                      "entry each (transformers.utils.get_json_schema)")
+
+
+def test_a_tool_without_a_qualified_name_whose_schema_fails_is_named_by_its_repr():
+    tool = functools.partial(agent_tools.no_docstring)  # a partial has no __qualname__
+    with pytest.raises(ConfigError) as error:
+        tool_schema(tool)
+    assert error.value.field == "tools" and f"no schema for tool {tool!r}: " in str(error.value)
 
 
 def test_an_environment_factory_without_reset_is_refused_naming_the_contract():
