@@ -568,6 +568,30 @@ def test_a_listed_file_holding_other_objects_is_refused_with_the_file_and_the_fi
                        f"start a fresh run")
 
 
+class _RunsOtherCode:
+    def __reduce__(self):
+        return len, ("never counted",)
+
+
+def test_deepspeed_refusals_name_the_checkpoint_in_the_fix_and_every_object_apart(tmp_path):
+    """What DeepSpeed would unpickle in full is checked first (read, not run): no engine is needed to be refused."""
+    path = tmp_path / "checkpoint-2"
+    name = "deepspeed/state/mp_rank_00_model_states.pt"
+    (path / name).parent.mkdir(parents=True)
+    torch.save({"module": _RunsCode(), "optimizer": _RunsOtherCode()}, path / name)
+    with pytest.raises(CheckpointError) as err:
+        ckpt._check_deepspeed_files(path, {"files": {}})
+    assert str(err.value) == (f"checkpoint {str(path)!r}: {name} is not listed in its manifest.json (added after the "
+                              f"save, or the manifest was edited), so it is not loaded. {_fix(path)}")
+    with pytest.raises(CheckpointError) as err:
+        ckpt._check_deepspeed_files(path, {"files": {name: {}}})  # listed: its names are read next
+    assert str(err.value) == (f"checkpoint {str(path)!r}: {name} holds objects a DeepSpeed checkpoint never saves "
+                              f"(builtins.len, builtins.print), so it is not loaded. Fix: resume only from "
+                              f"checkpoints written by asyncgrpo on storage no one else can write; delete "
+                              f"{str(path)!r} and resume from an earlier checkpoint-<step> directory, or start a "
+                              f"fresh run")
+
+
 def test_an_unlisted_file_is_refused_by_name_and_a_listed_one_must_match(tmp_path):
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
