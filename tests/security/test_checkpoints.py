@@ -51,10 +51,10 @@ def save(out, step=3, seed=0):
                                 base_model="tiny")
 
 
-def plant(path, name, marker, *, list_it: bool) -> None:
+def plant(path, name, marker, *, list_it: bool, payload=CreatesFile) -> None:
     """Write the payload as `path/name`; with `list_it`, also record its size and sha256 in the manifest, as an
     attacker who can write the checkpoint directory would."""
-    torch.save(CreatesFile(marker), path / name)
+    torch.save(payload(marker), path / name)
     if list_it:
         data = (path / name).read_bytes()
         manifest = json.loads((path / ckpt.MANIFEST).read_text())
@@ -95,6 +95,42 @@ def test_a_pickle_payload_as_the_optimizer_state_is_refused_and_never_runs(tmp_p
     assert not marker.exists()
     assert not optimizer.state  # nothing half-loaded into the optimizer
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_a_payload_is_refused_even_where_torch_is_told_to_unpickle_in_full(tmp_path, monkeypatch):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (set for some other library's old files) turns on torch's full unpickler for
+    every torch.load that does not ask for the tensors-only one itself: a checkpoint's files must ask."""
+    path, marker = save(tmp_path / "out"), tmp_path / "pwned"
+    plant(path, "rng-rank0.pt", marker, list_it=True)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(CheckpointError) as err:
+        ckpt.restore_rng(path, rank=0)
+    assert f"checkpoint {str(path)!r}: rng-rank0.pt holds objects a checkpoint never saves" in str(err.value)
+    assert not marker.exists()
+
+
+class MakesDirectory:
+    """A payload calling into `os` (posix), a module torch's tensors-only unpickler blocks outright: torch's message
+    then has no `WeightsUnpickler error:` line to quote."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return os.mkdir, (self.target,)
+
+
+def test_a_payload_calling_a_blocked_module_is_refused_with_a_reason(tmp_path):
+    path, marker = save(tmp_path / "out"), tmp_path / "pwned"
+    plant(path, "rng-rank0.pt", marker, list_it=True, payload=MakesDirectory)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.restore_rng(path, rank=0)
+    message = str(err.value)
+    head = f"checkpoint {str(path)!r}: rng-rank0.pt holds objects a checkpoint never saves, so it is not loaded ("
+    assert message.startswith(head) and "). Fix: resume only from checkpoints written by asyncgrpo" in message
+    reason = message[len(head):message.index("). Fix: ")]
+    assert reason.strip() and "\n" not in reason  # one line of torch's message, not a blank one
+    assert not marker.exists()
 
 
 def test_unlisted_files_are_never_loaded(tmp_path):

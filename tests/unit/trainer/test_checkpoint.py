@@ -1,5 +1,6 @@
 """Checkpoints on one process: atomic save, exact round trip, refusal of incomplete or corrupt checkpoints."""
 
+import errno
 import hashlib
 import json
 import math
@@ -340,7 +341,8 @@ def _save_all_devices_rng(path, states) -> None:
     _list(path, "rng-rank0.pt")
 
 
-@pytest.mark.parametrize(("saved", "device", "expected"), [(8, 3, 3), (1, 5, 0), (2, 5, None)])
+# (1, 1, 0) and (2, 2, None): a device just past the list's end takes a lone entry, or warns
+@pytest.mark.parametrize(("saved", "device", "expected"), [(8, 3, 3), (1, 5, 0), (2, 5, None), (1, 1, 0), (2, 2, None)])
 def test_an_old_checkpoint_with_every_devices_cuda_rng_restores_this_devices_entry_or_warns(
         tmp_path, monkeypatch, caplog, saved, device, expected):
     model, optimizer, config = make_model()
@@ -350,7 +352,7 @@ def test_an_old_checkpoint_with_every_devices_cuda_rng_restores_this_devices_ent
     ckpt.restore_rng(path, rank=0)
     if expected is None:  # the list does not reach this device and has several: no way to tell which was this rank's
         assert cuda.set == []
-        assert "CUDA RNG states cover 2 devices, not this rank's device 5" in caplog.text
+        assert f"CUDA RNG states cover {saved} devices, not this rank's device {device}" in caplog.text
     else:
         [(state, at)] = cuda.set
         assert at == device and torch.equal(state, _FakeCuda.state_of(expected))
@@ -566,6 +568,30 @@ def test_a_listed_file_holding_other_objects_is_refused_with_the_file_and_the_fi
                        f"start a fresh run")
 
 
+class _RunsOtherCode:
+    def __reduce__(self):
+        return len, ("never counted",)
+
+
+def test_deepspeed_refusals_name_the_checkpoint_in_the_fix_and_every_object_apart(tmp_path):
+    """What DeepSpeed would unpickle in full is checked first (read, not run): no engine is needed to be refused."""
+    path = tmp_path / "checkpoint-2"
+    name = "deepspeed/state/mp_rank_00_model_states.pt"
+    (path / name).parent.mkdir(parents=True)
+    torch.save({"module": _RunsCode(), "optimizer": _RunsOtherCode()}, path / name)
+    with pytest.raises(CheckpointError) as err:
+        ckpt._check_deepspeed_files(path, {"files": {}})
+    assert str(err.value) == (f"checkpoint {str(path)!r}: {name} is not listed in its manifest.json (added after the "
+                              f"save, or the manifest was edited), so it is not loaded. {_fix(path)}")
+    with pytest.raises(CheckpointError) as err:
+        ckpt._check_deepspeed_files(path, {"files": {name: {}}})  # listed: its names are read next
+    assert str(err.value) == (f"checkpoint {str(path)!r}: {name} holds objects a DeepSpeed checkpoint never saves "
+                              f"(builtins.len, builtins.print), so it is not loaded. Fix: resume only from "
+                              f"checkpoints written by asyncgrpo on storage no one else can write; delete "
+                              f"{str(path)!r} and resume from an earlier checkpoint-<step> directory, or start a "
+                              f"fresh run")
+
+
 def test_an_unlisted_file_is_refused_by_name_and_a_listed_one_must_match(tmp_path):
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
@@ -659,14 +685,74 @@ def test_a_failed_rename_brings_the_set_aside_checkpoint_back(tmp_path, monkeypa
     assert (path / "marker").read_text() == "the first save"
 
 
+def test_a_first_saves_failed_rename_raises_its_own_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """No older checkpoint of the step was set aside: nothing is renamed back, and the rename's error is the one seen."""
+    model, optimizer, config = make_model()
+    real_rename = os.rename
+
+    def fails_into_place(src, dst):
+        if dst == tmp_path / "checkpoint-3" and src.name.startswith(".tmp-checkpoint-"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", fails_into_place)
+    with pytest.raises(OSError) as err:
+        save(model, optimizer, config, tmp_path)
+    assert err.value.errno == errno.EIO and err.value.__context__ is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_after_the_rename_into_place_is_raised_as_itself(tmp_path, monkeypatch):
+    """The directory's fsync fails once the new checkpoint has its name (a stub: a failing disk is not at hand): the
+    temporary directory is gone by then, and the cleanup must not replace the fsync's error with its own."""
+    model, optimizer, config = make_model()
+    real_fsync, final = ckpt.fsync_path, tmp_path / "checkpoint-3"
+
+    def fails_once_in_place(path):
+        if path == tmp_path and final.exists():
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(path)
+
+    monkeypatch.setattr(ckpt, "fsync_path", fails_once_in_place)
+    with pytest.raises(OSError) as err:
+        save(model, optimizer, config, tmp_path)
+    assert err.value.errno == errno.EIO and err.value.__context__ is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
+    assert ckpt.read_manifest(final)["state"]["step"] == 3  # renamed in whole before the error
+
+
+def test_a_set_aside_checkpoint_that_cannot_be_deleted_does_not_fail_the_save(tmp_path, monkeypatch):
+    """The new checkpoint is in place: the old one left behind is removed at the next start (`clean_partial`). The
+    deletion fails as the OS refuses one file (a read-only directory would, except for root, whom tests may run as)."""
+    model, optimizer, config = make_model()
+    path = save(model, optimizer, config, tmp_path)
+    (path / "stuck").write_text("the first save")
+    real_unlink = os.unlink
+
+    def refuses_stuck(name, *args, **kwargs):
+        if os.path.basename(name) == "stuck":
+            raise PermissionError(errno.EACCES, "Permission denied", name)
+        real_unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuses_stuck)
+    assert save(model, optimizer, config, tmp_path) == path
+    aside = tmp_path / f".old-checkpoint-3-{os.getpid()}"
+    assert (aside / "stuck").is_file() and not (path / "stuck").exists()
+    ckpt.read_manifest(path)
+    monkeypatch.undo()
+    assert ckpt.clean_partial(tmp_path) == [aside]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
+
+
 def test_set_aside_checkpoints_are_restored_when_missing_and_removed_when_replaced(tmp_path):
     for name in (".old-checkpoint-3-11", ".old-checkpoint-5-12", "checkpoint-5", ".old-checkpoint-x-1"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "from").write_text(name)
     (tmp_path / ".old-checkpoint-7-13").write_text("a file, not a checkpoint")
+    (tmp_path / ".cache").mkdir()  # anything else there, sorting before the set-aside ones, is passed over
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [5]  # an aside is not a checkpoint
     assert ckpt.restore_set_aside(tmp_path) == [tmp_path / ".old-checkpoint-5-12"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".old-checkpoint-7-13", ".old-checkpoint-x-1",
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".cache", ".old-checkpoint-7-13", ".old-checkpoint-x-1",
                                                           "checkpoint-3", "checkpoint-5"]
     assert (tmp_path / "checkpoint-3" / "from").read_text() == ".old-checkpoint-3-11"
     assert (tmp_path / "checkpoint-5" / "from").read_text() == "checkpoint-5"  # the newer one kept

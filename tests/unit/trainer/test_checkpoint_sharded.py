@@ -236,3 +236,12 @@ def test_fsdp_checkpoints_restore_each_ranks_shards_resume_across_fsdp_versions_
     file.write_bytes(bytes(data))
     message = ranks("corrupt_shard_refused", tmp_path / "fsdp2")
     assert "or start a fresh run" in message
+
+
+def test_the_state_dict_options_gather_whole_offload_except_on_fsdp1_and_keep_what_the_caller_adds():
+    """No ranks needed: what every FSDP gather and load asks of torch's state-dict API. The loads' strict=False (the
+    adapter holds the LoRA weights only) must reach torch, whichever backend asks."""
+    fsdp1, fsdp2 = ckpt._state_dict_options("fsdp1", strict=False), ckpt._state_dict_options("fsdp2", strict=False)
+    assert (fsdp1.full_state_dict, fsdp1.cpu_offload, fsdp1.strict) == (True, False, False)  # FSDP1: no offload
+    assert (fsdp2.full_state_dict, fsdp2.cpu_offload, fsdp2.strict) == (True, True, False)
+    assert ckpt._state_dict_options("fsdp2").strict is True  # torch's default when nothing is added
