@@ -391,10 +391,11 @@ def _load_listed(path: Path, manifest: dict, name: str, map_location="cpu"):
         try:
             return torch.load(f, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
-            # torch's line naming the refused global, without its advice to allow it
+            # torch's line naming the refused global (a global it could allow, or one of a module it blocks),
+            # without its advice to allow it or to load with weights_only=False
             lines = str(exc).strip().splitlines()
-            reason = next((line for line in lines if "WeightsUnpickler error: " in line), lines[0])
-            reason = reason.split("WeightsUnpickler error: ")[-1].split(". Please")[0].strip()
+            reason = next((line for line in lines if "GLOBAL" in line), "an object torch's safe unpickler refuses")
+            reason = reason.split("WeightsUnpickler error: ")[-1].split(". Please")[0].strip().rstrip(".")
             raise CheckpointError(f"checkpoint {str(path)!r}: {name} holds objects a checkpoint never saves, so it is "
                                   f"not loaded ({reason}). Fix: resume only from checkpoints written by asyncgrpo on "
                                   f"storage no one else can write; delete {str(path)!r} and resume from an earlier "
