@@ -56,7 +56,7 @@ def rank_2_sends_first(rank: int, store_path: str):
         dist.send = real
 
 
-# ---- scenarios: each runs on the three ranks --------------------------------------------------------------------------
+# ---- scenarios: each runs on the three ranks -------------------------------------------------------------------------
 def fsdp2(rank, store_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
