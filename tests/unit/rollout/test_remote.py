@@ -425,8 +425,8 @@ def test_a_connect_that_is_never_answered_is_given_up_after_connect_s(tmp_path, 
 
 
 def test_a_connect_refused_at_first_is_retried_and_reaches_the_server_started_meanwhile(tmp_path, monkeypatch):
-    """Deterministic where the test above races: the server starts in the trainer's pause after its first refused
-    attempt, so exactly one attempt was refused."""
+    """test_a_trainer_started_a_moment_before_its_server_still_connects, made deterministic: the server starts in the
+    trainer's pause after its first refused attempt, so exactly one attempt was refused."""
     port = find_free_port()
     servers = []
 
