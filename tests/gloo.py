@@ -1,5 +1,6 @@
-"""Two real gloo ranks for the unit tests of collectives: `two_ranks(directory, scenarios)` (rank 0 this process, rank 1
-a forked child) and `one_rank(directory)` (a process group of one, in this process).
+"""Real gloo ranks for the unit tests of collectives: `two_ranks(directory, scenarios)` (rank 0 this process, rank 1
+a forked child), `several_ranks(directory, scenarios, world)` (the same with ranks 1..world-1 forked) and
+`one_rank(directory)` (a process group of one, in this process).
 
 Rank 1 is forked from the test process, so it runs the very code under test (mutated or not) and starts in
 milliseconds; rank 0's calls are traced in-process by coverage and mutation tools while both ranks run the real
@@ -12,7 +13,7 @@ import datetime
 import multiprocessing
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,53 +30,70 @@ def init_process_group(init_file: Path | str, rank: int, world: int = WORLD) -> 
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def _serve(init_file: str, scenarios: dict[str, Scenario], conn) -> None:
-    """Rank 1: run each (name, args) received on `conn` until None; answer ("ok", result) or ("failed", traceback)."""
-    init_process_group(init_file, 1)
+def _serve(init_file: str, scenarios: dict[str, Scenario], conn, rank: int = 1, world: int = WORLD) -> None:
+    """Rank `rank` (a forked child): run each (name, args) received on `conn` until None; answer ("ok", result) or
+    ("failed", traceback)."""
+    init_process_group(init_file, rank, world)
     while (request := conn.recv()) is not None:
         name, args = request
         try:
-            conn.send(("ok", scenarios[name](1, *args)))
+            conn.send(("ok", scenarios[name](rank, *args)))
         except BaseException:
             conn.send(("failed", f"{name}:\n{traceback.format_exc()}"))
             raise  # the child ends: rank 0, if it waits in a collective, fails at once instead of at the timeout
 
 
-@contextmanager
-def two_ranks(directory: Path, scenarios: dict[str, Scenario]) -> Iterator[Callable[..., tuple]]:
+def two_ranks(directory: Path, scenarios: dict[str, Scenario]) -> AbstractContextManager[Callable[..., tuple]]:
     """Start rank 1 (forked) and join it as rank 0; yield `run(name, *args)`, which runs `scenarios[name](rank, *args)`
     on both ranks and returns (rank 0's result, rank 1's). `args` and rank 1's result cross a pipe: picklable only.
 
     Start it once per test module (a module-scoped fixture): a rank forked from a process that has already run DTensor
     code inherits its caches and lock state (rank 1 then hung or got rank 0's shapes)."""
+    return several_ranks(directory, scenarios, WORLD)
+
+
+@contextmanager
+def several_ranks(directory: Path, scenarios: dict[str, Scenario], world: int) -> Iterator[Callable[..., tuple]]:
+    """`two_ranks` with `world` ranks: ranks 1..world-1 forked, and `run` returns every rank's result in rank order."""
     init_file = str(Path(directory) / "init")
-    mine, theirs = multiprocessing.Pipe()
-    child = multiprocessing.get_context("fork").Process(target=_serve, args=(init_file, scenarios, theirs),
-                                                        daemon=True)
-    child.start()
-    theirs.close()
-    init_process_group(init_file, 0)
+    children = []
+    for rank in range(1, world):
+        mine, theirs = multiprocessing.Pipe()
+        child = multiprocessing.get_context("fork").Process(target=_serve,
+                                                            args=(init_file, scenarios, theirs, rank, world),
+                                                            daemon=True)
+        child.start()
+        theirs.close()
+        children.append((child, mine))
+    init_process_group(init_file, 0, world)
 
     def run(name: str, *args) -> tuple:
-        mine.send((name, args))
+        for _, conn in children:
+            conn.send((name, args))
         try:
             result = scenarios[name](0, *args)
-            assert mine.poll(COLLECTIVE_TIMEOUT_S), f"rank 1 did not finish {name}"
-            status, answer = mine.recv()
+            answers = []
+            for rank, (_, conn) in enumerate(children, 1):
+                assert conn.poll(COLLECTIVE_TIMEOUT_S), f"rank {rank} did not finish {name}"
+                answers.append(conn.recv())
         except BaseException:
-            child.kill()  # it may wait in a collective rank 0 never reached: fail now, not at the timeout
+            for child, _ in children:
+                child.kill()  # it may wait in a collective rank 0 never reached: fail now, not at the timeout
             raise
-        assert status == "ok", f"rank 1 failed {answer}"
-        return result, answer
+        for rank, (status, answer) in enumerate(answers, 1):
+            assert status == "ok", f"rank {rank} failed {answer}"
+        return (result, *(answer for _, answer in answers))
 
     try:
         yield run
     finally:
-        if child.is_alive():
-            mine.send(None)  # done
-        child.join(timeout=10)
-        if child.is_alive():
-            child.kill()
+        for child, conn in children:
+            if child.is_alive():
+                conn.send(None)  # done
+        for child, _ in children:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
         dist.destroy_process_group()
 
 

@@ -12,7 +12,9 @@ from fakes import generation
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import BehaviourLogprobError
 from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner
+from asyncgrpo.rollout.build import build_producer
 from asyncgrpo.rollout.producer import request_seed
+from asyncgrpo.rollout.queue import RolloutQueue
 
 TOK = agent_tokenizer()
 
@@ -26,9 +28,16 @@ def rows():
             for i in range(8)]
 
 
-def with_episodes(rollout):
-    rollout.producer.episodes = EpisodeRunner(ChatFormat(TOK, TOK.response_template, stop_ids={0}), rollout.cfg,
-                                              tools=[lookup], factory=None, max_model_len=None)
+def with_episodes(rollout, factory=None):
+    """`rollout` with its producer built again as build_parts builds it with tools: its episode runner passed to
+    build_producer (on a fresh queue: the first producer, never started, stays wired to the old one)."""
+    runner = EpisodeRunner(ChatFormat(TOK, TOK.response_template, stop_ids={0}), rollout.cfg, tools=[lookup],
+                           factory=factory, max_model_len=None)
+    first = rollout.producer
+    rollout.queue = RolloutQueue(rollout.cfg.max_staleness, scale_rewards=rollout.cfg.scale_rewards,
+                                 dynamic_sampling=rollout.cfg.dynamic_sampling)
+    rollout.producer = build_producer(rollout.cfg, clients=rollout.clients, rows=rollout.rows, scorer=first.scorer,
+                                      queue=rollout.queue, groups_per_step=first.groups_per_step, episodes=runner)
     return rollout
 
 
@@ -95,9 +104,7 @@ def test_episodes_are_scored_on_what_they_said_with_their_environments_and_each_
     extra = {} if factory is None else {"environment_factory": factory}
     rollout = rollout_on_stub(route, rows=rows(), reward=reward, tools=["agent_format:lookup"], max_turns=4,
                               seeded_generation=True, seed=11, **extra)
-    rollout.producer.episodes = EpisodeRunner(ChatFormat(TOK, TOK.response_template, stop_ids={0}), rollout.cfg,
-                                              tools=[lookup], factory=agent_tools.Counter if factory else None,
-                                              max_model_len=None)
+    with_episodes(rollout, agent_tools.Counter if factory else None)
     groups = rollout.run()
     rollout_on_stub.stop(rollout.producer)
     by_index = {g.index: g for g in groups}

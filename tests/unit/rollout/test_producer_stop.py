@@ -55,6 +55,49 @@ def test_after_a_failed_request_nothing_more_is_sent_and_stop_does_not_wait_for_
         rollout_on_stub.stop(producer)
 
 
+def test_an_answer_arriving_after_a_failure_is_dropped_unscored(rollout_on_stub):
+    # Two requests in flight; the first fails, and only then does the second answer (well-formed): the producer has
+    # failed, so that answer is neither counted nor scored nor queued, although nobody called stop() yet.
+    both_sent, release = threading.Event(), threading.Event()
+    bodies, scored = [], []
+    lock = threading.Lock()
+
+    @generation
+    def route(body):
+        with lock:
+            bodies.append(body)
+            first = len(bodies) == 1
+            if len(bodies) == 2:
+                both_sent.set()
+        if first:
+            both_sent.wait(30)
+            return 500, "application/json", '{"error": "engine dead"}'
+        assert release.wait(30), "the late answer was never released"
+        return rollout_on_stub.answer(body, [[7]] * body["n"])
+
+    def reward(prompts, completions, **columns):
+        scored.append(completions)
+        return [1.0] * len(completions)
+
+    rollout = rollout_on_stub(route, reward=reward, max_inflight_requests=2)
+    producer = rollout.producer
+    producer.start()
+    try:
+        producer.set_policy(0, "demo-v0")
+        with pytest.raises(InferenceServerError, match="engine dead"):
+            rollout.queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)
+        release.set()
+        deadline = time.monotonic() + DEADLINE_S
+        while producer.inflight:  # the late answer's request ends (finished, whatever became of its answer)
+            assert time.monotonic() < deadline, "the late answer's request never ended"
+            time.sleep(0.005)
+        assert (producer.generated_tokens, scored, len(rollout.queue)) == (0, [], 0)
+        assert len(bodies) == 2 and "engine dead" in str(producer.error)
+    finally:
+        release.set()
+        rollout_on_stub.stop(producer)
+
+
 def test_stop_on_a_producer_never_started_returns_and_sends_nothing(rollout_on_stub):
     # The trainer's cleanup stops the producer after a setup that failed before `start()` (e.g. unloading a previous
     # run's adapters): joining a thread that never started would raise and hide the setup's own error.

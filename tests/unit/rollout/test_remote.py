@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from multiprocessing import Pipe
+from types import SimpleNamespace
 
 import pytest
 from fakes import cfg
@@ -53,15 +54,16 @@ def _proxy(tmp_path, address: str) -> RolloutProcess:
 class InTestServer:  # not in fakes.py: the rollout link's listener (the real accept_trainer), no vLLM stand-in
     """A listener on a free loopback port whose thread runs `accept_trainer`, then `then(conn, hello)`."""
 
-    def __init__(self, then, key: bytes = KEY, port: int = 0):
+    def __init__(self, then, key: bytes = KEY, port: int = 0, listening=None):
         self.listener = socket.create_server(("127.0.0.1", port))
         self.address = "%s:%d" % self.listener.getsockname()
         self.hello = self.error = None
         self.conn = None
+        accepting = listening(self.listener) if listening is not None else self.listener  # what accept_trainer gets
 
         def run():
             try:
-                self.conn, self.hello = accept_trainer(self.listener, key)
+                self.conn, self.hello = accept_trainer(accepting, key)
                 then(self.conn, self.hello)
             except BaseException as exc:  # noqa: BLE001 - the test reads it
                 self.error = exc
@@ -420,3 +422,173 @@ def test_a_connect_that_is_never_answered_is_given_up_after_connect_s(tmp_path, 
                 returns_within(_proxy(tmp_path, address).start, 20, "a start whose connect is never answered")
     assert str(failure.value) == (f"cannot connect to {address} (rollout_address): timed out. Fix: check the host "
                                   f"name and that the network lets this host reach that port")
+
+
+def test_a_connect_refused_at_first_is_retried_and_reaches_the_server_started_meanwhile(tmp_path, monkeypatch):
+    """test_a_trainer_started_a_moment_before_its_server_still_connects, made deterministic: the server starts in the
+    trainer's pause after its first refused attempt, so exactly one attempt was refused."""
+    port = find_free_port()
+    servers = []
+
+    def sleep(seconds):  # the dial's pause between two attempts
+        if not servers:
+            servers.append(InTestServer(_ack_then(lambda conn: None), port=port))
+        time.sleep(seconds)
+
+    monkeypatch.setattr(remote, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+    proxy = _proxy(tmp_path, f"127.0.0.1:{port}")
+    returns_within(lambda: proxy.peer.connect(proxy.cfg, proxy._side_kwargs, proxy.run_id), 20,
+                   "a connect retried until the server listens")
+    assert len(servers) == 1  # refused once, then connected
+    servers[0].join()
+    assert servers[0].error is None and servers[0].hello[2] == proxy.run_id
+    proxy.peer.stop(0)
+
+
+class AbortingOnce:
+    """A listening socket whose first accept fails as one does when the client resets its connection between the
+    select and the accept (ECONNABORTED): the kernel cannot be made to do that on demand."""
+
+    def __init__(self, listener: socket.socket):
+        self.listener, self.aborted = listener, 0
+
+    def fileno(self) -> int:
+        return self.listener.fileno()
+
+    def accept(self):
+        if not self.aborted:
+            self.aborted += 1
+            raise ConnectionAbortedError(103, "Software caused connection abort")
+        return self.listener.accept()
+
+
+def test_a_connection_aborted_before_its_accept_is_skipped_and_listening_goes_on(tmp_path):
+    aborting = {}
+    server = InTestServer(_ack_then(lambda conn: None),
+                          listening=lambda sock: aborting.setdefault("listener", AbortingOnce(sock)))
+    proxy = _proxy(tmp_path, server.address)
+    returns_within(lambda: proxy.peer.connect(proxy.cfg, proxy._side_kwargs, proxy.run_id), 20,
+                   "a connect after an aborted accept")
+    server.join()
+    assert aborting["listener"].aborted == 1 and server.error is None and server.hello[2] == proxy.run_id
+    proxy.peer.stop(0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the handshake's TypeError
+def test_a_first_message_that_is_no_tuple_drops_that_client_and_a_later_trainer_wins(tmp_path):
+    """A key holder whose first message cannot be unpacked (an int): its handshake ends with an error past the
+    handshake's own handlers; its connection is closed all the same, and it never counts as the trainer."""
+    server = InTestServer(_ack_then(lambda conn: None))
+    odd = _prove_by_hand(server.address)
+    odd.send(5)
+    deadline = time.monotonic() + 20
+    while not odd.poll(0.05):  # EOF, once the server dropped it
+        assert server.thread.is_alive(), f"accept_trainer ended with that client: {server.error!r}"
+        assert time.monotonic() < deadline, "the client whose first message was an int was never dropped"
+    with pytest.raises(EOFError):
+        odd.recv()
+    odd.close()
+    right = _proxy(tmp_path, server.address)
+    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
+    server.join()
+    assert server.error is None and server.hello[2] == right.run_id
+    right.peer.stop(0)
+
+
+def _handshake_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "rollout-handshake"}
+
+
+def _wait_for(condition, what: str, bound_s: float = 20) -> None:
+    deadline = time.monotonic() + bound_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)  # polling a thread's state, not waiting for a server
+
+
+def test_an_evicted_handshake_ends_cleanly(tmp_path, monkeypatch):
+    """With MAX_HANDSHAKES in progress, one more evicts the oldest: its thread, whose read was cut, ends without an
+    error (and closes its socket), although the eviction already took it out of the handshakes in progress."""
+    monkeypatch.setattr(remote, "MAX_HANDSHAKES", 1)
+    failed = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failed.append((args.thread.name, args.exc_value)))
+    server = InTestServer(_ack_then(lambda conn: None))
+    host, port = server.address.rsplit(":", 1)
+    before = _handshake_threads()
+    oldest = socket.create_connection((host, int(port)), timeout=20)  # connects, then says nothing
+    _wait_for(lambda: _handshake_threads() - before, "the first connection's handshake never started")
+    (evicted,) = _handshake_threads() - before
+    newer = socket.create_connection((host, int(port)), timeout=20)  # one more: the oldest is evicted
+    assert oldest.recv(1) == b""  # cut
+    returns_within(lambda: evicted.join(20), 25, "the evicted handshake's thread")
+    assert not evicted.is_alive() and failed == []
+    right = _proxy(tmp_path, server.address)  # evicts the newer one in turn, and wins
+    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
+    server.join()
+    assert server.error is None and server.hello[2] == right.run_id and failed == []
+    oldest.close()
+    newer.close()
+    right.peer.stop(0)
+
+
+def test_a_handshake_that_completes_as_another_trainer_wins_is_closed_and_logged(tmp_path, monkeypatch, caplog):
+    """Two trainers complete their handshakes at once: the first to be taken wins, the other's connection is closed,
+    not kept. The early one's handshake is held just after it completed until the later one has won: the race, made
+    to happen every time."""
+    real, late = remote._handshake, {}
+    completed, other_won = threading.Event(), threading.Event()
+
+    def handshake(tls, who, fingerprint, key):
+        result = real(tls, who, fingerprint, key)
+        if not late:
+            late.update(result=result, thread=threading.current_thread())
+            completed.set()
+            assert other_won.wait(20), "the other trainer never won"
+        return result
+
+    monkeypatch.setattr(remote, "_handshake", handshake)
+    server = InTestServer(_ack_then(lambda conn: None))
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+        early = _prove_by_hand(server.address)
+        early.send(("hello", __version__, pickle.dumps((None, {}, "early"))))
+        assert completed.wait(20), "the early trainer's handshake never completed"
+        right = _proxy(tmp_path, server.address)
+        right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
+        server.join()
+        other_won.set()
+        returns_within(lambda: late["thread"].join(20), 25, "the late winner's handshake thread")
+        dropped = [r.getMessage() for r in caplog.records if "another trainer connected first" in r.getMessage()]
+    assert server.error is None and server.hello[2] == right.run_id  # the later trainer won
+    assert late["result"][1][2] == "early" and late["result"][0].closed  # the early one completed, and was closed
+    assert dropped == [f"dropped the connection from {_who(early)}: another trainer connected first"]
+    early.close()
+    right.peer.stop(0)
+
+
+def test_a_hello_read_gets_only_what_is_left_of_handshake_s_after_a_slow_key_proof(tmp_path, monkeypatch):
+    """A proof that took all but 0.5 s of HANDSHAKE_S (the module's clock moved on by that much meanwhile): the read
+    of the hello is given those 0.5 s, not more. The timeout handed to the link is the only observable short of
+    waiting."""
+    skew, timeouts = [0.0], []
+    real_prove = remote.prove_server
+
+    def slow_proof(tls, key, fingerprint, deadline):
+        real_prove(tls, key, fingerprint, deadline)
+        skew[0] += remote.HANDSHAKE_S - 0.5
+
+    class TimedLink(link.Link):
+        def settimeout(self, timeout):
+            timeouts.append(timeout)
+            super().settimeout(timeout)
+
+    monkeypatch.setattr(remote, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + skew[0],
+                                                        sleep=time.sleep))
+    monkeypatch.setattr(remote, "prove_server", slow_proof)
+    monkeypatch.setattr(remote, "Link", TimedLink)
+    server = InTestServer(_ack_then(lambda conn: None))
+    hello = _prove_by_hand(server.address)
+    hello.send(("hello", __version__, pickle.dumps((None, {}, "the hello"))))
+    server.join()
+    assert server.error is None and server.hello[2] == "the hello"
+    assert 0.001 <= timeouts[0] <= 0.5 and timeouts[1:] == [None]  # the rest of the deadline, then blocking
+    hello.close()

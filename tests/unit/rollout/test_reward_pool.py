@@ -7,6 +7,8 @@ loaded by reference as a user's would be."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import re
 import signal
@@ -215,6 +217,13 @@ def test_reward_workers_picks_the_scorer_and_hands_it_the_rewards_config(tokeniz
         assert pooled.spec == type(pooled.spec)([ref], [2.5], -3.0, kwargs, TokenizerRef.of(tokenizer), template)
     finally:
         pooled.close()
+
+
+def test_a_pool_built_without_a_timeout_allows_the_configs_default_reward_timeout():
+    # read off the signature: a pool spawns its workers when built, and this is all that would tell
+    default = inspect.signature(RewardPool).parameters["timeout_s"].default
+    config_default = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}["reward_timeout"]
+    assert default == config_default == 60.0
 
 
 def test_a_pool_of_no_workers_is_refused(tokenizer):

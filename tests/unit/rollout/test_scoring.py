@@ -17,7 +17,7 @@ from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import RewardFunctionError
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.build import make_group_scorer
-from asyncgrpo.rollout.scoring import InThreadScoring
+from asyncgrpo.rollout.scoring import DECODING, InThreadScoring
 
 DEADLINE_S = 0.3
 BOUND_S = 5.0  # liveness: far above the deadline; only a deadline that never comes trips it
@@ -72,6 +72,48 @@ def test_rewards_and_errors_are_the_same_with_and_without_the_deadline(rewards):
     raising = InThreadScoring(RewardScorer(["scoring_fns:broken"]), DigitTokenizer(), timeout_s=BOUND_S)
     with pytest.raises(RewardFunctionError, match="scoring_fns:broken raised ValueError: broken on purpose"):
         raising.score_group(ROW, [[1]], ["stop"])
+
+
+def test_a_call_stuck_decoding_names_that_stage_and_leaves_a_daemon_thread_whoever_called(rewards):
+    """The deadline passes before any reward function runs (the tokenizer hangs). The caller is not a daemon thread
+    (as an evaluation's pool threads are not): the scoring thread left behind must be one all the same, or the
+    process could never exit."""
+    release = threading.Event()
+
+    class HungTokenizer(DigitTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            release.wait(BOUND_S)
+            return super().decode(ids, skip_special_tokens)
+
+    scoring = InThreadScoring(RewardScorer(["scoring_fns:count_digits"]), HungTokenizer(), timeout_s=DEADLINE_S)
+    errors = []
+
+    def call():
+        try:
+            scoring.score_group(ROW, [[4, 5]], ["stop"])
+        except RewardFunctionError as exc:
+            errors.append(str(exc))
+
+    caller = threading.Thread(target=call, name="test-caller", daemon=False)
+    try:
+        caller.start()
+        caller.join(BOUND_S)  # a liveness bound: the deadline is DEADLINE_S
+        assert not caller.is_alive() and len(errors) == 1
+        assert errors[0].startswith(f"{DECODING} did not finish within reward_timeout=0.3 s")
+        left = [t for t in threading.enumerate() if t.name == "reward-scoring"]
+        assert left and all(t.daemon for t in left)
+    finally:
+        release.set()
+
+
+def test_finished_calls_leave_no_stage_behind(rewards):
+    scoring = InThreadScoring(RewardScorer(["scoring_fns:count_digits"]), DigitTokenizer(), timeout_s=BOUND_S)
+    for ids in ([[4, 5]], [[1], [2, 3]]):
+        scoring.score_group(ROW, ids, ["stop"] * len(ids))
+    raising = InThreadScoring(RewardScorer(["scoring_fns:broken"]), DigitTokenizer(), timeout_s=BOUND_S)
+    with pytest.raises(RewardFunctionError):
+        raising.score_group(ROW, [[1]], ["stop"])
+    assert scoring._running == {} and raising._running == {}  # the stage of each finished call is forgotten
 
 
 def test_make_group_scorer_applies_reward_timeout_in_thread(rewards):

@@ -18,10 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fakes import FakeVLLM, answer, generation
+from liveness import returns_within
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import SyncError
 from asyncgrpo.rollout import side as side_module
+from asyncgrpo.rollout.episodes import EpisodeStats
 from asyncgrpo.rollout.side import RolloutSide
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.store import CONFIG_NAME, AdapterStore
@@ -222,6 +224,25 @@ def test_close_waits_for_the_publish_in_progress_so_the_version_it_loads_is_unlo
     assert server.served == {}  # no version of this run is left holding a server's adapter slot
 
 
+def test_close_lets_the_publish_in_progress_finish_before_it_unloads(side_on_stub):
+    """The same without reading a thread's stack: the held load is let through when close joins the publish thread,
+    so a close that joins it finds the version loaded and unloads it, and one that does not join leaves the load held
+    until after it returned, and the version loaded for good."""
+    side, server = side_on_stub()
+    prefix = side.publisher.prefix
+    side.publish(0, tensors(0), step=0, wait=True)
+    server.gates[f"{prefix}-v1"] = gate = threading.Event()
+    side.publish(1, tensors(1), step=1)  # on the publish thread, its load held at the gate
+    (worker,) = side._publish_thread._threads  # the executor's one thread, which runs every publish
+    worker.join = lambda timeout=None: (gate.set(), threading.Thread.join(worker, timeout))[-1]
+    returns_within(lambda: side.close(keep_final=False), DEADLINE_S, "close with a publish in progress")
+    gate.set()  # (for a close that did not wait: the load goes through now, after it)
+    threading.Thread.join(worker, DEADLINE_S)
+    assert not worker.is_alive()
+    assert loads(server) == [f"{prefix}-v0", f"{prefix}-v1"]
+    assert server.served == {}  # v1 was unloaded too: no version of this run holds a server's adapter slot
+
+
 def test_halt_reaches_the_publisher_so_no_later_sync_pauses_a_server(side_on_stub):
     side, server = side_on_stub(sync_mode="pause")
     side.publish(0, tensors(0), step=0, wait=True)  # the first version loads without a pause
@@ -290,6 +311,20 @@ def test_stats_reports_each_counter_under_its_tensorboard_name_and_tokens_per_se
                             "rollout/lost_groups_total": 2, "rollout/resent_groups_total": 3,
                             "reward/fallbacks_total": 8, "queue/dropped_stale_total": 6, "queue/depth": 5,
                             "queue/dropped_zero_std_total": 7, "queue/inflight_requests": 4}
+
+
+def test_stats_with_tools_adds_the_episode_counters(tmp_path, monkeypatch):
+    side = side_with_counters(tmp_path, started_at=100.0)
+    counters = EpisodeStats()
+    counters.episodes, counters.turns, counters.tool_calls, counters.tokens = 4, 10, 6, 40  # four episodes so far
+    side.producer.episodes = SimpleNamespace(stats=counters)  # the producer's EpisodeRunner, as far as stats reads it
+    clock(monkeypatch, monotonic=104.0)
+    stats = side.stats()
+    assert {k: v for k, v in stats.items() if k.startswith("episodes/")} == {
+        "episodes/total": 4, "episodes/turns_mean": 2.5, "episodes/tool_calls_total": 6,
+        "episodes/tool_errors_total": 0, "episodes/tool_seconds_total": 0.0, "episodes/tokens_mean": 10.0,
+        "episodes/truncated_total": 0}
+    assert stats["rollout/generated_tokens_per_s"] == 150.0 and stats["queue/depth"] == 5  # and the rest, as without
 
 
 def test_the_token_rate_over_less_than_a_second_is_not_capped_and_at_time_zero_is_finite(tmp_path, monkeypatch):

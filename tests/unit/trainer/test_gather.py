@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from gloo import WORLD, two_ranks
-from models import tiny_lora
+from models import Tiny, tiny_lora
 
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.trainer.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
@@ -69,6 +69,50 @@ def fsdp2(rank, dtype=torch.float32):
     model = peft_model(dtype=dtype)
     fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
     return _gather(accelerator(rank, "fsdp", is_fsdp2=True), model)
+
+
+def fsdp2_one_message(rank):
+    """The fsdp2 scenario, counting the per-parameter DTensor gathers it makes (the fallback for other layouts): rank 0
+    returns the count in its stats, rank 1 checks its own."""
+    from torch.distributed.tensor import DTensor
+
+    real, calls = DTensor.full_tensor, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    DTensor.full_tensor = counted
+    try:
+        state, stats = fsdp2(rank)
+    finally:
+        DTensor.full_tensor = real
+    if rank == 0:
+        return state, {**stats, "full_tensor_calls": len(calls)}
+    assert calls == [], f"rank 1 made {len(calls)} per-parameter gathers"
+    return state, stats
+
+
+def q_only_lora():
+    """LoRA r=3 on q_proj alone (5 -> 9): A (3, 5), B (9, 3), the same seeded values on every rank."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(Tiny(5, 9), LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj"], init_lora_weights=False))
+
+
+def fsdp1_one_slice_on_a_rank(rank):
+    """FSDP1 over q_only_lora: the flat parameter is q's weight (45), bias (9), A (15), B (27), then v's weight and
+    bias, each start aligned to 4 elements; split in two halves of 79, rank 0 holds A and B's first 3 elements, rank 1
+    the rest of B alone: one LoRA slice."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(q_only_lora(), use_orig_params=True, device_id=torch.device("cpu"))
+    flat = model._handle.flat_param
+    held = [tuple(shape) for shape, info in zip(flat._shapes, flat._shard_param_infos) if info.in_shard]
+    lora = [shape for shape in held if shape in ((3, 5), (9, 3))]
+    assert lora == [[(3, 5), (9, 3)], [(9, 3)]][rank], held  # the layout under test
+    return _gather(accelerator(rank, "fsdp", is_fsdp2=False), model)
 
 
 def fsdp2_other_layout(rank):
@@ -198,7 +242,7 @@ def zero3(rank):
 
 SCENARIOS = {f.__name__: f for f in (ddp, zero2, fsdp2, fsdp2_other_layout, fsdp1, fsdp1_nested, fsdp1_no_shard,
                                      zero3, fsdp2_bf16, fsdp1_bf16, fsdp1_trainable_base, fsdp1_not_resharded,
-                                     fsdp1_flat_params_only)}
+                                     fsdp1_flat_params_only, fsdp2_one_message, fsdp1_one_slice_on_a_rank)}
 NOT_RESHARDED = "FSDP1 flat parameter is not resharded at sync time"
 NO_ORIG_PARAMS = "FSDP1 needs use_orig_params=True (see launch/accelerate/fsdp1.yaml)"
 
@@ -243,6 +287,23 @@ def test_fsdp2_reassembles_uneven_dim0_shards_into_the_full_adapter(ranks):
     rank0 = sum(math.ceil(t.shape[0] / WORLD) * t[0].numel() for t in expected_state().values())
     assert rank0 == 2 * 5 + 5 * 3 + 2 * 9 + 3 * 3 and rank0 * 4 > lora_bytes() / 2  # the shards are uneven
     assert stats["gathered_bytes"] == lora_bytes()
+
+
+def test_fsdp2_dim0_shards_travel_in_one_buffer_per_rank_not_one_gather_per_parameter(ranks):
+    state, stats = ranks("fsdp2_one_message")
+    assert_exact(state)
+    assert stats == {"gathered_bytes": lora_bytes(), "full_tensor_calls": 0}
+
+
+def test_fsdp1_a_rank_holding_a_single_lora_slice_sends_it(ranks):
+    from peft import get_peft_model_state_dict
+
+    state, stats = ranks("fsdp1_one_slice_on_a_rank")
+    expected = get_peft_model_state_dict(q_only_lora())
+    assert sorted(state) == sorted(expected) and len(state) == 2
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+    assert stats["gathered_bytes"] == (15 + 27) * 4
 
 
 def test_dtensors_not_sharded_on_dim0_are_gathered_whole_one_by_one(ranks):

@@ -75,6 +75,58 @@ def test_heads_the_chunked_path_cannot_model_fall_back_to_full_logits():
     assert find_scoring_head(scaled) is None
 
 
+@pytest.mark.parametrize("scale, chunked", [(None, True), (1, True), (1.0, True), (2.0, False), (0.5, False)])
+def test_a_logit_scale_of_exactly_one_keeps_the_chunked_path_and_any_other_leaves_it(scale, chunked):
+    model = _qwen2()
+    model.config.logit_scale = scale  # Cohere's name; 1 rescales nothing
+    assert (find_scoring_head(model) is not None) == chunked
+
+
+def _composite(**outer):
+    """A tiny Gemma 3 image-text model on the meta device (its head and configs are all find_scoring_head reads): a
+    composite config, the text model's own config inside; `outer` set on the outer one."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, max_position_embeddings=64, sliding_window=8)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    for name, value in outer.items():
+        setattr(config, name, value)
+    with torch.device("meta"):
+        model = Gemma3ForConditionalGeneration(config)
+    assert model.config.get_text_config() is not model.config  # the layout under test: two configs
+    return model
+
+
+def test_a_composite_models_outer_config_is_read_as_well_as_its_text_config():
+    assert find_scoring_head(_composite(logits_scaling=2.0)) is None  # set on the outer config only
+    head = find_scoring_head(_composite(final_logit_softcapping=30.0))
+    assert head.softcap == 30.0 and len(head.configs) == 2
+    both = _composite(final_logit_softcapping=30.0)
+    both.config.get_text_config().final_logit_softcapping = 50.0
+    with pytest.raises(AssertionError, match="two different final_logit_softcapping values"):
+        find_scoring_head(both)
+    same = _composite(final_logit_softcapping=30.0)
+    same.config.get_text_config().final_logit_softcapping = 30.0
+    assert find_scoring_head(same).softcap == 30.0  # the same cap twice is one cap
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")  # one rank: nothing to shard
+def test_an_fsdp1_wrapped_head_is_unwrapped_to_its_linear(tmp_path):
+    from gloo import one_rank
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = _qwen2()
+    linear = model.lm_head
+    with one_rank(tmp_path):
+        model.lm_head = FSDP(linear, use_orig_params=True, device_id=torch.device("cpu"))  # its own FSDP unit
+        assert model.get_output_embeddings() is not linear  # the layout under test: the wrapper is what is found
+        head = find_scoring_head(model)
+    assert head is not None and head.module is linear
+
+
 def _phi():
     """A head with a bias (Phi's lm_head), set to values that move the logprobs (the model initialises it to zero)."""
     from transformers import PhiConfig, PhiForCausalLM
