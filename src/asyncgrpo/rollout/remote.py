@@ -220,7 +220,7 @@ def _handshake(tls: ssl.SSLSocket, who: str, fingerprint: bytes, key: bytes) -> 
         prove_server(tls, key, fingerprint, deadline)
         conn = Link(tls)
         conn.settimeout(max(0.001, deadline - time.monotonic()))
-        tag, version, hello = conn.recv()  # authenticated: only a holder of the key gets a pickle read
+        first = conn.recv()  # authenticated: only a holder of the key gets a pickle read
         conn.settimeout(None)
     except KeyMismatch:
         log.error("refused a connection from %s: it did not prove this server's key (%s must be the same on both "
@@ -231,9 +231,11 @@ def _handshake(tls: ssl.SSLSocket, who: str, fingerprint: bytes, key: bytes) -> 
         log.error("dropped a connection from %s: no rollout handshake within %.0f s (%s: %s); still listening", who,
                   HANDSHAKE_S, type(exc).__name__, exc)
         return None
-    if tag != "hello":
-        log.error("dropped a connection from %s: its first message was %r, not the hello", who, tag)
+    if not (isinstance(first, tuple) and len(first) == 3 and first[0] == "hello"):
+        shown = first[0] if isinstance(first, tuple) and first else first
+        log.error("dropped a connection from %s: its first message was %.80r, not the hello", who, shown)
         return None
+    _, version, hello = first
     try:
         if version != __version__:
             raise RolloutProcessError(f"the rollout server runs asyncgrpo {__version__}, the trainer {version}. Fix: "
