@@ -496,6 +496,33 @@ def test_a_first_message_that_is_no_tuple_drops_that_client_and_a_later_trainer_
     right.peer.stop(0)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the stand-in's RuntimeError
+def test_a_handshake_that_fails_unexpectedly_closes_its_connection_and_a_later_trainer_wins(tmp_path, monkeypatch):
+    """An error `_handshake` has no handler for (a stand-in raising RuntimeError once: no client message can cause one
+    now) leaves nothing behind as a result: that connection is closed and the next trainer is the one accepted."""
+    real, raised = remote._handshake, []
+
+    def fails_once(*args):
+        if not raised:
+            raised.append(1)
+            raise RuntimeError("unexpected")
+        return real(*args)
+
+    monkeypatch.setattr(remote, "_handshake", fails_once)
+    server = InTestServer(_ack_then(lambda conn: None))
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=20) as odd:  # its handshake fails before TLS
+        try:
+            assert odd.recv(1) == b""  # closed by the server (a timeout here would fail the test)
+        except ConnectionResetError:
+            pass  # closed with our bytes unread: closed all the same
+    right = _proxy(tmp_path, server.address)
+    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
+    server.join()
+    assert raised and server.error is None and server.hello[2] == right.run_id
+    right.peer.stop(0)
+
+
 def _handshake_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "rollout-handshake"}
 
