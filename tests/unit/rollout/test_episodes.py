@@ -519,6 +519,18 @@ def test_an_episode_group_carries_the_rows_rendered_prompt_its_scores_and_finish
     assert group.advantages == pytest.approx([-2.0 / 8**0.5, 2.0 / 8**0.5], abs=1e-3)
 
 
+
+def test_an_episode_group_is_as_old_as_its_oldest_sampled_token_or_as_sent_when_nothing_was_sampled():
+    a = Episode(prompt=[], prompt_ids=[1, 2], tools={}, schemas=[])
+    a.append([4], [-0.5], 3)
+    a.append([9, 9], None, 1)  # context (a tool message) tagged older: not sampled, so it does not count
+    a.append([5], [-0.5], 4)
+    group = episode_group(ROW, [a, a], [0.0, 1.0], {}, index=0, version=2, adapter="a-v2", cfg=make_cfg())
+    assert group.version == 3  # the oldest sampled token's version, not the one it was sent with nor the context's
+    empty = Episode(prompt=[], prompt_ids=[1, 2], tools={}, schemas=[], finish_reason="length")  # prompt filled it
+    group = episode_group(ROW, [empty, empty], [0.0, 0.0], {}, index=0, version=2, adapter="a-v2", cfg=make_cfg())
+    assert group.version == 2 and group.completion_ids == [[], []]
+
 # ---- the chat format: what it renders, and what it refuses --------------------------------------------------------
 def test_the_prompt_lists_the_tools_and_gets_the_system_prompt_unless_it_has_its_own():
     schemas = [tool_schema(lookup)]
