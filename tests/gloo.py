@@ -1,6 +1,6 @@
 """Real gloo ranks for the unit tests of collectives: `two_ranks(directory, scenarios)` (rank 0 this process, rank 1
 a forked child), `several_ranks(directory, scenarios, world)` (the same with ranks 1..world-1 forked) and
-`one_rank(directory)` (a process group of one, in this process).
+`one_rank(directory)` (a process group of one, in this process); `rank_accelerator` stands in for accelerate's.
 
 Rank 1 is forked from the test process, so it runs the very code under test (mutated or not) and starts in
 milliseconds; rank 0's calls are traced in-process by coverage and mutation tools while both ranks run the real
@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch.distributed as dist
 
@@ -105,3 +106,14 @@ def one_rank(directory: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def rank_accelerator(rank: int, kind: str, world: int = WORLD, **extra) -> SimpleNamespace:
+    """What the trainer's gather and checkpoint code reads of accelerate's Accelerator on rank `rank` of `world`:
+    `kind` is ddp, fsdp or deepspeed; `extra` adds fields (is_fsdp2, wait_for_everyone, ...)."""
+    from accelerate.utils import DistributedType  # heavy: only the tests that build one need accelerate
+
+    distributed_type = {"ddp": DistributedType.MULTI_CPU, "fsdp": DistributedType.FSDP,
+                        "deepspeed": DistributedType.DEEPSPEED}[kind]
+    return SimpleNamespace(is_main_process=rank == 0, process_index=rank, num_processes=world,
+                           distributed_type=distributed_type, unwrap_model=lambda m: getattr(m, "module", m), **extra)

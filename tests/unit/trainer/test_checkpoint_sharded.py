@@ -16,14 +16,12 @@ every LoRA parameter and of its Adam moments) must equal what the first model he
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from gloo import WORLD, two_ranks
+from gloo import WORLD, rank_accelerator, two_ranks
 from models import tiny_lora
-from accelerate.utils import DistributedType
 from peft import LoraConfig
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
@@ -51,9 +49,7 @@ def shard(model, kind: str):
 
 
 def accelerator(rank: int, kind: str):
-    return SimpleNamespace(is_main_process=rank == 0, process_index=rank, num_processes=WORLD,
-                           distributed_type=DistributedType.FSDP, is_fsdp2=kind == "fsdp2",
-                           wait_for_everyone=dist.barrier, unwrap_model=lambda m: getattr(m, "module", m))
+    return rank_accelerator(rank, "fsdp", is_fsdp2=kind == "fsdp2", wait_for_everyone=dist.barrier)
 
 
 def local(tensor) -> torch.Tensor:

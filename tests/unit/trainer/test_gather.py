@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from gloo import WORLD, two_ranks
+from gloo import rank_accelerator as accelerator
 from models import Tiny, tiny_lora
 
 from asyncgrpo.errors import AsyncGRPOError
@@ -36,15 +37,6 @@ def expected_state(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor
     from peft import get_peft_model_state_dict
 
     return {k: v.clone() for k, v in get_peft_model_state_dict(peft_model(dtype=dtype)).items()}
-
-
-def accelerator(rank: int, kind: str, **extra):
-    from accelerate.utils import DistributedType
-
-    distributed_type = {"ddp": DistributedType.MULTI_CPU, "fsdp": DistributedType.FSDP,
-                        "deepspeed": DistributedType.DEEPSPEED}[kind]
-    return SimpleNamespace(is_main_process=rank == 0, process_index=rank, num_processes=WORLD,
-                           distributed_type=distributed_type, unwrap_model=lambda m: getattr(m, "module", m), **extra)
 
 
 def _gather(acc, model):

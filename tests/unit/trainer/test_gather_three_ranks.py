@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import datetime
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from gloo import COLLECTIVE_TIMEOUT_S, several_ranks
+from gloo import COLLECTIVE_TIMEOUT_S, rank_accelerator, several_ranks
 from models import tiny_lora
 
 from asyncgrpo.trainer.gather import _fsdp1_slices_on_rank0, gather_lora_state
@@ -26,14 +25,6 @@ def peft_model():
     """LoRA r=3 on q (6 -> 9) and v (9 -> 6): every dim 0 (3, 9, 3, 6) splits evenly in three, so each rank's buffer
     has the same size (30 elements) and only its values tell the ranks apart."""
     return tiny_lora(6, 9, r=3)
-
-
-def accelerator(rank: int, is_fsdp2: bool):
-    from accelerate.utils import DistributedType
-
-    return SimpleNamespace(is_main_process=rank == 0, process_index=rank, num_processes=WORLD,
-                           distributed_type=DistributedType.FSDP, is_fsdp2=is_fsdp2,
-                           unwrap_model=lambda m: getattr(m, "module", m))
 
 
 @contextmanager
@@ -64,14 +55,14 @@ def fsdp2(rank, store_path):
     model = peft_model()
     fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
     with rank_2_sends_first(rank, store_path):
-        return gather_lora_state(accelerator(rank, is_fsdp2=True), model)
+        return gather_lora_state(rank_accelerator(rank, "fsdp", WORLD, is_fsdp2=True), model)
 
 
 def fsdp1_slices(rank, store_path):
     """Rank r holds row r of one (3, 4) LoRA weight (elements 4r..4r+3 of it), filled with r + 1."""
     mine = [("q_proj.lora_A.weight", (3, 4), 4 * rank, torch.full((4,), rank + 1.0))]
     with rank_2_sends_first(rank, store_path):
-        slices = _fsdp1_slices_on_rank0(accelerator(rank, is_fsdp2=False), mine)
+        slices = _fsdp1_slices_on_rank0(rank_accelerator(rank, "fsdp", WORLD, is_fsdp2=False), mine)
     return None if slices is None else [(name, shape, start, piece.tolist()) for name, shape, start, piece in slices]
 
 
