@@ -76,6 +76,15 @@ class InTestServer:  # not in fakes.py: the rollout link's listener (the real ac
         self.listener.close()
 
 
+def _a_trainer_connects_and_is_accepted(tmp_path, server: InTestServer) -> None:
+    """A real trainer's proxy connects to `server`, which accepts it (the hello carries its run id); then it stops."""
+    right = _proxy(tmp_path, server.address)
+    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
+    server.join()
+    assert server.error is None and server.hello[2] == right.run_id
+    right.peer.stop(0)
+
+
 def _ack_then(after):
     def then(conn, hello):
         conn.send(("ok", "in-test server"))
@@ -356,11 +365,7 @@ def test_a_trainer_of_another_asyncgrpo_version_is_told_both_versions_and_the_se
     assert "raise RolloutProcessError" in payload["traceback"]  # the server's traceback comes with it
     assert len(refusals) == 1 and refusals[0].startswith(f"refused a connection from {_who(older)}: "), refusals
     older.close()
-    right = _proxy(tmp_path, server.address)
-    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
-    server.join()
-    assert server.error is None and server.hello[2] == right.run_id
-    right.peer.stop(0)
+    _a_trainer_connects_and_is_accepted(tmp_path, server)
 
 
 def test_a_client_that_proves_the_key_but_sends_no_hello_is_dropped_at_the_deadline(tmp_path, monkeypatch, caplog):
@@ -374,11 +379,7 @@ def test_a_client_that_proves_the_key_but_sends_no_hello_is_dropped_at_the_deadl
     assert len(drops) == 1 and drops[0].startswith(f"dropped a connection from {_who(silent)}: ") and \
         "(TimeoutError: " in drops[0], drops
     silent.close()
-    right = _proxy(tmp_path, server.address)
-    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
-    server.join()
-    assert server.error is None and server.hello[2] == right.run_id
-    right.peer.stop(0)
+    _a_trainer_connects_and_is_accepted(tmp_path, server)
 
 
 def test_a_server_that_never_answers_the_hello_is_given_up_after_build_s(tmp_path, monkeypatch):
@@ -489,11 +490,7 @@ def test_a_first_message_that_is_no_tuple_drops_that_client_and_a_later_trainer_
         odd.recv()
     odd.close()
     assert any("its first message was 5, not the hello" in r.getMessage() for r in caplog.records), caplog.text
-    right = _proxy(tmp_path, server.address)
-    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
-    server.join()
-    assert server.error is None and server.hello[2] == right.run_id
-    right.peer.stop(0)
+    _a_trainer_connects_and_is_accepted(tmp_path, server)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the stand-in's RuntimeError
@@ -516,11 +513,8 @@ def test_a_handshake_that_fails_unexpectedly_closes_its_connection_and_a_later_t
             assert odd.recv(1) == b""  # closed by the server (a timeout here would fail the test)
         except ConnectionResetError:
             pass  # closed with our bytes unread: closed all the same
-    right = _proxy(tmp_path, server.address)
-    right.peer.connect(right.cfg, right._side_kwargs, right.run_id)
-    server.join()
-    assert raised and server.error is None and server.hello[2] == right.run_id
-    right.peer.stop(0)
+    assert raised
+    _a_trainer_connects_and_is_accepted(tmp_path, server)
 
 
 def _handshake_threads() -> set[threading.Thread]:
