@@ -62,10 +62,17 @@ def finish_reason_from_tokens(finish_reason: str, token_ids: list[int], end_toke
     return finish_reason
 
 
+def scored_advantages(rewards: list[float], scale_rewards: str) -> list[float]:
+    """A group's advantages when it is scored (the producer's and the episode runner's one rule): centred and divided
+    by the group's own std for `scale_rewards: group`, only centred for `none` and for `batch`, whose std is the whole
+    batch's and is applied when the batch is taken (`scale_by_batch_std`)."""
+    return centred_advantages(rewards, "none" if scale_rewards == "batch" else scale_rewards)
+
+
 def centred_advantages(rewards: list[float], scale: str, eps: float = 1e-4) -> list[float]:
-    """One group's advantages as `loss.group_advantages` computes them (reward - group mean, divided by the group's
-    unbiased std + eps when `scale` is "group"), in plain Python: the producer runs this once per group, where a
-    torch call cost more than the rest of the group's bookkeeping. Float64 here, float32 there (agree to ~1e-7)."""
+    """One group's advantages as TRL computes them (reward - group mean, divided by the group's unbiased std + eps
+    when `scale` is "group"), in plain Python: the producer runs this once per group, where a torch call cost more
+    than the rest of the group's bookkeeping."""
     n = len(rewards)
     mean = sum(rewards) / n
     centred = [r - mean for r in rewards]

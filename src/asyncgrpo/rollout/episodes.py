@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
-from asyncgrpo.contracts import Group, centred_advantages
+from asyncgrpo.contracts import Group, scored_advantages
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.scoring import decode_completion
@@ -337,11 +337,10 @@ def episode_group(row: PromptRow, episodes: list[Episode], rewards: list[float],
         masks.append([0] * len(own) + e.loss_mask)
         logprobs.append([0.0] * len(own) + e.logprobs)
         versions.append([version] * len(own) + e.versions)
-    scale = "none" if cfg.scale_rewards == "batch" else cfg.scale_rewards
     finish = [e.finish_reason for e in episodes]
     return Group(prompt=row.rendered or row.prompt, prompt_ids=episodes[0].prompt_ids[:shared],
                  completion_ids=completions, behaviour_logprobs=logprobs, rewards=rewards, reward_parts=parts,
-                 advantages=centred_advantages(rewards, scale), version=version, adapter=adapter,
+                 advantages=scored_advantages(rewards, cfg.scale_rewards), version=version, adapter=adapter,
                  finish_reasons=finish, index=index,
                  masked=[f == "length" for f in finish] if cfg.mask_truncated_completions else [],
                  loss_mask=masks, versions=versions)

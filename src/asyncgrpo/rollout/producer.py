@@ -20,7 +20,7 @@ from asyncgrpo.errors import AdapterNotLoadedError, BehaviourLogprobError, Infer
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.timeline import Timeline
-from asyncgrpo.contracts import Group, centred_advantages, finish_reason_from_tokens
+from asyncgrpo.contracts import Group, finish_reason_from_tokens, scored_advantages
 from asyncgrpo.rollout.episodes import EpisodeRunner, TurnAborted, episode_group
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.scheduler import RolloutSchedule
@@ -285,9 +285,7 @@ class RolloutProducer:
         reasons = [finish_reason_from_tokens(c.finish_reason, c.token_ids, self.end_token_ids) for c in completions]
         truncated = [reason == "length" for reason in reasons]
         rewards, parts = self.scorer.score_group(row, [c.token_ids for c in completions], reasons)
-        # `batch` scaling needs the whole batch: the group is centred here and the queue scales it when it is taken.
-        scale = "none" if cfg.scale_rewards == "batch" else cfg.scale_rewards
-        advantages = centred_advantages(rewards, scale)
+        advantages = scored_advantages(rewards, cfg.scale_rewards)
         return Group(prompt=row.rendered or row.prompt, prompt_ids=row.prompt_ids,
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],

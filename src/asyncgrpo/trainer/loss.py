@@ -1,9 +1,9 @@
 """The GRPO loss family as pure functions over tensors: no model, no distributed state.
 
 `LossSpec` holds what the loss takes from the config; `loss_normaliser` says what each micro-batch's summed loss is
-divided by, `grpo_loss` computes the surrogate (+ KL, + importance weights, + TRL's masks) and its statistics, and
-`group_advantages` is the tensor form of the group-relative advantage. docs/losses.md explains each variant, when to
-use which, and every bound the loss puts on a ratio.
+divided by, `grpo_loss` computes the surrogate (+ KL, + importance weights, + TRL's masks) and its statistics; each
+group brings its advantages (contracts.py). docs/losses.md explains each variant, when to use which, and every bound
+the loss puts on a ratio.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.config import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
+from asyncgrpo.config import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -94,21 +94,6 @@ class LossSpec:
     def needs_entropy(self) -> bool:
         """The loss keeps only the highest-entropy tokens (`top_entropy_quantile` < 1)."""
         return self.top_entropy_quantile < 1.0
-
-
-def group_advantages(rewards: torch.Tensor, scale: bool | str = True, eps: float = 1e-4) -> torch.Tensor:
-    """Group-relative advantages. rewards: (G, N) for G groups of N completions -> (G, N).
-
-    `scale` (TRL's `scale_rewards`): `group` (or True) divides by each group's reward std (GRPO), `batch` by the std
-    of all rewards in `rewards` (PPO-Lite), `none` (or False) only subtracts the group mean (Dr. GRPO). Stds are
-    torch's unbiased ones, plus `eps`."""
-    mode = {True: "group", False: "none"}.get(scale, scale) if isinstance(scale, bool) else scale
-    assert mode in SCALE_REWARDS, f"unknown scale_rewards {scale!r}"
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if mode == "none":
-        return centred
-    std = rewards.std(dim=1, keepdim=True) if mode == "group" else rewards.std()
-    return centred / (std + eps)
 
 
 def loss_normaliser(spec: LossSpec, *, global_tokens: float, global_sequences: float, micro_tokens: float,

