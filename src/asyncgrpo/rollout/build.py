@@ -17,7 +17,7 @@ from asyncgrpo.rollout.delivery import make_delivery
 from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, environment_reward
 from asyncgrpo.rollout.preflight import require_healthy_setup
 from asyncgrpo.rollout.producer import RolloutProducer
-from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.rollout.publish import AdapterPublisher, run_prefix
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
 from asyncgrpo.rollout.scoring import GroupScorer, InThreadScoring
@@ -58,7 +58,7 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
     # generation goes to it; rollouts and syncs share this one view of which servers are up. Recovery and the
     # publisher need each other: the publisher, built just below, is reached when a server comes back.
     recovery = ServerRecovery(cfg.vllm_server_timeout, restore=lambda client: publisher.restore(client))
-    publisher = AdapterPublisher(clients, f"{cfg.lora_name}-{run_id}", cfg.sync_mode, cfg.sync_pause_mode,
+    publisher = AdapterPublisher(clients, run_prefix(cfg.lora_name, run_id), cfg.sync_mode, cfg.sync_pause_mode,
                                  recovery=recovery, adapter_root=cfg.lora_adapter_path,  # paths sent never leave it
                                  delivery=make_delivery(cfg))  # adapter_delivery: shared_fs | http
     # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted). The first

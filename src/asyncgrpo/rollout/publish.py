@@ -46,6 +46,24 @@ class PublishTiming:
 
 
 SYNC_MODES = ("pause", "versioned")
+_VERSION_MARK = "-v"  # between a run's prefix and a version number
+
+
+def run_prefix(lora_name: str, run_id: str) -> str:
+    """What every adapter name of one run starts with, `{lora_name}-{run_id}`; each version adds `-v{N}`
+    (`version_name`). vLLM refuses to load a name twice in a server's lifetime, hence a new id for every run."""
+    return f"{lora_name}-{run_id}"
+
+
+def version_name(prefix: str, version: int) -> str:
+    """The name version `version` of the run whose names start with `prefix` is served under."""
+    return f"{prefix}{_VERSION_MARK}{version}"
+
+
+def is_version_of(name: str, prefix: str) -> bool:
+    """Whether `name` is a version's name (`version_name`) of the run whose names start with `prefix`."""
+    head, mark, number = name.rpartition(_VERSION_MARK)
+    return bool(mark) and head == prefix and number.isdigit()
 
 
 def contained_adapter_path(path: str | Path, root: Path | None) -> Path:
@@ -150,7 +168,7 @@ class AdapterPublisher:
                 self._paused.pop(client.base_url, None)
 
     def name(self, version: int) -> str:
-        return f"{self.prefix}-v{version}"
+        return version_name(self.prefix, version)
 
     def publish(self, version: int, path: Path) -> PublishTiming:
         """Serve the adapter in `path` as version `version` on every server. On failure every server is

@@ -19,6 +19,7 @@ from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference
 from asyncgrpo.rollout.build import build_parts
 from asyncgrpo.rollout.evaluation import evaluate_served
+from asyncgrpo.rollout.publish import is_version_of, run_prefix
 from asyncgrpo.trackers import Trackers, resolve_report_to
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,10 @@ class RolloutSide:
     def _unload_previous_run(self) -> None:  # pragma: no mutate block - as start(); test_checkpoint.py (integration)
         """The run that wrote the checkpoint may have left its adapters loaded on the servers (it was killed); unload
         them so they do not hold the server's adapter slots. Best effort."""
-        prefix = f"{self.cfg.lora_name}-{self.previous_run_id}-v"
+        prefix = run_prefix(self.cfg.lora_name, self.previous_run_id)
         for client in self.clients:
             try:
-                for name in [n for n in client.adapter_paths() if n.startswith(prefix)]:
+                for name in [n for n in client.adapter_paths() if is_version_of(n, prefix)]:
                     client.unload_adapter(name)
             except Exception as exc:  # noqa: BLE001 - a leftover adapter costs a slot, not correctness
                 log.warning("could not unload the previous run's adapters from %s: %s", client.base_url, exc)

@@ -15,7 +15,7 @@ import pytest
 from fakes import FakeVLLM
 
 from asyncgrpo.errors import InferenceServerError, SyncError
-from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.rollout.publish import AdapterPublisher, is_version_of, run_prefix, version_name
 
 
 class Server(FakeVLLM):
@@ -366,3 +366,13 @@ def test_a_halt_while_a_load_hangs_resumes_the_server_and_the_sync_fails_without
     assert "publishing" in errors[0] and "held until the server was resumed, not loaded" in errors[0]
     assert server.calls[-1] == ("resume",) and "pol-v2" not in server.served
     assert publisher.current_name == "pol-v1"
+
+
+def test_a_runs_adapter_names_are_lora_name_run_id_and_version_and_only_those_are_its_versions():
+    prefix = run_prefix("demo", "1a2b3c4d")
+    assert (prefix, version_name(prefix, 7), AdapterPublisher([], prefix).name(7)) == (
+        "demo-1a2b3c4d", "demo-1a2b3c4d-v7", "demo-1a2b3c4d-v7")
+    assert is_version_of("demo-1a2b3c4d-v12", prefix)
+    # another run, another lora_name sharing the start, a name that is not a version: not this run's to unload
+    assert not any(is_version_of(n, prefix) for n in ["demo-99999999-v1", "demo-1a2b3c4d", "demo-1a2b3c4d-vx",
+                                                      "x-demo-1a2b3c4d-v1", "demo-1a2b3c4d-v1-extra"])
