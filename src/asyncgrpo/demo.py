@@ -20,6 +20,7 @@ from pathlib import Path
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import load_prompts
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import VLLMServer, find_free_port, served_lora_rank
 from asyncgrpo.rewards import RewardScorer
@@ -85,7 +86,7 @@ def run_demo(args, overrides: list[str]) -> int:
     port = args.port or find_free_port()
     log.info("2/5 vLLM CPU server on 127.0.0.1:%d (log: %s)", port, out / "vllm.log")
     server = VLLMServer(world.model_dir, port, max_lora_rank=served_lora_rank(max(8, cfg.lora_r)),
-                        max_loras=cfg.max_staleness + 3,
+                        max_loras=adapters_needed(cfg.max_staleness),
                         max_model_len=256, log_path=out / "vllm.log")
     with server:
         client = InferenceClient(server.base_url, timeout_s=cfg.vllm_request_timeout)

@@ -21,6 +21,8 @@ import yaml
 
 from asyncgrpo.config import AsyncGRPOConfig, parse_overrides
 from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.inference.checks import adapters_needed
+from asyncgrpo.inference.server import VLLMServer, find_free_port
 
 log = logging.getLogger("asyncgrpo.demo")
 
@@ -98,7 +100,6 @@ def summary_lines(before: dict, after: dict | None) -> dict[str, Any]:
 def run_agent_demo(args: Any, overrides: list[str]) -> int:
     """Build, serve, train and evaluate the toy agent; prints and writes demo_summary.json."""
     from asyncgrpo.demo import launch_command, launch_environment  # the toy demo's launch, shared
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
     from asyncgrpo.toy.agent_world import build_agent_world  # heavy: torch and transformers
 
     logging.basicConfig(level=logging.INFO, format="[demo] %(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -121,8 +122,8 @@ def run_agent_demo(args: Any, overrides: list[str]) -> int:
     port = args.port or find_free_port()
     log.info("3/4 vLLM CPU server on 127.0.0.1:%d, training %d steps on %d processes", port, cfg.max_steps,
              args.num_processes)
-    server = VLLMServer(world.model_dir, port, max_lora_rank=max(8, cfg.lora_r), max_loras=cfg.max_staleness + 3,
-                        max_model_len=256, log_path=out / "vllm.log")
+    server = VLLMServer(world.model_dir, port, max_lora_rank=max(8, cfg.lora_r),
+                        max_loras=adapters_needed(cfg.max_staleness), max_model_len=256, log_path=out / "vllm.log")
     with server:
         cmd = launch_command(args.num_processes, find_free_port(), config_path,
                              ["--vllm_server_base_url", server.base_url])

@@ -22,6 +22,7 @@ from asyncgrpo.bench.throughput import (max_sequences, process_tree_cpu_s, run_s
                                        start_pinned_server, step_history)
 from asyncgrpo.config import parse_overrides
 from asyncgrpo.demo_agent import agent_config, episode_figures, load_agent_config
+from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.toy.agent_task import LookupEnv
 from asyncgrpo.toy.agent_world import build_agent_world
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
@@ -109,7 +110,7 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
         if server_url is None:
             server_url, server_pid = start_pinned_server(stack, world.model_dir, work, cores,
                                                          max_lora_rank=max(8, base.lora_r),
-                                                         max_loras=max(stalenesses) + 3,
+                                                         max_loras=adapters_needed(max(stalenesses)),
                                                          max_num_seqs=max_sequences(base, max(stalenesses)))
         # Untimed warm-up: the server's first LoRA requests are slow; no timed run should pay for them.
         warm = AsyncGRPOTrainer(run_config(world, work, 0, server_url, values, "warmup", max_steps=WARMUP_STEPS,

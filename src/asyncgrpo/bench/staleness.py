@@ -20,6 +20,7 @@ from asyncgrpo.bench.throughput import save_figure, step_history
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path, heldout_rewards
+from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import VLLMServer, find_free_port
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
@@ -130,7 +131,8 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
     work.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if server_url is None:
-            server = VLLMServer(world.model_dir, find_free_port(), max_loras=max(stalenesses) + 3, max_model_len=256,
+            server = VLLMServer(world.model_dir, find_free_port(), max_loras=adapters_needed(max(stalenesses)),
+                                max_model_len=256,
                                 # requests beyond a batch wait in vLLM's queue; its default token budget (2048)
                                 # must be >= max_num_seqs
                                 max_num_seqs=min(1024, base.num_generations * groups_per_step * (max(stalenesses) + 1)),

@@ -20,6 +20,7 @@ import psutil
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path, heldout_rewards
+from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.server import VLLMServer, find_free_port
 from asyncgrpo.timeline import complement, fraction
@@ -214,7 +215,7 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
         server_pid = None
         if server_url is None:
             server_url, server_pid = start_pinned_server(stack, world.model_dir, work, cores,
-                                                         max_loras=max(stalenesses) + 3,
+                                                         max_loras=adapters_needed(max(stalenesses)),
                                                          max_num_seqs=max_sequences(base, max(stalenesses)))
         client = InferenceClient(server_url, timeout_s=base.vllm_request_timeout)
         def config(staleness: int, name: str, *extra: str):

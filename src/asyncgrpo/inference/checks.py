@@ -60,10 +60,16 @@ class ServerContext:
         return self.cache["server_config"]
 
 
-def adapters_needed(cfg) -> int:
-    """Adapter versions a run may hold loaded at once: the current one, those requests in flight still use (up to
-    max_staleness older), and the one being loaded."""
-    return cfg.max_staleness + 2
+def adapters_needed(max_staleness: int) -> int:
+    """Adapter versions one run may hold loaded on a server at once, what its `--max-loras` must allow (the doctor
+    checks it; the demos and benchmarks start their servers with it): while version V+1 loads, V is served and
+    requests in flight may still use each of the `max_staleness` versions before it (a request is sent only with a
+    version its batch may train on, rollout/scheduler.py, and each publish retires every older version none uses).
+
+    Not one more: the base model needs no slot, and a demo's held-out evaluation uses the version its run left
+    loaded. Past the limit vLLM fails nothing (`max_loras` is the most adapters in one engine batch): requests on
+    the extra adapter wait for a batch with room."""
+    return max_staleness + 2
 
 
 # ---- server checks ---------------------------------------------------------------------------------------
@@ -91,7 +97,7 @@ def check_lora_enabled(ctx: ServerContext) -> CheckResult:
     if not config.get("lora_config"):
         return CheckResult("LoRA enabled", False, "the server serves no LoRA adapters",
                            f"restart it with --enable-lora --max-lora-rank {max(8, ctx.cfg.lora_r)} "
-                           f"--max-loras {adapters_needed(ctx.cfg)}")
+                           f"--max-loras {adapters_needed(ctx.cfg.max_staleness)}")
     return CheckResult("LoRA enabled", True, "--enable-lora")
 
 
@@ -113,7 +119,7 @@ def check_max_loras(ctx: ServerContext) -> CheckResult:
     if not lora:
         return _no_server_info("max_loras") if ctx.server_config() is None else \
             CheckResult("max_loras", None, "LoRA is not enabled")
-    have, need = lora.get("max_loras", 0), adapters_needed(ctx.cfg)
+    have, need = lora.get("max_loras", 0), adapters_needed(ctx.cfg.max_staleness)
     if have < need:
         return CheckResult("max_loras", False, f"--max-loras {have}, but this run may serve {need} adapter versions "
                            f"at once (max_staleness + 2)",
