@@ -418,9 +418,10 @@ class AsyncGRPOConfig:
     ddp_timeout: int = 3600
     """Seconds a collective may wait for the other ranks before the run fails (lower in tests); the default covers
     every wait below with the default timeouts, `adapter_delivery: http` included. With several ranks it
-    must exceed rank 0's longest wait (checked at start): a batch (4 x vllm_request_timeout + vllm_server_timeout),
-    or a sync through a server outage (vllm_server_timeout + vllm_request_timeout + 45.5 s of connection retries,
-    plus twice 1460 s of adapter uploads with `adapter_delivery: http`)."""
+    must exceed rank 0's longest wait (checked at start; the error gives each term in seconds): a batch
+    (4 x vllm_request_timeout + vllm_server_timeout), or a sync through a server outage (vllm_server_timeout +
+    vllm_request_timeout + the client's connection retries, plus twice the longest adapter upload to the receivers
+    with `adapter_delivery: http`)."""
     torch_num_threads: int = 0
     """Intra-op threads per training process; 0 = leave torch's default."""
 

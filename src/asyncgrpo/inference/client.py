@@ -34,6 +34,8 @@ except ImportError:  # pragma: no cover - the standard parser does the same, slo
 CONNECT_TIMEOUT_S = 5.0  # a reachable server accepts a TCP connection in milliseconds, even across a cluster network
 HEALTH_TIMEOUT_S = 5.0  # /health answers in milliseconds; one slower than this counts as unhealthy
 ADMIN_TIMEOUT_S = 60.0  # adapter load/unload, models, pause, resume: ~4-30 ms on CPU; seconds for a big adapter on NFS
+CONNECT_RETRIES = 5  # attempts after the first on a connection error or a 503 (a longer outage is recovery.py's)
+CONNECT_BACKOFF_S = 0.5  # the first wait between attempts, doubling after each
 HEALTH_POLL_S = 0.25  # wait_healthy's poll interval: start-up takes ~30 s on CPU, minutes on a GPU node
 RETRY_STATUSES = frozenset({503})  # vLLM's "not now" (elastic scaling); every other HTTP error is final
 MAX_QUOTED_CHARS = 4000  # error messages quote at most this much of a body (vLLM tracebacks can be long)
@@ -99,8 +101,8 @@ class InferenceClient:
         *,
         api_key: str | None = None,
         timeout_s: float = 60.0,
-        connect_retries: int = 5,
-        backoff_s: float = 0.5,
+        connect_retries: int = CONNECT_RETRIES,
+        backoff_s: float = CONNECT_BACKOFF_S,
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s

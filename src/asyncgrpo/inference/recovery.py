@@ -14,19 +14,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from asyncgrpo import receiver_timeouts as receiver
 from asyncgrpo.errors import ConfigError, InferenceServerError
-from asyncgrpo.inference.client import CONNECT_TIMEOUT_S
+from asyncgrpo.inference.client import CONNECT_BACKOFF_S, CONNECT_RETRIES, CONNECT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 FIRST_BACKOFF_S = 0.5  # first health poll after a failure: a restart on CPU takes ~30 s, a GPU node minutes
 MAX_BACKOFF_S = 5.0  # polls never get further apart than this, so a returning server is back within ~5 s
-# The adapter receiver client's timeouts (rollout/delivery.py), set here, below rollout/, so that the ddp_timeout
-# check counts them (docs/design.md's import order).
-RECEIVER_CONNECT_TIMEOUT_S = 5.0  # a reachable receiver accepts a connection in milliseconds
-RECEIVER_UPLOAD_TIMEOUT_S = 600.0  # one file's upload: a ~1 GB adapter over a slow (~20 MB/s) link, with margin
-RECEIVER_ADMIN_TIMEOUT_S = 120.0  # commit (sha256 of the files, fsync) and load (vLLM's own: seconds from local disk)
-ADAPTER_FILES = 2  # uploaded per version: the weights and adapter_config.json (store.py's manifest lists both)
 
 
 def backoff_delays(timeout_s: float, first_s: float = FIRST_BACKOFF_S, max_s: float = MAX_BACKOFF_S) -> list[float]:
@@ -40,7 +35,7 @@ def backoff_delays(timeout_s: float, first_s: float = FIRST_BACKOFF_S, max_s: fl
     return delays
 
 
-def connect_retry_s(connect_retries: int = 5, backoff_s: float = 0.5) -> float:
+def connect_retry_s(connect_retries: int = CONNECT_RETRIES, backoff_s: float = CONNECT_BACKOFF_S) -> float:
     """The longest one call spends on an unreachable server before it is reported: every attempt's connect timeout
     (a node that drops packets) plus the backoffs between attempts (InferenceClient's defaults, which train uses)."""
     return (connect_retries + 1) * CONNECT_TIMEOUT_S + backoff_s * (2 ** connect_retries - 1)
@@ -65,8 +60,8 @@ def delivery_s(cfg) -> float:
     delivered to in parallel). 0 with shared_fs: the servers read the files themselves."""
     if cfg.adapter_delivery != "http":
         return 0.0
-    return (ADAPTER_FILES * (RECEIVER_CONNECT_TIMEOUT_S + RECEIVER_UPLOAD_TIMEOUT_S)
-            + 2 * (RECEIVER_CONNECT_TIMEOUT_S + RECEIVER_ADMIN_TIMEOUT_S))
+    return (receiver.ADAPTER_FILES * (receiver.CONNECT_TIMEOUT_S + receiver.UPLOAD_TIMEOUT_S)
+            + 2 * (receiver.CONNECT_TIMEOUT_S + receiver.ADMIN_TIMEOUT_S))
 
 
 def sync_wait_s(cfg) -> float:

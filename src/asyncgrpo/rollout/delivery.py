@@ -17,15 +17,10 @@ import requests
 
 from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
-from asyncgrpo.inference.recovery import (RECEIVER_ADMIN_TIMEOUT_S, RECEIVER_CONNECT_TIMEOUT_S,
-                                          RECEIVER_UPLOAD_TIMEOUT_S)
+from asyncgrpo.receiver_timeouts import ADMIN_TIMEOUT_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, UPLOAD_TIMEOUT_S
 from asyncgrpo.store import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
-
-# Set in inference/recovery.py, whose check of ddp_timeout counts them.
-CONNECT_TIMEOUT_S, UPLOAD_TIMEOUT_S, ADMIN_TIMEOUT_S = (RECEIVER_CONNECT_TIMEOUT_S, RECEIVER_UPLOAD_TIMEOUT_S,
-                                                        RECEIVER_ADMIN_TIMEOUT_S)
 
 
 class SharedFsDelivery:
@@ -97,7 +92,8 @@ class ReceiverClient:
 
     def health(self) -> bool:
         try:
-            return self._session.get(f"{self.base_url}/health", timeout=(CONNECT_TIMEOUT_S, 5.0)).status_code == 200
+            resp = self._session.get(f"{self.base_url}/health", timeout=(CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S))
+            return resp.status_code == 200
         except requests.RequestException:
             return False
 
