@@ -14,7 +14,7 @@ STEPS = 4
 
 def _wait_until_queued(trainer: AsyncGRPOTrainer, groups: int, deadline_s: float = 300.0) -> None:
     deadline = time.monotonic() + deadline_s
-    while len(trainer.rollout.queue) < groups:
+    while len(trainer.rollout.parts.queue) < groups:
         assert time.monotonic() < deadline, f"the producer did not queue {groups} groups within {deadline_s} s"
         time.sleep(0.05)
 

@@ -75,17 +75,18 @@ def test_training_with_http_delivery_serves_only_the_receivers_copies_and_reprod
     served_after_sync = []
     try:
         trainer.setup()
-        publish = trainer.rollout.publisher.publish
+        parts = trainer.rollout.parts
+        publish = parts.publisher.publish
         pauses = []
-        pause = trainer.rollout.clients[0].pause
-        monkeypatch.setattr(trainer.rollout.clients[0], "pause", lambda *a, **k: pauses.append(1) or pause(*a, **k))
+        pause = parts.clients[0].pause
+        monkeypatch.setattr(parts.clients[0], "pause", lambda *a, **k: pauses.append(1) or pause(*a, **k))
 
         def publish_and_read_back(version, path):
             timing = publish(version, path)
-            served_after_sync.append(_served_under(trainer.rollout.clients[0], trainer.rollout.publisher.prefix))
+            served_after_sync.append(_served_under(parts.clients[0], parts.publisher.prefix))
             return timing
 
-        trainer.rollout.publisher.publish = publish_and_read_back
+        parts.publisher.publish = publish_and_read_back
         trainer.train()
     finally:
         trainer.cleanup()
@@ -93,11 +94,11 @@ def test_training_with_http_delivery_serves_only_the_receivers_copies_and_reprod
     assert len(served_after_sync) == 3
     for served in served_after_sync:
         assert served and all(Path(p).parent == receiver_dir for p in served.values()), served
-    final = trainer.rollout.publisher.current_name  # keep_final_adapter: still loaded after the run
-    assert final == f"{trainer.rollout.publisher.prefix}-v3"
+    final = trainer.rollout.parts.publisher.current_name  # keep_final_adapter: still loaded after the run
+    assert final == f"{trainer.rollout.parts.publisher.prefix}-v3"
     client = InferenceClient(vllm_server.base_url)
     assert client.adapter_paths()[final] == str(receiver_dir / final)
-    local = trainer.rollout.store.path(3)
+    local = trainer.rollout.parts.store.path(3)
     assert (receiver_dir / final / "adapter_model.safetensors").read_bytes() == \
         (local / "adapter_model.safetensors").read_bytes()
     # PEFT on the base, with the trainer's own files, reproduces what the server computes from the receiver's copy.

@@ -31,7 +31,7 @@ def test_each_batch_is_taken_once_trained_twice_and_its_reference_computed_once(
     finally:
         trainer.cleanup()
     groups_per_step = 64 // 8
-    assert trainer.rollout.queue.batches_taken == 2  # 4 steps, 2 batches
+    assert trainer.rollout.parts.queue.batches_taken == 2  # 4 steps, 2 batches
     assert trainer.data_position == 2 * groups_per_step
     # One micro-batch per step: policy forwards at every step, the reference (beta > 0) once per batch.
     assert forwards == [0, 0, 1, 2, 2, 3]

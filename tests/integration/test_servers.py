@@ -46,7 +46,7 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
         final = str(trainer.rollout.adapter_path)
         # Stop sending and let the requests in flight come back before cleanup unloads this run's adapters: a request
         # that reached a server after the unload would be answered 404 and never counted as finished there.
-        producer = trainer.rollout.producer
+        producer = trainer.rollout.parts.producer
         producer.stop()
         deadline = time.monotonic() + FINISH_DEADLINE_S
         while any(producer.inflight_per_server().values()):

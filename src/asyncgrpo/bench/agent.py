@@ -70,10 +70,10 @@ def run_one(cfg, world, server_pid: int | None) -> dict:
         t1 = time.monotonic()
         server_cpu = None if server_pid is None else process_tree_cpu_s(server_pid) - server_cpu0
         waits = trainer.wait_timeline.snapshot(t0, t1)
-        busy = trainer.rollout.producer.server_busy.snapshot(t0, t1)
-        generated = trainer.rollout.producer.generated_tokens
+        busy = trainer.rollout.parts.producer.server_busy.snapshot(t0, t1)
+        generated = trainer.rollout.parts.producer.generated_tokens
         stats = trainer.rollout.stats()
-        dropped = trainer.rollout.queue.dropped_stale
+        dropped = trainer.rollout.parts.queue.dropped_stale
     finally:
         trainer.cleanup()
     result = run_summary(staleness=cfg.max_staleness, steps=trainer.step, t0=t0, t1=t1, waits=waits, busy=busy,

@@ -29,7 +29,7 @@ def _max_diff(a: list[list[float]], b: list[list[float | None]]) -> float:
 
 def measure(trainer, prompts: list[list[int]], n: int = 4) -> dict:
     """`trainer` is set up and has published its weights. Returns the three max abs logprob differences."""
-    client, cfg = trainer.rollout.clients[0], trainer.cfg
+    client, cfg = trainer.rollout.parts.clients[0], trainer.cfg
     prompt_ids, completion_ids, served = [], [], []
     for ids in prompts:
         for c in client.complete(trainer.rollout.adapter_name, ids, n=n, max_tokens=cfg.max_completion_length, temperature=cfg.temperature):

@@ -115,7 +115,7 @@ def run_cell(cfg, world, client) -> dict:
     nonfinite = sum(not math.isfinite(h[k]) for h in history for k in ("train/loss", "train/grad_norm") if k in h)
     rewards = heldout_rewards(cfg, client, adapter, world)
     return {"heldout_reward": round(rewards["sampled"], 4), "heldout_greedy_accuracy": round(rewards["greedy"], 4),
-            "groups_dropped_stale": trainer.rollout.queue.dropped_stale, "nonfinite_steps": nonfinite, **means}
+            "groups_dropped_stale": trainer.rollout.parts.queue.dropped_stale, "nonfinite_steps": nonfinite, **means}
 
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,

@@ -170,8 +170,8 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
         if server_pid is not None:
             cpu["server"] = process_tree_cpu_s(server_pid) - server_cpu0
         waits = trainer.wait_timeline.snapshot(t0, t1)
-        busy = trainer.rollout.producer.server_busy.snapshot(t0, t1)
-        generated = trainer.rollout.producer.generated_tokens
+        busy = trainer.rollout.parts.producer.server_busy.snapshot(t0, t1)
+        generated = trainer.rollout.parts.producer.generated_tokens
         adapter = trainer.rollout.adapter_name
     finally:
         trainer.cleanup()
@@ -179,7 +179,7 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
                           history=step_history(Path(cfg.output_dir) / "tensorboard"), generated_tokens=generated)
     rewards = heldout_rewards(cfg, client, adapter, world)
     summary.update(heldout_reward=round(rewards["sampled"], 4), heldout_greedy_accuracy=round(rewards["greedy"], 4),
-                   groups_dropped_stale=trainer.rollout.queue.dropped_stale,
+                   groups_dropped_stale=trainer.rollout.parts.queue.dropped_stale,
                    cpu_s_per_step={k: round(v / max(trainer.step, 1), 4) for k, v in cpu.items()})
     record = timeline_record(cfg.max_staleness, t0, t1, waits, busy) | {"steps_per_s": summary["steps_per_s"]}
     return summary, record

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference
-from asyncgrpo.rollout.build import build_parts
+from asyncgrpo.rollout.build import RolloutParts, build_parts
 from asyncgrpo.rollout.evaluation import evaluate_served
 from asyncgrpo.rollout.publish import is_version_of, run_prefix
 from asyncgrpo.trackers import Trackers, resolve_report_to
@@ -46,9 +46,8 @@ class RolloutSide:
         self.run_id = uuid.uuid4().hex[:8]
         self.version: int | None = None  # the version the servers serve (None: none published yet)
         # Set by start(); None until then, so that halt() and close() work after a start that failed part-way.
-        self.clients: list = []
-        self.recovery = self.store = self.publisher = self.scorer = self.queue = self.producer = self.trackers = None
-        self.eval_rows: list = []  # eval_dataset's prompts, tokenised at start
+        self.parts: RolloutParts | None = None  # clients, store, publisher, queue, producer, ... (rollout/build.py)
+        self.trackers: Trackers | None = None
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
         self._publishing: Future | None = None
 
@@ -58,13 +57,10 @@ class RolloutSide:
     def start(self) -> None:  # pragma: no mutate block
         """Check every server (`asyncgrpo doctor`: fail now, naming the fix), load the prompts, start the producer.
         It sends nothing before the first `publish`."""
-        parts = build_parts(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path, run_id=self.run_id,
-                            groups_per_step=self.groups_per_step, start_position=self.data_position,
-                            start_batch=self.start_step // self.cfg.num_iterations)  # a resumed run's batch
-        self.clients, self.store, self.recovery, self.publisher = (parts.clients, parts.store, parts.recovery,
-                                                                   parts.publisher)
-        self.scorer, self.queue, self.producer = parts.scorer, parts.queue, parts.producer
-        self.eval_rows = parts.eval_rows
+        first_batch = self.start_step // self.cfg.num_iterations  # a resumed run's checkpoint's batch
+        self.parts = parts = build_parts(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path,
+                                         run_id=self.run_id, groups_per_step=self.groups_per_step,
+                                         start_position=self.data_position, start_batch=first_batch)
         resumed = self.previous_run_id is not None
         # Resuming: hide what a killed run logged after its checkpoint (TensorBoard purges steps >= purge_step).
         self.trackers = Trackers.open(resolve_report_to(self.cfg.report_to), output_dir=self.cfg.output_dir,
@@ -74,13 +70,13 @@ class RolloutSide:
         self.log({"data/prompts_skipped_too_long": parts.prompts_skipped_too_long}, self.start_step)
         if resumed:
             self._unload_previous_run()
-        self.producer.start()
+        parts.producer.start()
 
     def _unload_previous_run(self) -> None:  # pragma: no mutate block - as start(); test_checkpoint.py (integration)
         """The run that wrote the checkpoint may have left its adapters loaded on the servers (it was killed); unload
         them so they do not hold the server's adapter slots. Best effort."""
         prefix = run_prefix(self.cfg.lora_name, self.previous_run_id)
-        for client in self.clients:
+        for client in self.parts.clients:
             try:
                 for name in [n for n in client.adapter_paths() if is_version_of(n, prefix)]:
                     client.unload_adapter(name)
@@ -96,18 +92,18 @@ class RolloutSide:
     def take(self, n: int, version: int, timeout_s: float) -> list[Group]:
         """Block until `n` groups at most `max_staleness` versions older than the trainer's `version` are queued,
         and return them (oldest version first, then data order); re-raises the producer's failure."""
-        return self.queue.take(n, version, timeout_s=timeout_s)
+        return self.parts.queue.take(n, version, timeout_s=timeout_s)
 
     # ---- publishing -----------------------------------------------------------------------------------
     @property
     def adapter_name(self) -> str | None:
         """The adapter name the servers serve the live version under (None before the first publish)."""
-        return self.publisher.current_name if self.publisher is not None else None
+        return self.parts.publisher.current_name if self.parts is not None else None
 
     @property
     def adapter_path(self) -> Path | None:
         """The trainer-side directory of the live version."""
-        return self.store.path(self.version) if self.version is not None else None
+        return self.parts.store.path(self.version) if self.version is not None else None
 
     def publish(self, version: int, tensors: dict, step: int, wait: bool = False) -> float:
         """Hand version `version`'s LoRA tensors to the publish thread (atomic write, then activation on every
@@ -125,14 +121,15 @@ class RolloutSide:
     def _publish(self, version: int, tensors: dict, step: int) -> None:
         """On the publish thread: write the version, activate it, point new requests at it, retire what nothing
         uses; its timings go to the trackers at `step`."""
+        store, publisher, producer = self.parts.store, self.parts.publisher, self.parts.producer
         t0 = time.perf_counter()
-        path = self.store.write(version, tensors, self.peft_config, base_model=base_model_reference(self.model_path))
+        path = store.write(version, tensors, self.peft_config, base_model=base_model_reference(self.model_path))
         written = time.perf_counter()
-        timing = self.publisher.publish(version, path)
+        timing = publisher.publish(version, path)
         self.version = version
-        self.producer.set_policy(version, self.publisher.current_name)  # new requests go to the new version
-        self.publisher.retire(in_use=self.producer.adapters_in_use())
-        self.store.prune(self.cfg.keep_adapter_versions, in_use=set(self.publisher.loaded.values()))
+        producer.set_policy(version, publisher.current_name)  # new requests go to the new version
+        publisher.retire(in_use=producer.adapters_in_use())
+        store.prune(self.cfg.keep_adapter_versions, in_use=set(publisher.loaded.values()))
         self.log({"sync/write_s": written - t0, "sync/server_s": timing.server_s, "sync/paused_s": timing.paused_s,
                   "sync/load_s": timing.load_s}, step)
 
@@ -145,13 +142,13 @@ class RolloutSide:
     # ---- logging --------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Rollout, queue and reward counters now (tracker names; the run summary reads them too)."""
-        producer, queue = self.producer, self.queue
+        producer, queue = self.parts.producer, self.parts.queue
         elapsed = time.monotonic() - producer.started_at
         episodes = producer.episodes.stats.values() if producer.episodes is not None else {}  # with tools only
         return {**episodes, "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
                 "rollout/lost_groups_total": producer.lost_groups,
                 "rollout/resent_groups_total": producer.resent_groups,
-                "reward/fallbacks_total": self.scorer.fallbacks,
+                "reward/fallbacks_total": self.parts.scorer.fallbacks,
                 "queue/dropped_stale_total": queue.dropped_stale, "queue/depth": len(queue),
                 "queue/dropped_zero_std_total": queue.dropped_zero_std,
                 "queue/inflight_requests": producer.inflight}
@@ -169,8 +166,8 @@ class RolloutSide:
         """`eval_dataset`'s held-out reward under the live adapter (`num_generations_eval` completions per prompt at
         the training temperature), scored as training scores; logged at `step` and returned."""
         self.wait_published()  # the adapter the trainer just published, and no retirement during the evaluation
-        cfg = self.cfg
-        result = evaluate_served(self.clients[0], self.publisher.current_name, self.eval_rows, self.scorer,
+        cfg, parts = self.cfg, self.parts
+        result = evaluate_served(parts.clients[0], parts.publisher.current_name, parts.eval_rows, parts.scorer,
                                  max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                  n=cfg.num_generations_eval or cfg.num_generations,
                                  concurrency=EVAL_CONCURRENCY)
@@ -181,18 +178,16 @@ class RolloutSide:
     # ---- the end --------------------------------------------------------------------------------------
     def halt(self) -> None:
         """On SIGTERM/SIGINT (main thread, shutdown.py): resume every server a sync in progress has paused."""
-        if self.publisher is not None:
-            self.publisher.halt()
+        if self.parts is not None:
+            self.parts.publisher.halt()
 
     def close(self, keep_final: bool) -> None:
         """Stop the producer, unload every version this run loaded (all but the live one with `keep_final`), close
         the log. Safe after a start that failed part-way."""
         self._publish_thread.shutdown(wait=True)
-        if self.producer is not None:
-            self.producer.stop()  # also stops the reward workers
-        elif self.scorer is not None:
-            self.scorer.close()
-        if self.publisher is not None:  # free the servers' adapter slots this run held
-            self.publisher.unload_all(keep=self.publisher.current_name if keep_final else None)
+        if self.parts is not None:
+            self.parts.producer.stop()  # also stops the reward workers
+            publisher = self.parts.publisher  # free the servers' adapter slots this run held
+            publisher.unload_all(keep=publisher.current_name if keep_final else None)
         if self.trackers is not None:
             self.trackers.close()
