@@ -1,5 +1,6 @@
 """The README is a front door that fits on a screen, and every page behind it is reachable: its length, its opening
-commands (the ones CI runs), and every relative link and #anchor of README.md and docs/*.md."""
+commands (the ones CI runs), the files its architecture map names, and every relative link and #anchor of README.md
+and docs/*.md."""
 
 from __future__ import annotations
 
@@ -65,3 +66,17 @@ def test_the_readme_single_node_commands_are_those_of_docs_running():
     running = (ROOT / "docs" / "running.md").read_text()
     assert len(commands) == 4  # build the toy world, start its server, the accelerate launch (two lines)
     assert all(line in running for line in commands), [line for line in commands if line not in running]
+
+
+def test_the_readme_map_names_only_files_that_exist():
+    # A name with a slash is from the repository root; a bare name sits beside the path named before it in its cell.
+    section = README.read_text().split("## Architecture map", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for row in (line for line in section.splitlines() if line.startswith("| `")):
+        folder = ROOT
+        for name in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            path = ROOT / name if "/" in name else folder / name
+            folder = path.parent
+            if not path.exists():
+                missing.append(name)
+    assert not missing, f"README.md's architecture map names files that do not exist: {missing}"
