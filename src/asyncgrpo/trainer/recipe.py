@@ -59,7 +59,7 @@ class AsyncGRPOTrainer:
     def __init__(self, cfg: AsyncGRPOConfig):
         self.cfg = cfg
         self.loss_spec = LossSpec.from_config(cfg)  # what the loss takes from the config, fixed for the run
-        self.version = 0  # policy version the server serves (and the trainer's weights at the last sync)
+        self.version = 0  # the trainer's weights at the last sync; the servers serve it once that publish is done
         self.step = 0
         self.data_position = 0  # rank 0: the data stream position after the last prompt trained on
         self.resumed_from: Path | None = None  # the checkpoint this run continues, if any
