@@ -40,9 +40,6 @@ class RolloutParts:
     eval_rows: list[PromptRow]  # eval_dataset's prompts (empty without one)
 
 
-# Not mutated (make mutate): it needs real servers (the doctor's checks first); every integration test that trains
-# runs it, and each part it builds has unit tests of its own (docs/testing.md). mutmut reads the pragma only at the
-# end of the line that opens the body (the `:`), not on the first line of a two-line `def`.
 def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step: int,
                 start_position: int = 0, start_batch: int = 0) -> RolloutParts:  # pragma: no mutate block
     """Check every server (`asyncgrpo doctor`: fail now, naming the fix), then build the parts of one run's rollout

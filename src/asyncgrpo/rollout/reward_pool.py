@@ -52,7 +52,7 @@ class TokenizerRef:
         kind = type(tokenizer)
         return cls(str(tokenizer.name_or_path), kind.__module__, kind.__qualname__)
 
-    def load(self):  # pragma: no mutate block - runs in a worker (see _worker_main)
+    def load(self):  # pragma: no mutate block
         kind = importlib.import_module(self.module)
         for part in self.qualname.split("."):
             kind = getattr(kind, part)
@@ -88,7 +88,7 @@ class _RemoteTraceback(Exception):
 
 
 # ---- the worker process ------------------------------------------------------------------------------------------
-def _child_main() -> None:  # pragma: no mutate block - runs in a worker (see _worker_main)
+def _child_main() -> None:  # pragma: no mutate block
     """A worker's entry point (`python -c`): wrap the inherited pipe end, take this process's sys.path and working
     directory from the parent (where the reward modules are found, as multiprocessing's spawn does), then serve."""
     conn = Connection(int(sys.argv[1]))
@@ -98,8 +98,6 @@ def _child_main() -> None:  # pragma: no mutate block - runs in a worker (see _w
     _worker_main(conn, spec)
 
 
-# Not mutated (make mutate): this runs in the spawned worker, where mutmut cannot see which tests reach it, so it would
-# count every mutant as untested; test_reward_pool.py checks it through real workers (docs/testing.md).
 def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
     """A worker's whole life: load, say ready, then score requests until told to stop or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent closes us

@@ -42,8 +42,6 @@ def serve(conn, cfg, side_kwargs: dict, run_id: str) -> bool:
     return serve_side(conn, build_side(cfg, side_kwargs, run_id))
 
 
-# Not mutated (make mutate): it runs in the `rollout-serve` process, where mutmut cannot see which tests reach it;
-# tests/integration/test_rollout_process.py runs it for real, and its parts (accept_trainer, serve_side) are tested.
 def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
     """`asyncgrpo rollout-serve`: listen at `listen` (port 0: a free one, logged), serve the first trainer that
     proves the key (ASYNCGRPO_ROLLOUT_KEY, required), then exit: 0 after its `close`, 1 if it went away without.

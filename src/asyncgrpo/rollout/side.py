@@ -52,8 +52,6 @@ class RolloutSide:
         self._publishing: Future | None = None
 
     # ---- start ----------------------------------------------------------------------------------------
-    # Not mutated (make mutate): start() runs build_parts, whose parts each have unit tests of their own, behind the
-    # doctor, which needs a real server; every integration test that trains runs it (docs/testing.md).
     def start(self) -> None:  # pragma: no mutate block
         """Check every server (`asyncgrpo doctor`: fail now, naming the fix), load the prompts, start the producer.
         It sends nothing before the first `publish`."""
@@ -72,7 +70,7 @@ class RolloutSide:
             self._unload_previous_run()
         parts.producer.start()
 
-    def _unload_previous_run(self) -> None:  # pragma: no mutate block - as start(); test_checkpoint.py (integration)
+    def _unload_previous_run(self) -> None:  # pragma: no mutate block
         """The run that wrote the checkpoint may have left its adapters loaded on the servers (it was killed); unload
         them so they do not hold the server's adapter slots. Best effort."""
         prefix = run_prefix(self.cfg.lora_name, self.previous_run_id)
