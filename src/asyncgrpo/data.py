@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.toy.shapes import shape_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,6 @@ def resolve_model_path(cfg) -> str:
     """`model_name_or_path: toy` -> the cached toy model directory, `shape:<name>` -> the cached random-weight model
     of that checkpoint's shape in `torch_dtype` (each built on first use); anything else as given."""
     if cfg.model_name_or_path.startswith("shape:"):
-        from asyncgrpo.toy.shapes import shape_model_dir  # heavy: builds with torch and transformers
-
         return shape_model_dir(cfg.model_name_or_path, cfg.torch_dtype)
     if cfg.model_name_or_path != "toy":
         return cfg.model_name_or_path

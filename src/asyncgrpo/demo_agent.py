@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from asyncgrpo.config import AsyncGRPOConfig, parse_overrides
+from asyncgrpo.demo import launch_command, launch_environment
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.inference.server import VLLMServer, find_free_port
@@ -67,7 +68,8 @@ def load_agent_config(values: dict[str, Any]) -> AsyncGRPOConfig:
 
 def episode_figures(model_dir: Path, rows: list[dict], adapter: Path | None = None) -> dict[str, dict[str, float]]:
     """Held-out episode figures, greedy and sampled (seed 1234), of the base or base + `adapter`, played locally."""
-    from peft import PeftModel  # heavy: torch, transformers and peft, needed only once the demo runs
+    # heavy: torch, transformers and peft (the agent's episodes too), needed only once the demo runs
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncgrpo.toy.agent_episodes import heldout_success
@@ -99,7 +101,6 @@ def summary_lines(before: dict, after: dict | None) -> dict[str, Any]:
 
 def run_agent_demo(args: Any, overrides: list[str]) -> int:
     """Build, serve, train and evaluate the toy agent; prints and writes demo_summary.json."""
-    from asyncgrpo.demo import launch_command, launch_environment  # the toy demo's launch, shared
     from asyncgrpo.toy.agent_world import build_agent_world  # heavy: torch and transformers
 
     logging.basicConfig(level=logging.INFO, format="[demo] %(asctime)s %(message)s", datefmt="%H:%M:%S")

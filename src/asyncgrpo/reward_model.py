@@ -24,7 +24,8 @@ class RewardModel:
         self._lock = threading.Lock()  # request threads score at once; a fast tokenizer must not be shared by them
 
     def _load(self) -> None:
-        import torch  # heavy: torch and transformers, only where a reward model scores
+        # heavy: torch and transformers, only where a reward model scores
+        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.path)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from asyncgrpo.errors import ConfigError, RewardFunctionError
+from asyncgrpo.reward_model import RewardModel
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +198,6 @@ async def _awaited(awaitable):
 def _load_reward_model(ref: str, kwargs: dict | None) -> RewardFn:
     """A sequence-classification checkpoint directory as a reward function (loaded on first use, in the process
     that scores)."""
-    from asyncgrpo.reward_model import RewardModel
-
     if not (Path(ref) / "config.json").is_file():
         raise ConfigError("reward_funcs", f"{ref!r} is neither `package.module:function` nor a model directory "
                           f"(no {Path(ref) / 'config.json'})", "write e.g. `asyncgrpo.toy:larger_reward`, or the "

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.server import find_free_port
 
 BACKENDS = ("ddp", "fsdp1", "fsdp2", "zero2", "zero3")
@@ -70,8 +71,6 @@ def ensure_deepspeed(wheels: Path) -> str | None:
 def launch(backend: str, args, out: Path) -> subprocess.CompletedProcess:
     """One `accelerate launch` of backend_check for `backend`; its result lands in out/result.json."""
     if args.cpu_smoke:
-        from asyncgrpo.bench.sync import cpu_launch_env  # heavy: torch, only for the CPU variant's environment
-
         config, processes, env, batch = f"launch/accelerate/{backend}_cpu.yaml", 2, cpu_launch_env(backend), CPU_BATCH
     else:
         config, processes, batch = f"launch/accelerate/{backend}.yaml", 1, GPU_BATCH
@@ -112,7 +111,8 @@ def check_backend(backend: str, args, work: Path) -> dict:
 
 
 def versions() -> dict:
-    import accelerate  # heavy: the libraries whose versions are reported
+    # heavy: the libraries whose versions are reported
+    import accelerate
     import peft
     import torch
     import transformers

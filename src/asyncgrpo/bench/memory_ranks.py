@@ -16,8 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncgrpo.bench.sync import cpu_launch_env
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.demo import default_config_path
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.toy.shapes import shape_model_dir
 
 # default: what a user should run (gradient checkpointing on, the chunked LM head); the others each turn one off.
 VARIANTS = ("default", "no_checkpointing", "no_chunking")
@@ -44,8 +48,6 @@ def worker(argv: list[str]) -> None:
     import torch
 
     from asyncgrpo.bench.backend_check import micro_batches, synthetic_share
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.demo import default_config_path
     from asyncgrpo.distributed import all_gather_object, leave_launched_process
     from asyncgrpo.trainer.gather import backend_of
     from asyncgrpo.trainer.metrics import StepMetrics
@@ -105,8 +107,6 @@ def worker(argv: list[str]) -> None:
 def launch(backend: str, variant: str, model: str, work: Path, *, completions: int, completion_tokens: int,
            prompt_tokens: int, overrides: list[str], timeout_s: float) -> dict:
     """One two-rank CPU launch of the worker; its JSON."""
-    from asyncgrpo.bench.sync import cpu_launch_env  # heavy: sync imports the toy world (torch)
-
     out = work / f"{backend}-{variant}" / "result.json"
     out.parent.mkdir(parents=True)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -127,11 +127,6 @@ def launch(backend: str, variant: str, model: str, work: Path, *, completions: i
 def run(model: str, backends: list[str], variants: list[str], *, completions: int = 8, completion_tokens: int = 512,
         prompt_tokens: int = 64, overrides: list[str] | None = None, timeout_s: float = 3600) -> dict:
     """Every backend x variant, one after another; each rank's peak beside the others'."""
-    # heavy: the shape builder imports torch and transformers
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.demo import default_config_path
-    from asyncgrpo.toy.shapes import shape_model_dir
-
     for name, given, allowed in (("--backend", backends, SHARDED), ("--variants", variants, VARIANTS)):
         if not given or not set(given) <= set(allowed):
             raise ConfigError(name, f"{','.join(given)!r} is not a list of {', '.join(allowed)}", "pick from those")

@@ -180,6 +180,7 @@ def _naive_gather(backend: str, acc, model) -> tuple[dict | None, int]:
 
     full: dict | None
     if backend == "fsdp2":
+        # heavy: torch's distributed state-dict API, for this backend's naive gather only
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -187,6 +188,7 @@ def _naive_gather(backend: str, acc, model) -> tuple[dict | None, int]:
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     elif backend == "fsdp1":
+        # heavy: FSDP1's state-dict types, for this backend's naive gather only
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

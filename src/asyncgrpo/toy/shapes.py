@@ -72,7 +72,8 @@ def shape_name(model: str) -> str | None:
 
 def shape_config(name: str, **overrides: Any):
     """The transformers config of shape `name` (with `overrides`, e.g. fewer layers for a test), ids the toy's."""
-    import transformers  # heavy: transformers' config classes
+    # heavy: transformers' config classes (the toy tokenizer's module imports transformers too)
+    import transformers
 
     from asyncgrpo.toy.tokenizer import EOS_ID
 
@@ -87,7 +88,8 @@ def shape_config(name: str, **overrides: Any):
 
 def build_shape_tokenizer(vocab_size: int):
     """The toy byte-level tokenizer padded with filler tokens so that `len(tokenizer) == vocab_size`."""
-    from tokenizers import Tokenizer  # heavy: only when a shape is built
+    # heavy: tokenizers and transformers (the toy tokenizer's module), only when a shape is built
+    from tokenizers import Tokenizer
 
     from asyncgrpo.toy.tokenizer import build_tokenizer
 
@@ -104,7 +106,8 @@ def build_shape_tokenizer(vocab_size: int):
 def build_shape_model(name: str, directory: str | Path, dtype: str = "bfloat16", seed: int = 0,
                       **overrides: Any) -> Path:
     """Save shape `name` with random (seeded) weights in `dtype` and its tokenizer in `directory`; return it."""
-    import torch  # heavy: only when a shape is built
+    # heavy: torch and transformers, only when a shape is built
+    import torch
     import transformers
     from transformers import GenerationConfig
 
@@ -125,7 +128,7 @@ def build_shape_model(name: str, directory: str | Path, dtype: str = "bfloat16",
 def shape_model_dir(model: str, dtype: str = "bfloat16", cache_dir: str | Path | None = None,
                     log=print) -> str:
     """The cached directory of `shape:<name>` in `dtype`, built on first use (one builder; others wait)."""
-    from asyncgrpo.toy.world import build_cached, default_cache_dir
+    from asyncgrpo.toy.world import build_cached, default_cache_dir  # heavy: the toy world's module imports torch
 
     name = shape_name(model)
     assert name is not None, model
