@@ -153,6 +153,35 @@ def check_backend(backend: str) -> None:
 
 
 # ---- saving --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Checkpointer:
+    """When and where the run's checkpoints are written: every `save_steps` optimizer steps (0: never) and, as TRL
+    does, at the last step, if that step published its weights and finished its batch's `num_iterations` passes (a
+    checkpoint holds a published version and resumes between batches)."""
+
+    output_dir: str
+    every: int  # save_steps
+    total_limit: int | None  # save_total_limit: older checkpoints are deleted after each save
+    sync_every: int  # weight_sync_steps
+    batch_steps: int  # num_iterations
+
+    @classmethod
+    def from_config(cls, cfg) -> Checkpointer:
+        return cls(output_dir=cfg.output_dir, every=cfg.save_steps, total_limit=cfg.save_total_limit,
+                   sync_every=cfg.weight_sync_steps, batch_steps=cfg.num_iterations)
+
+    def should_save(self, step: int, *, last_step: bool) -> bool:
+        if not self.every:
+            return False
+        return step % self.every == 0 or (last_step and step % self.sync_every == 0 and step % self.batch_steps == 0)
+
+    def save(self, acc, model, optimizer, state: TrainerState, *, peft_config, base_model: str,
+             lr_scheduler=None) -> Path | None:
+        """Collective: `save_checkpoint` into this run's output_dir, keeping at most `total_limit` checkpoints."""
+        return save_checkpoint(acc, model, optimizer, state, output_dir=self.output_dir, peft_config=peft_config,
+                               base_model=base_model, total_limit=self.total_limit, lr_scheduler=lr_scheduler)
+
+
 def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: str | Path, peft_config,
                     base_model: str, total_limit: int | None = None, lr_scheduler=None) -> Path | None:
     """Collective: every rank joins the LoRA gather and writes its own RNG state; rank 0 writes the adapter, the

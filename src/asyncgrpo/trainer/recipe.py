@@ -30,9 +30,10 @@ from asyncgrpo.rollout.interface import RolloutInterface
 from asyncgrpo.store import export_adapter
 from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device
-from asyncgrpo.trainer.checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint,
-                                          resolve_checkpoint, restore_rng, save_checkpoint)
+from asyncgrpo.trainer.checkpoint import (Checkpointer, TrainerState, check_backend, clean_partial, load_checkpoint,
+                                          resolve_checkpoint, restore_rng)
 from asyncgrpo.trainer.completions import CompletionLog
+from asyncgrpo.trainer.evaluator import Evaluator
 from asyncgrpo.trainer.gather import backend_of, gather_lora_state
 from asyncgrpo.trainer.logprobs import sequence_logprobs
 from asyncgrpo.trainer.loss import LossSpec, grpo_loss, loss_normaliser
@@ -59,6 +60,8 @@ class AsyncGRPOTrainer:
     def __init__(self, cfg: AsyncGRPOConfig):
         self.cfg = cfg
         self.loss_spec = LossSpec.from_config(cfg)  # what the loss takes from the config, fixed for the run
+        self.checkpointer = Checkpointer.from_config(cfg)  # when and where checkpoints are written
+        self.evaluator = Evaluator.from_config(cfg)  # when the rollout side evaluates on eval_dataset
         self.version = 0  # the trainer's weights at the last sync; the servers serve it once that publish is done
         self.step = 0
         self.data_position = 0  # rank 0: the data stream position after the last prompt trained on
@@ -147,13 +150,14 @@ class AsyncGRPOTrainer:
         started = time.perf_counter()
         while self.step < cfg.max_steps:
             metrics = self.train_step()
+            last_step = self.step == cfg.max_steps
             if self.step % cfg.weight_sync_steps == 0:
                 self.sync(metrics)
             if self.main:
                 self._log(metrics, bar)
-                if self._should_evaluate():
+                if self.evaluator.should_evaluate(self.step, last_step=last_step):
                     self.eval_metrics = self.rollout.evaluate(self.step)  # the version just published
-            if self._should_save():
+            if self.checkpointer.should_save(self.step, last_step=last_step):
                 self.save_checkpoint()
         if self.main:
             bar.close()
@@ -314,17 +318,8 @@ class AsyncGRPOTrainer:
         state = TrainerState(step=self.step, version=self.version, data_position=self.data_position,
                              run_id=self.rollout.run_id if self.rollout is not None else "",
                              backend=backend_of(self.acc), world_size=self.world)
-        save_checkpoint(self.acc, self.model, self.optimizer, state, output_dir=self.cfg.output_dir,
-                        peft_config=self.peft_config, base_model=base_model_reference(self.model_path),
-                        total_limit=self.cfg.save_total_limit, lr_scheduler=self.lr_scheduler)
-
-    def _should_save(self) -> bool:
-        """Every `save_steps`, and (as TRL does) at the last step, if that step published its weights and finished its
-        batch's `num_iterations` passes."""
-        every, step = self.cfg.save_steps, self.step
-        return bool(every) and (step % every == 0 or (step == self.cfg.max_steps
-                                                      and step % self.cfg.weight_sync_steps == 0
-                                                      and step % self.cfg.num_iterations == 0))
+        self.checkpointer.save(self.acc, self.model, self.optimizer, state, peft_config=self.peft_config,
+                               base_model=base_model_reference(self.model_path), lr_scheduler=self.lr_scheduler)
 
     def _resume(self) -> None:
         """Every rank: refuse a backend checkpoints do not support; when resuming, load the checkpoint
@@ -358,13 +353,6 @@ class AsyncGRPOTrainer:
                 self.rollout.log_table("completions", self.completion_log.columns, rows, self.step)
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}", v=self.version, refresh=False)
         bar.update(1)
-
-    def _should_evaluate(self) -> bool:
-        """Every `eval_steps` (a multiple of weight_sync_steps: right after a sync) and at the last step, with
-        `eval_strategy: steps`."""
-        cfg = self.cfg
-        return cfg.eval_strategy == "steps" and (self.step % cfg.evaluation_interval == 0
-                                                 or self.step == cfg.max_steps)
 
     def _finish(self, seconds: float) -> dict:
         summary = {}

@@ -9,27 +9,35 @@ import torch
 from fakes import cfg as make_cfg
 
 from asyncgrpo.contracts import Group
-from asyncgrpo.trainer.loss import LossSpec
+from asyncgrpo.trainer.checkpoint import Checkpointer
 from asyncgrpo.trainer.completions import CompletionLog
+from asyncgrpo.trainer.evaluator import Evaluator
+from asyncgrpo.trainer.loss import LossSpec
 from asyncgrpo.trainer.metrics import StepMetrics
 from asyncgrpo.trainer import recipe
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 
 # ---- when a checkpoint is written -----------------------------------------------------------------------------------
+def _should_save(cfg, step: int) -> bool:
+    return Checkpointer.from_config(cfg).should_save(step, last_step=step == cfg.max_steps)
+
+
 @pytest.mark.parametrize("step,expected", [(2, False), (3, True), (6, True), (7, True), (5, False)])
 def test_saves_every_save_steps_and_at_the_last_step(step, expected):
-    cfg = SimpleNamespace(save_steps=3, max_steps=7, weight_sync_steps=1, num_iterations=1)
-    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=step)) is expected
+    cfg = SimpleNamespace(save_steps=3, max_steps=7, weight_sync_steps=1, num_iterations=1, output_dir="out",
+                          save_total_limit=None)
+    assert _should_save(cfg, step) is expected
     cfg.weight_sync_steps, cfg.save_steps = 2, 4  # the last step (7) published nothing: no checkpoint there
-    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
+    assert _should_save(cfg, 7) is False
     cfg.weight_sync_steps, cfg.num_iterations, cfg.save_steps = 1, 2, 4  # step 7 is mid-batch: none there either
-    assert AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=7)) is False
+    assert _should_save(cfg, 7) is False
 
 
 def test_no_save_steps_means_no_checkpoint_even_at_the_last_step():
-    cfg = SimpleNamespace(save_steps=0, max_steps=4, weight_sync_steps=1, num_iterations=1)
-    assert not any(AsyncGRPOTrainer._should_save(SimpleNamespace(cfg=cfg, step=s)) for s in range(1, 5))
+    cfg = SimpleNamespace(save_steps=0, max_steps=4, weight_sync_steps=1, num_iterations=1, output_dir="out",
+                          save_total_limit=None)
+    assert not any(_should_save(cfg, s) for s in range(1, 5))
 
 
 # ---- the loss spec ---------------------------------------------------------------------------------------------------
@@ -141,8 +149,8 @@ def test_with_log_completions_each_logged_step_writes_its_table_to_the_trackers_
 def test_evaluation_runs_every_eval_steps_and_at_the_last_step_only_with_eval_strategy_steps():
     def evaluates(strategy, interval=2, max_steps=5):
         cfg = SimpleNamespace(eval_strategy=strategy, evaluation_interval=interval, max_steps=max_steps)
-        return [s for s in range(1, max_steps + 1) if AsyncGRPOTrainer._should_evaluate(SimpleNamespace(cfg=cfg,
-                                                                                                          step=s))]
+        return [s for s in range(1, max_steps + 1)
+                if Evaluator.from_config(cfg).should_evaluate(s, last_step=s == cfg.max_steps)]
     assert evaluates("steps") == [2, 4, 5]
     assert evaluates("no") == []
 
