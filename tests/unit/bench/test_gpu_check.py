@@ -3,7 +3,12 @@ run in tests/integration/test_gpu_check.py and, per backend, tests/integration/t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+from lent_image import IMAGE_LACKS, as_on_the_image
 
 from asyncgrpo.bench import gpu_check
 from asyncgrpo.bench.backend_check import failures
@@ -65,3 +70,21 @@ def test_zero_without_deepspeed_or_a_wheel_names_the_missing_piece(tmp_path, mon
     monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None)  # as on a host without it
     reason = gpu_check.ensure_deepspeed(tmp_path)
     assert "DeepSpeed is not installed" in reason and str(tmp_path) in reason
+
+
+def test_the_checks_whole_import_path_runs_without_what_the_lent_image_lacks():
+    """The worker imports the trainer (recipe -> rollout factory -> ... -> rollout/link.py); link's TLS alone needs
+    `cryptography`, which the lent image lacks, so it is imported where a certificate is made."""
+    modules = ["asyncgrpo.bench.gpu_check", "asyncgrpo.bench.backend_check", "asyncgrpo.trainer.recipe", "asyncgrpo.cli"]
+    probe = f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; " \
+            f"print(sorted(set({IMAGE_LACKS!r}) & {{m.partition('.')[0] for m in sys.modules}}))"
+    proc = subprocess.run([sys.executable, "-c", probe], env=as_on_the_image(dict(os.environ)), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+
+
+def test_hidden_modules_are_really_hidden_from_the_child():
+    proc = subprocess.run([sys.executable, "-c", "import cryptography"], env=as_on_the_image(dict(os.environ)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "No module named 'cryptography'" in proc.stderr
