@@ -17,6 +17,7 @@ from pathlib import Path
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference
+from asyncgrpo.inference.recovery import evaluation_wait_s
 from asyncgrpo.rollout.build import build_parts
 from asyncgrpo.rollout.evaluation import evaluate_served
 from asyncgrpo.trackers import Trackers, resolve_report_to
@@ -176,6 +177,10 @@ class RolloutSide:
         metrics = result.metrics()
         self.log(metrics, step)
         return metrics
+
+    def evaluation_wait_s(self) -> float:
+        """The longest one `evaluate` can take and still succeed: its prompts, EVAL_CONCURRENCY at a time."""
+        return evaluation_wait_s(self.cfg, len(self.eval_rows), EVAL_CONCURRENCY)
 
     # ---- the end --------------------------------------------------------------------------------------
     def halt(self) -> None:

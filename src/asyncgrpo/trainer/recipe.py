@@ -23,7 +23,7 @@ from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference, count_training_rows, resolve_model_path
 from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
                                    require_shared_dir, scatter_object, setup_logging)
-from asyncgrpo.inference.recovery import batch_wait_s, check_outage_fits_ddp_timeout
+from asyncgrpo.inference.recovery import batch_wait_s, check_evaluation_fits_ddp_timeout, check_outage_fits_ddp_timeout
 from asyncgrpo.rewards import reward_name
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
@@ -139,6 +139,8 @@ class AsyncGRPOTrainer:
                                           step=self.step, data_position=self.data_position,
                                           previous_run_id=self.previous_run_id)  # rollout_process: a child's
         self.rollout.start()
+        if self.cfg.eval_strategy == "steps":  # the others wait for each evaluation too (the held-out prompts known)
+            check_evaluation_fits_ddp_timeout(self.cfg, self.world, self.rollout.evaluation_wait_s())
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -151,8 +153,9 @@ class AsyncGRPOTrainer:
                 self.sync(metrics)
             if self.main:
                 self._log(metrics, bar)
-                if self._should_evaluate():
-                    self.eval_metrics = self.rollout.evaluate(self.step)  # the version just published
+            if self._should_evaluate():  # rank 0 evaluates the version just published; a failure stops every rank
+                evaluated = on_main(lambda: self.rollout.evaluate(self.step), "evaluating the held-out set")
+                self.eval_metrics = evaluated if self.main else self.eval_metrics
             if self._should_save():
                 self.save_checkpoint()
         if self.main:
