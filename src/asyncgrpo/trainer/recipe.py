@@ -226,8 +226,10 @@ class AsyncGRPOTrainer:
     def _optimise(self, micro_batches: list[dict[str, torch.Tensor]], metrics: StepMetrics) -> None:
         """Collective: GRPO loss over this rank's micro-batches, backward, clip, optimizer step, schedule step."""
         spec = self.loss_spec
-        # The global batch's tokens (and sequences, for the loss types that average over them), in one all-reduce.
-        n_tokens, n_seqs = dist_sums([sum(float(b["mask"].sum()) for b in micro_batches),
+        # The global batch's tokens (and sequences, for the loss types that average over them), in one all-reduce;
+        # each micro-batch's tokens read from the device at once (one host sync for the step, not one per batch).
+        micro_tokens = torch.stack([b["mask"].sum() for b in micro_batches]).tolist() if micro_batches else []
+        n_tokens, n_seqs = dist_sums([float(sum(micro_tokens)),
                                       float(sum(b["mask"].shape[0] for b in micro_batches))])
         n_seqs = n_seqs if spec.counts_sequences else 0.0
         totals = LossTotals(self.world)
@@ -235,7 +237,7 @@ class AsyncGRPOTrainer:
             # The loss is the loss_type's mean over the global batch; DDP averages gradients over ranks, so the
             # normaliser is per rank (loss_normaliser).
             normaliser = loss_normaliser(spec, global_tokens=n_tokens, global_sequences=n_seqs,
-                                         micro_tokens=float(batch["mask"].sum()), micro_batches=len(micro_batches),
+                                         micro_tokens=float(micro_tokens[i]), micro_batches=len(micro_batches),
                                          world=self.world)
             # Gradients accumulate over the micro-batches; the last one's backward reduces them across ranks (and,
             # under DeepSpeed, is where the engine steps): one optimizer step per trainer step on every backend.
