@@ -29,7 +29,8 @@ from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
 from asyncgrpo.store import export_adapter
 from asyncgrpo.timeline import Timeline, span
-from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device
+from asyncgrpo.trainer.batching import (collate, pack_by_tokens, score_completions, split_by_tokens, to_device,
+                                       with_positions)
 from asyncgrpo.trainer.checkpoint import (TrainerState, check_backend, clean_partial, load_checkpoint,
                                           resolve_checkpoint, restore_rng, save_checkpoint)
 from asyncgrpo.trainer.completions import CompletionLog
@@ -210,14 +211,15 @@ class AsyncGRPOTrainer:
             packed = pack_by_tokens(lengths, budget)
             packed = pack_by_tokens(lengths, budget, count=int(dist_max(len(packed))))
             parts = [[singles[i] for i in sorted(b)] for b in packed]
-        return [to_device(collate(part, self.pad_id), self.acc.device) for part in parts]
+        return [to_device(with_positions(collate(part, self.pad_id)), self.acc.device) for part in parts]
 
     def policy_logprobs(self, batch: dict[str, torch.Tensor], with_entropy: bool = False):
         """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32, zero where
         `mask` is 0 (and, `with_entropy`, each position's entropy beside them). The LM head runs on the completion
         positions only, in chunks (logprobs.py): no (B, T, V) tensor."""
         return sequence_logprobs(self.model, self.scoring_head, batch["input_ids"], batch["attention_mask"],
-                                 batch["mask"], self.cfg.temperature, with_entropy=with_entropy)
+                                 batch["mask"], self.cfg.temperature, with_entropy=with_entropy,
+                                 positions=batch.get("positions"))
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's own fp32 logprob of every completion token (for policy-equivalence checks)."""
