@@ -23,8 +23,11 @@ image=(transformers==5.19.0 accelerate==1.15.0 peft==0.21.2)
 rm -rf "$work" && mkdir -p "$work"
 "$python_bin" -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install --quiet --disable-pip-version-check "$torch_req" "${image[@]}"
-tag=$("$work/venv/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]} cp{sys.version_info[0]}{sys.version_info[1]}")')
-PY_VERSION=${tag% *} ABI=${tag#* } PYTHON="${PYTHON:-$root/.venv/bin/python}" bash "$root/scripts/gpu_wheels.sh" "$work/wheels" >&2
+# The carried wheels for the venv's Python (e.g. 3.11 and cp311); DeepSpeed's is built with PYTHON (the .venv's).
+major_minor=$("$work/venv/bin/python" -c 'import sys; print("%d %d" % sys.version_info[:2])')
+read -r major minor <<< "$major_minor"
+PY_VERSION="$major.$minor" ABI="cp$major$minor" PYTHON="${PYTHON:-$root/.venv/bin/python}" \
+    bash "$root/scripts/gpu_wheels.sh" "$work/wheels" >&2
 cd /
 PYTHON="$work/venv/bin/python" PYTHONPATH="$root/tests/hidden" ASYNCGRPO_HIDE_MODULES=cryptography \
     bash "$root/scripts/gpu_check.sh" --cpu-smoke --wheels "$work/wheels" --out "$work/out" "$@"
