@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup demo test test-unit bench mutate gpu-check slurm-check
+.PHONY: setup demo test test-unit bench mutate gpu-check gpu-wheels slurm-check
 
 setup:
 	@bash scripts/setup.sh
@@ -31,9 +31,17 @@ mutate: setup
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[mutate]"
 	$(VENV)/bin/python scripts/mutate.py
 
-# The trainer's step on every backend on one GPU (docs/gpus.md); needs torch, transformers, peft and accelerate only.
+# The trainer's step on every backend on one GPU (docs/gpus.md): torch, transformers, peft and accelerate from the
+# python it runs with, the rest from ./wheels (`make gpu-wheels`). make reports any failing recipe as 2, so the line
+# below prints the script's own exit code (0 passed, 3 a check failed, 4 could not start, 5 no CUDA) before it exits
+# with it; scripts/gpu_check.sh run directly exits with that code. GPU_CHECK_ARGS="--backends ddp" passes arguments.
 gpu-check:
-	bash scripts/gpu_check.sh
+	@bash scripts/gpu_check.sh $(GPU_CHECK_ARGS); code=$$?; echo "gpu-check: scripts/gpu_check.sh exited $$code" >&2; exit $$code
+
+# The wheels the GPU check carries for a Python 3.12 x86_64 image without DeepSpeed and pydantic (docs/gpus.md),
+# into ./wheels (WHEELS=dir for another); needs the package registry and this checkout's .venv (for DeepSpeed's build).
+gpu-wheels:
+	PYTHON=$(abspath $(VENV))/bin/python bash scripts/gpu_wheels.sh $(WHEELS)
 
 # launch/slurm/train.sbatch (CPU variant) under a real one-host Slurm; needs root; ~4-5 min; not part of `make test`.
 slurm-check: setup

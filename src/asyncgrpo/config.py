@@ -416,12 +416,13 @@ class AsyncGRPOConfig:
     on (`true`, or `auto` under bf16 mixed precision) is translated: the base model is held in bf16, while the LoRA
     weights and their optimizer state stay fp32 (DeepSpeed's own bf16 mode is switched off)."""
     ddp_timeout: int = 3600
-    """Seconds a collective may wait for the other ranks before the run fails (lower in tests); the default covers
-    every wait below with the default timeouts, `adapter_delivery: http` included. With several ranks it
-    must exceed rank 0's longest wait (checked at start; the error gives each term in seconds): a batch
-    (4 x vllm_request_timeout + vllm_server_timeout), or a sync through a server outage (vllm_server_timeout +
+    """Seconds a collective may wait for the other ranks before the run fails (default 60 minutes; lower in tests);
+    the default covers every wait below with the default timeouts, `adapter_delivery: http` included. With several
+    ranks it must exceed rank 0's longest wait (checked at start; the error gives each term in seconds): a batch
+    (4 x vllm_request_timeout + vllm_server_timeout), a sync through a server outage (vllm_server_timeout +
     vllm_request_timeout + the client's connection retries, plus twice the longest adapter upload to the receivers
-    with `adapter_delivery: http`)."""
+    with `adapter_delivery: http`), or a held-out evaluation (ceil(eval prompts / 16) - 1 turns of
+    vllm_request_timeout, plus one such outage)."""
     torch_num_threads: int = 0
     """Intra-op threads per training process; 0 = leave torch's default."""
 

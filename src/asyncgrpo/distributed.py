@@ -67,7 +67,8 @@ def require_usable_device() -> bool:
 
 def make_accelerator(ddp_timeout_s: int, deepspeed_config: str | None = None):
     """Build the Accelerator for whichever launcher started us. On CPU hosts accelerate needs help
-    (docs/cpu-hosts.md#backends-with-2-cpu-processes): gloo with an explicit timeout (a rank that skips a collective must not hang for 30 minutes),
+    (docs/cpu-hosts.md#backends-with-2-cpu-processes): gloo with an explicit timeout (a rank that skips a collective
+    must not hang for ddp_timeout's 60 minutes),
     and an explicit backend for DeepSpeed, or every rank believes it is rank 0. On GPU hosts the process group is
     NCCL, and every tensor a collective here receives is moved to `collective_device()` first.
 
@@ -317,7 +318,7 @@ def scatter_object(parts: list | None, src: int = 0):
 def on_main(fn, what: str):
     """Collective: rank 0 runs `fn()` while the others wait; returns its result on rank 0 (None elsewhere). If it
     raises, rank 0 re-raises and every other rank raises `PeerFailed` with rank 0's message at once, instead of
-    waiting in its next collective until `ddp_timeout` (30 minutes by default)."""
+    waiting in its next collective until `ddp_timeout` (60 minutes by default)."""
     result, failure = None, None
     if not is_distributed() or dist.get_rank() == 0:
         try:

@@ -70,6 +70,27 @@ def sync_wait_s(cfg) -> float:
     return outage_s(cfg) + 2 * delivery_s(cfg)
 
 
+def evaluation_wait_s(cfg, prompts: int, concurrency: int) -> float:
+    """How long one held-out evaluation can keep rank 0 away (rollout/evaluation.py): its `prompts` go out
+    `concurrency` at a time, so each request thread makes ceil(prompts / concurrency) requests in turn, each within
+    vllm_request_timeout, one of them held up by an outage the run waits out. 0 without prompts."""
+    if prompts <= 0:
+        return 0.0
+    return (math.ceil(prompts / concurrency) - 1) * cfg.vllm_request_timeout + outage_s(cfg)
+
+
+def check_evaluation_fits_ddp_timeout(cfg, world_size: int, wait_s: float) -> None:
+    """At start, once the held-out prompts are known: with several ranks, the others wait in a collective while rank
+    0 evaluates (`wait_s`, `evaluation_wait_s`), so ddp_timeout must be longer, as for a batch or a sync."""
+    if world_size <= 1 or cfg.ddp_timeout > wait_s:
+        return
+    raise ConfigError(
+        "ddp_timeout", f"{cfg.ddp_timeout} s is not longer than the longest held-out evaluation the run survives, "
+        f"{wait_s:g} s (eval_dataset's prompts in turns of vllm_request_timeout {cfg.vllm_request_timeout:g} s, one "
+        f"through a server outage of {outage_s(cfg):g} s); ranks other than 0 would time out in a collective meanwhile",
+        f"set ddp_timeout: {math.floor(wait_s) + 1} or more, or evaluate fewer prompts (eval_dataset)")
+
+
 def check_outage_fits_ddp_timeout(cfg, world_size: int) -> None:
     """At start: with several ranks, the others wait in a collective (at most `ddp_timeout`) while rank 0 waits for
     a batch or for a sync; a ddp_timeout shorter than the longest of those waits kills them while rank 0 would still

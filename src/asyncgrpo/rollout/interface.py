@@ -66,6 +66,10 @@ class RolloutInterface(Protocol):
         """The held-out reward of `eval_dataset` under the live adapter, once its publish is done (`eval/...`
         metrics), logged at `step` and returned."""
 
+    def evaluation_wait_s(self) -> float:
+        """After `start`: the longest one `evaluate` can take and still succeed (0 without eval_dataset), which
+        ddp_timeout must exceed with several ranks (inference/recovery.py: evaluation_wait_s)."""
+
     def halt(self) -> None:
         """On SIGTERM/SIGINT: resume every server a sync in progress has paused; no later sync pauses one."""
 

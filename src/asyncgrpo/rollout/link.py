@@ -22,11 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-
 from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.errors import ConfigError
 
@@ -66,6 +61,13 @@ def rollout_key(role: str) -> bytes:
 def server_tls() -> tuple[ssl.SSLContext, bytes]:
     """A TLS 1.3 server context with a new self-signed certificate (its key never leaves this process), and the
     certificate's SHA-256 fingerprint, which the key proof binds to."""
+    # Imported here, where a certificate is made (`rollout-serve --listen` only): the trainer imports this module
+    # through the rollout factory, and a GPU image without `cryptography` must still run the trainer's step.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "asyncgrpo rollout-serve")])
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -91,6 +91,9 @@ class RolloutProcess:
     def evaluate(self, step: int) -> dict[str, float]:
         return self._call("evaluate", step)
 
+    def evaluation_wait_s(self) -> float:
+        return self._call("evaluation_wait_s")
+
     def halt(self) -> None:
         """On SIGTERM/SIGINT (either thread of shutdown.py, maybe twice): have the other side resume any server a
         sync in progress paused, close the side and exit (the peer signals the child, or shuts the socket down). Not

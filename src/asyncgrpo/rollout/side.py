@@ -17,6 +17,7 @@ from pathlib import Path
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference
+from asyncgrpo.inference.recovery import evaluation_wait_s
 from asyncgrpo.rollout.build import RolloutParts, build_parts
 from asyncgrpo.rollout.evaluation import evaluate_served
 from asyncgrpo.rollout.publish import is_version_of, run_prefix
@@ -172,6 +173,10 @@ class RolloutSide:
         metrics = result.metrics()
         self.log(metrics, step)
         return metrics
+
+    def evaluation_wait_s(self) -> float:
+        """The longest one `evaluate` can take and still succeed: its prompts, EVAL_CONCURRENCY at a time."""
+        return evaluation_wait_s(self.cfg, len(self.parts.eval_rows), EVAL_CONCURRENCY)
 
     # ---- the end --------------------------------------------------------------------------------------
     def halt(self) -> None:

@@ -72,6 +72,12 @@ def collate(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
             "advantages": torch.tensor(advantages, dtype=torch.float32)}
 
 
+def with_positions(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collated (host) batch plus `positions`, (N,): the flat indices of its `mask > 0` in (B, T-1), for
+    `sequence_logprobs`. Found here, on the host: on a GPU the host would wait for their count at every forward."""
+    return {**batch, "positions": (batch["mask"].flatten() > 0).nonzero().squeeze(1)}
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
     """A collated batch on the training device, in one pass: the logits it meets are there, and the DeepSpeed
     engine moves no inputs itself. On CUDA the host tensors are pinned first, so the copies run asynchronously."""

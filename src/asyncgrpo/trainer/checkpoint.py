@@ -10,6 +10,8 @@ state; docs/checkpoints.md: the user's view.
 
 from __future__ import annotations
 
+import contextlib
+import copyreg
 import hashlib
 import json
 import logging
@@ -198,7 +200,8 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
     try:
         _write_file(tmp / f"rng-rank{acc.process_index}.pt", lambda f: torch.save(rng_state(), f))
         if state.backend in DEEPSPEED:  # collective: each rank writes its partitions
-            model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, exclude_frozen_parameters=True)
+            with deepspeed_enums_by_value():
+                model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, exclude_frozen_parameters=True)
         if acc.is_main_process:
             _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
             if optim_state is not None:
@@ -429,6 +432,25 @@ def _load_listed(path: Path, manifest: dict, name: str, map_location="cpu"):
                                   f"not loaded ({reason}). Fix: resume only from checkpoints written by asyncgrpo on "
                                   f"storage no one else can write; delete {str(path)!r} and resume from an earlier "
                                   f"checkpoint-<step> directory, or start a fresh run") from None
+
+
+@contextlib.contextmanager
+def deepspeed_enums_by_value():
+    """While DeepSpeed saves: its optimizer state holds a `ZeroStageEnum`, which some Pythons (Debian's 3.11.2, for
+    one) pickle by name, as `builtins.getattr(ZeroStageEnum, "gradients")`, and others by value. A `getattr` in a
+    pickle can reach any attribute of anything, so `_check_deepspeed_files` refuses it: the member is saved by value,
+    `ZeroStageEnum(2)`, on every Python (copyreg's table is consulted before the class's own `__reduce_ex__`)."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # heavy: DeepSpeed, only when it saves
+
+    previous = copyreg.dispatch_table.get(ZeroStageEnum)
+    copyreg.dispatch_table[ZeroStageEnum] = lambda member: (ZeroStageEnum, (member.value,))
+    try:
+        yield
+    finally:
+        if previous is None:
+            del copyreg.dispatch_table[ZeroStageEnum]
+        else:
+            copyreg.dispatch_table[ZeroStageEnum] = previous
 
 
 def _check_deepspeed_files(path: Path, manifest: dict) -> None:

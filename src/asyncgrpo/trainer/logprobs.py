@@ -75,11 +75,13 @@ def _scoring(head: ScoringHead, forward):
 
 def sequence_logprobs(model, head: ScoringHead | None, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       mask: torch.Tensor, temperature: float, chunk_size: int | None = None, *,
-                      with_entropy: bool = False):
+                      with_entropy: bool = False, positions: torch.Tensor | None = None):
     """Logprob of every next token under `model` (the wrapped model the backend runs), fp32 (B, T-1): position t
     scores token t+1; zero where `mask` (B, T-1) is 0. `head`: from `find_scoring_head`, or None for the naive path
     (the model's full (B, T, V) logits). `with_entropy`: also the entropy (B, T-1) of the distribution the token was
-    sampled from (softmax of logits / temperature), detached, zero where `mask` is 0: returns (logprobs, entropy)."""
+    sampled from (softmax of logits / temperature), detached, zero where `mask` is 0: returns (logprobs, entropy).
+    `positions`: the flat indices of `mask > 0` in (B, T-1), as `collate` makes them on the host; without them they
+    are found on the device, and on a GPU the host then waits for everything queued before to learn their count."""
     targets = input_ids[:, 1:]  # (B, T-1)
     keep = mask > 0  # (B, T-1)
     if head is None:
@@ -89,15 +91,17 @@ def sequence_logprobs(model, head: ScoringHead | None, input_ids: torch.Tensor, 
             return lp
         return lp, torch.where(keep, token_entropy(logits[:, :-1], temperature), 0.0)
     entropy = {}
+    flat = positions.to(keep.device) if positions is not None else keep.flatten().nonzero().squeeze(1)  # (N,)
+    at = (flat // keep.shape[1], flat % keep.shape[1])  # (row, column) of each completion token, row-major
 
     def completion_logprobs(hidden: torch.Tensor) -> torch.Tensor:  # hidden: (B, T, H), the final hidden states
-        scored = chunked_token_logprobs(hidden[:, :-1][keep], head.module.weight, targets[keep],  # (N,), N = keep.sum()
+        scored = chunked_token_logprobs(hidden[:, :-1][at], head.module.weight, targets[at],  # (N,)
                                         temperature=temperature, bias=head.module.bias, softcap=head.softcap,
                                         chunk_size=chunk_size, entropy=with_entropy)
         lp, ent = scored if with_entropy else (scored, None)
         if ent is not None:
-            entropy["value"] = torch.zeros(keep.shape, dtype=ent.dtype, device=ent.device).masked_scatter(keep, ent)
-        return torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp)  # (B, T-1)
+            entropy["value"] = torch.zeros(keep.shape, dtype=ent.dtype, device=ent.device).index_put(at, ent)
+        return torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).index_put(at, lp)  # (B, T-1)
 
     with _scoring(head, completion_logprobs):
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -34,37 +34,51 @@ def summary_counters(counters: dict[str, float]) -> dict[str, float]:
 
 class LossTotals:
     """This rank's loss statistics over its micro-batches: sums (per-token statistics, the loss) and maxima. The
-    loss is divided by the world size: DDP averages the gradients over ranks, so the ranks' losses add up to it."""
+    loss is divided by the world size: DDP averages the gradients over ranks, so the ranks' losses add up to it.
+    They add up on the device the terms are on (float64): the host reads them once per step, in `reduced`, not once
+    per statistic and micro-batch (each read waits for the GPU to finish everything queued before it)."""
 
     SUMS = ("loss", "clipped", "kl", "ratio", "is_ratio", "is_capped", "kl_behaviour", "masked", "entropy")
     MAXIMA = ("max_abs_log_ratio", "is_ratio_max")
 
     def __init__(self, world: int):
         self.world = world
-        self.sums = dict.fromkeys(self.SUMS, 0.0)
-        self.maxima = dict.fromkeys(self.MAXIMA, 0.0)
-        self.entropy_hist = torch.zeros(ENTROPY_BINS, dtype=torch.float64)  # tokens per entropy bin, this rank
+        self._sums: torch.Tensor | None = None  # (len(SUMS),), on the first micro-batch's device
+        self._maxima: torch.Tensor | None = None  # (len(MAXIMA),)
+        self._entropy_hist: torch.Tensor | None = None  # (ENTROPY_BINS,) tokens per entropy bin, this rank
 
     def add(self, terms: LossTerms) -> None:
-        """One micro-batch's terms."""
-        for key, value in (("loss", float(terms.loss.detach()) / self.world), ("clipped", terms.clipped_tokens),
-                           ("kl", terms.kl_sum), ("ratio", terms.ratio_sum), ("is_ratio", terms.is_ratio_sum),
-                           ("is_capped", terms.is_capped_tokens), ("kl_behaviour", terms.behaviour_kl_sum),
-                           ("masked", terms.masked_tokens)):
-            self.sums[key] += float(value)
-        if terms.entropy is not None and terms.entropy.numel():
-            entropy = terms.entropy.float()
-            self.sums["entropy"] += float(entropy.sum())
-            self.entropy_hist += torch.histc(entropy, ENTROPY_BINS, 0.0, ENTROPY_MAX).cpu().double()
-        self.maxima["max_abs_log_ratio"] = max(self.maxima["max_abs_log_ratio"], float(terms.max_abs_log_ratio))
-        self.maxima["is_ratio_max"] = max(self.maxima["is_ratio_max"], float(terms.is_ratio_max))
+        """One micro-batch's terms (no host sync)."""
+        device = terms.loss.device
+        if self._sums is None:
+            self._sums = torch.zeros(len(self.SUMS), dtype=torch.float64, device=device)
+            self._maxima = torch.zeros(len(self.MAXIMA), dtype=torch.float64, device=device)
+            self._entropy_hist = torch.zeros(ENTROPY_BINS, dtype=torch.float64, device=device)
+        entropy = terms.entropy.float() if terms.entropy is not None and terms.entropy.numel() else None
+        self._sums += _stacked(device, terms.loss.detach().double() / self.world, terms.clipped_tokens, terms.kl_sum,
+                               terms.ratio_sum, terms.is_ratio_sum, terms.is_capped_tokens, terms.behaviour_kl_sum,
+                               terms.masked_tokens, entropy.sum() if entropy is not None else 0.0)
+        self._maxima = torch.maximum(self._maxima, _stacked(device, terms.max_abs_log_ratio, terms.is_ratio_max))
+        if entropy is not None:
+            self._entropy_hist += torch.histc(entropy, ENTROPY_BINS, 0.0, ENTROPY_MAX).double()
 
     def reduced(self) -> tuple[dict[str, float], dict[str, float], list[float]]:
-        """Collective: (sums, maxima, entropy histogram) over every rank, in two all-reduces."""
-        summed = dist_sums([self.sums[k] for k in self.SUMS] + self.entropy_hist.tolist())
-        sums = dict(zip(self.SUMS, summed[:len(self.SUMS)]))
-        maxima = dict(zip(self.MAXIMA, dist_maxima([self.maxima[k] for k in self.MAXIMA])))
-        return sums, maxima, summed[len(self.SUMS):]
+        """Collective: (sums, maxima, entropy histogram) over every rank, in two all-reduces, after one read of this
+        rank's totals from its device."""
+        n, bins = len(self.SUMS), ENTROPY_BINS
+        local = ([0.0] * (n + bins + len(self.MAXIMA)) if self._sums is None else
+                 torch.cat([self._sums, self._entropy_hist, self._maxima]).tolist())  # the step's one host sync
+        summed = dist_sums(local[:n + bins])
+        sums = dict(zip(self.SUMS, summed[:n]))
+        maxima = dict(zip(self.MAXIMA, dist_maxima(local[n + bins:])))
+        return sums, maxima, summed[n:]
+
+
+def _stacked(device: torch.device, *values: torch.Tensor | float) -> torch.Tensor:
+    """`values` as one float64 vector on `device`: tensors stay on the device (no copy through the host), numbers
+    are filled in there."""
+    return torch.stack([v.detach().to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                        else torch.full((), float(v), dtype=torch.float64, device=device) for v in values])
 
 
 def histogram_quantile(hist: list[float], q: float, top: float = ENTROPY_MAX) -> float:

@@ -23,13 +23,14 @@ from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference, count_training_rows, resolve_model_path
 from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
                                    require_shared_dir, scatter_object, setup_logging)
-from asyncgrpo.inference.recovery import batch_wait_s, check_outage_fits_ddp_timeout
+from asyncgrpo.inference.recovery import batch_wait_s, check_evaluation_fits_ddp_timeout, check_outage_fits_ddp_timeout
 from asyncgrpo.rewards import reward_name
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
 from asyncgrpo.store import export_adapter
 from asyncgrpo.timeline import Timeline, span
-from asyncgrpo.trainer.batching import collate, pack_by_tokens, score_completions, split_by_tokens, to_device
+from asyncgrpo.trainer.batching import (collate, pack_by_tokens, score_completions, split_by_tokens, to_device,
+                                        with_positions)
 from asyncgrpo.trainer.checkpoint import (Checkpointer, TrainerState, check_backend, clean_partial, load_checkpoint,
                                           resolve_checkpoint, restore_rng)
 from asyncgrpo.trainer.completions import CompletionLog
@@ -142,6 +143,8 @@ class AsyncGRPOTrainer:
                                           step=self.step, data_position=self.data_position,
                                           previous_run_id=self.previous_run_id)  # rollout_process: a child's
         self.rollout.start()
+        if self.cfg.eval_strategy == "steps":  # the others wait for each evaluation too (the held-out prompts known)
+            check_evaluation_fits_ddp_timeout(self.cfg, self.world, self.rollout.evaluation_wait_s())
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -155,8 +158,10 @@ class AsyncGRPOTrainer:
                 self.sync(metrics)
             if self.main:
                 self._log(metrics, bar)
-                if self.evaluator.should_evaluate(self.step, last_step=last_step):
-                    self.eval_metrics = self.rollout.evaluate(self.step)  # the version just published
+            if self.evaluator.should_evaluate(self.step, last_step=last_step):
+                # rank 0 evaluates the version just published; a failure stops every rank
+                evaluated = on_main(lambda: self.rollout.evaluate(self.step), "evaluating the held-out set")
+                self.eval_metrics = evaluated if self.main else self.eval_metrics
             if self.checkpointer.should_save(self.step, last_step=last_step):
                 self.save_checkpoint()
         if self.main:
@@ -211,14 +216,15 @@ class AsyncGRPOTrainer:
             packed = pack_by_tokens(lengths, budget)
             packed = pack_by_tokens(lengths, budget, count=int(dist_max(len(packed))))
             parts = [[singles[i] for i in sorted(b)] for b in packed]
-        return [to_device(collate(part, self.pad_id), self.acc.device) for part in parts]
+        return [to_device(with_positions(collate(part, self.pad_id)), self.acc.device) for part in parts]
 
     def policy_logprobs(self, batch: dict[str, torch.Tensor], with_entropy: bool = False):
         """Per-token logprobs (B, T-1) of the sequences in `batch` under the trainer's model, in fp32, zero where
         `mask` is 0 (and, `with_entropy`, each position's entropy beside them). The LM head runs on the completion
         positions only, in chunks (logprobs.py): no (B, T, V) tensor."""
         return sequence_logprobs(self.model, self.scoring_head, batch["input_ids"], batch["attention_mask"],
-                                 batch["mask"], self.cfg.temperature, with_entropy=with_entropy)
+                                 batch["mask"], self.cfg.temperature, with_entropy=with_entropy,
+                                 positions=batch.get("positions"))
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's own fp32 logprob of every completion token (for policy-equivalence checks)."""
@@ -227,8 +233,10 @@ class AsyncGRPOTrainer:
     def _optimise(self, micro_batches: list[dict[str, torch.Tensor]], metrics: StepMetrics) -> None:
         """Collective: GRPO loss over this rank's micro-batches, backward, clip, optimizer step, schedule step."""
         spec = self.loss_spec
-        # The global batch's tokens (and sequences, for the loss types that average over them), in one all-reduce.
-        n_tokens, n_seqs = dist_sums([sum(float(b["mask"].sum()) for b in micro_batches),
+        # The global batch's tokens (and sequences, for the loss types that average over them), in one all-reduce;
+        # each micro-batch's tokens read from the device at once (one host sync for the step, not one per batch).
+        micro_tokens = torch.stack([b["mask"].sum() for b in micro_batches]).tolist() if micro_batches else []
+        n_tokens, n_seqs = dist_sums([float(sum(micro_tokens)),
                                       float(sum(b["mask"].shape[0] for b in micro_batches))])
         n_seqs = n_seqs if spec.counts_sequences else 0.0
         totals = LossTotals(self.world)
@@ -236,7 +244,7 @@ class AsyncGRPOTrainer:
             # The loss is the loss_type's mean over the global batch; DDP averages gradients over ranks, so the
             # normaliser is per rank (loss_normaliser).
             normaliser = loss_normaliser(spec, global_tokens=n_tokens, global_sequences=n_seqs,
-                                         micro_tokens=float(batch["mask"].sum()), micro_batches=len(micro_batches),
+                                         micro_tokens=float(micro_tokens[i]), micro_batches=len(micro_batches),
                                          world=self.world)
             # Gradients accumulate over the micro-batches; the last one's backward reduces them across ranks (and,
             # under DeepSpeed, is where the engine steps): one optimizer step per trainer step on every backend.

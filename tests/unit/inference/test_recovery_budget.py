@@ -1,6 +1,6 @@
-"""At start, with several ranks, `ddp_timeout` must outlast rank 0's longest wait (a batch from the queue, or a sync
-through a server outage, with adapter uploads under `adapter_delivery: http`): ranks other than 0 wait in a
-collective meanwhile. A single process has no collective to time out."""
+"""At start, with several ranks, `ddp_timeout` must outlast rank 0's longest wait (a batch from the queue, a sync
+through a server outage, with adapter uploads under `adapter_delivery: http`, or a held-out evaluation): ranks other
+than 0 wait in a collective meanwhile. A single process has no collective to time out."""
 
 import pytest
 from fakes import cfg
@@ -9,9 +9,11 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.inference.recovery import (
     batch_wait_s,
+    check_evaluation_fits_ddp_timeout,
     check_outage_fits_ddp_timeout,
     connect_retry_s,
     delivery_s,
+    evaluation_wait_s,
     outage_s,
     sync_wait_s,
 )
@@ -81,3 +83,39 @@ def test_the_default_ddp_timeout_covers_every_wait_with_the_default_timeouts_htt
     check_outage_fits_ddp_timeout(cfg(**HTTP), world_size=16)  # a multi-node run that changes no timeout
     with pytest.raises(ConfigError):
         check_outage_fits_ddp_timeout(cfg(ddp_timeout=1800, **HTTP), world_size=16)  # the old default did not
+
+
+# ---- the held-out evaluation: rank 0 evaluates while the others wait --------------------------------------------
+def test_an_evaluation_waits_one_request_timeout_per_turn_and_one_outage():
+    c = cfg(vllm_server_timeout=200, vllm_request_timeout=120)
+    assert evaluation_wait_s(c, prompts=0, concurrency=16) == 0.0  # no eval_dataset
+    assert evaluation_wait_s(c, prompts=16, concurrency=16) == outage_s(c)  # one turn: the outage is that turn
+    assert evaluation_wait_s(c, prompts=17, concurrency=16) == 120 + outage_s(c)
+    assert evaluation_wait_s(c, prompts=160, concurrency=16) == 9 * 120 + outage_s(c)
+
+
+def test_a_ddp_timeout_shorter_than_an_evaluation_is_an_error_with_the_smallest_value_that_passes():
+    c = cfg(ddp_timeout=900, vllm_server_timeout=200, vllm_request_timeout=120)
+    wait = evaluation_wait_s(c, prompts=160, concurrency=16)  # 1080 + 365.5
+    with pytest.raises(ConfigError) as error:
+        check_evaluation_fits_ddp_timeout(c, world_size=2, wait_s=wait)
+    assert "longest held-out evaluation" in str(error.value) and "1445.5 s" in str(error.value)
+    assert "set ddp_timeout: 1446 or more" in str(error.value)
+    check_evaluation_fits_ddp_timeout(cfg(ddp_timeout=1446, vllm_server_timeout=200, vllm_request_timeout=120),
+                                      world_size=2, wait_s=wait)
+    check_evaluation_fits_ddp_timeout(c, world_size=1, wait_s=wait)  # one process: nothing waits in a collective
+
+
+def test_the_rollout_side_counts_its_own_held_out_prompts():
+    from types import SimpleNamespace
+
+    from asyncgrpo.rollout.side import EVAL_CONCURRENCY, RolloutSide
+
+    c = cfg(vllm_server_timeout=200, vllm_request_timeout=120)
+    side = SimpleNamespace(cfg=c, parts=SimpleNamespace(eval_rows=[object()] * (EVAL_CONCURRENCY * 3)))
+    assert RolloutSide.evaluation_wait_s(side) == 2 * 120 + outage_s(c)
+
+
+def test_the_default_ddp_timeout_covers_an_evaluation_of_a_few_hundred_prompts():
+    c = AsyncGRPOConfig()
+    assert evaluation_wait_s(c, prompts=400, concurrency=16) < c.ddp_timeout

@@ -201,3 +201,22 @@ def test_deepspeed_files_that_are_unlisted_or_name_other_objects_are_refused_bef
         b"not a torch file").hexdigest()}}))
     with pytest.raises(CheckpointError, match="holds objects a DeepSpeed checkpoint never saves \\(an unreadable file"):
         ckpt.load_checkpoint(path, accelerator(2), second, second.optimizer)
+
+
+def test_the_zero_stage_enum_is_saved_by_value_even_where_python_pickles_enums_by_name(tmp_path, monkeypatch):
+    # Debian's Python 3.11.2 pickles an enum member as getattr(cls, name) (3.11.7 by value): the load guard refuses
+    # a `builtins.getattr`, so every ZeRO checkpoint saved there was refused on resume (seen in a fresh 3.11.2 venv).
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    monkeypatch.setattr(ZeroStageEnum, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self._name_)))
+    state = {"zero_stage": ZeroStageEnum.gradients}
+    torch.save(state, tmp_path / "by_name.pt")
+    assert "builtins.getattr" in torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "by_name.pt")
+    with ckpt.deepspeed_enums_by_value():
+        torch.save(state, tmp_path / "by_value.pt")
+    assert set(torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "by_value.pt")) <= \
+        ckpt.DEEPSPEED_GLOBALS
+    assert torch.load(tmp_path / "by_value.pt", weights_only=False)["zero_stage"] is ZeroStageEnum.gradients
+    import copyreg
+
+    assert ZeroStageEnum not in copyreg.dispatch_table  # left as it was found

@@ -179,3 +179,35 @@ def test_chunked_logprobs_run_the_head_in_its_own_dtype_and_give_the_hidden_stat
     reference.sum().backward()
     assert hidden.grad.dtype == torch.float32
     assert torch.allclose(hidden.grad, reference_hidden.grad, atol=1e-2, rtol=0)
+
+
+def test_positions_found_on_the_host_give_the_same_logprobs_and_the_forward_finds_none_itself():
+    # On a GPU, finding the completion positions from the device mask (nonzero, boolean indexing) makes the host wait
+    # for the count at every forward; `with_positions` finds them once at collate time, on the host.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from asyncgrpo.trainer.batching import with_positions
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = lora_qv(_qwen2())
+    input_ids, attention, mask = two_padded_sequences(model.config.vocab_size)
+    head = find_scoring_head(model)
+    positions = with_positions({"mask": mask})["positions"]
+    assert positions.tolist() == [i for i, m in enumerate(mask.flatten().tolist()) if m > 0]
+    found, given = Ops(), Ops()
+    with found:
+        lp_found, ent_found = sequence_logprobs(model, head, input_ids, attention, mask, 0.7, with_entropy=True)
+    with given:
+        lp_given, ent_given = sequence_logprobs(model, head, input_ids, attention, mask, 0.7, with_entropy=True,
+                                                positions=positions)
+    assert torch.equal(lp_found, lp_given) and torch.equal(ent_found, ent_given)
+    assert any("nonzero" in n for n in found.names)  # the fallback finds them on the device
+    assert not any("nonzero" in n for n in given.names), sorted(set(given.names))

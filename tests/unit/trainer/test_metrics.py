@@ -150,3 +150,27 @@ def test_a_batch_of_episodes_reports_turns_tokens_truncation_and_token_staleness
     v = metrics.values
     assert (v["episode/turns_mean"], v["episode/tokens_mean"], v["episode/sampled_tokens_mean"]) == (1.5, 3.0, 2.0)
     assert v["episode/truncated_fraction"] == 0.5 and v["episode/token_staleness_max"] == 2.0
+
+
+def test_adding_micro_batches_reads_nothing_back_to_the_host_until_the_step_is_reduced(monkeypatch):
+    # On a GPU each read of a device tensor by the host waits for all the work queued before it: the totals add up
+    # on the device, and `reduced` reads them once per step.
+    def read(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host")
+
+    terms = _terms(1.0, 2.0, 0.5, 3.0, 0.1, is_ratio=4.0, is_max=1.5, capped=1.0, kl_b=0.25)
+    terms.entropy, terms.masked_tokens = torch.tensor([0.5, 1.5]), torch.tensor(1.0)
+    totals = LossTotals(world=2)
+    with monkeypatch.context() as patched:
+        for name in ("__float__", "__int__", "__bool__", "item", "tolist", "cpu", "numpy"):
+            patched.setattr(torch.Tensor, name, read)
+        totals.add(terms)
+        totals.add(terms)
+    sums, maxima, hist = totals.reduced()
+    assert (sums["loss"], sums["clipped"], sums["entropy"], sums["masked"], sum(hist)) == (1.0, 4.0, 4.0, 2.0, 4.0)
+    assert maxima == {"max_abs_log_ratio": pytest.approx(0.1), "is_ratio_max": pytest.approx(1.5)}
+
+
+def test_a_rank_without_micro_batches_reduces_zeros():
+    sums, maxima, hist = LossTotals(world=2).reduced()
+    assert set(sums.values()) == {0.0} and set(maxima.values()) == {0.0} and hist == [0.0] * ENTROPY_BINS
