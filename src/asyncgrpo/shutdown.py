@@ -1,7 +1,8 @@
-"""SIGTERM / SIGINT: leave the inference servers serving, then exit with the signal's conventional code.
+"""SIGTERM / SIGINT / SIGHUP: leave the inference servers serving, then exit with the signal's conventional code.
 
 `exit_on_signal(on_signal)` installs handlers (main thread only) that call `on_signal` (the trainer's `halt`: resume
-every server this process paused), then raise SystemExit(128 + signal number): 143 for SIGTERM, 130 for SIGINT.
+every server this process paused), then raise SystemExit(128 + signal number): 143 for SIGTERM, 130 for SIGINT, 129
+for SIGHUP. The SystemExit runs every `finally` on its way out, which stops the servers and launches we started.
 A watcher thread woken through `signal.set_wakeup_fd` also calls `on_signal` at once, for a main thread blocked in a
 C call, so `on_signal` must be safe to call twice, from two threads. Why: docs/faults.md.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-HANDLED = (signal.SIGTERM, signal.SIGINT)
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # schedulers, Ctrl-C, a closed terminal or SSH session
 
 
 def exit_code(signum: int) -> int:
@@ -27,7 +28,7 @@ def exit_code(signum: int) -> int:
 
 @contextlib.contextmanager
 def exit_on_signal(on_signal: Callable[[], None]) -> Iterator[None]:
-    """Within the block, SIGTERM/SIGINT run `on_signal` and then raise SystemExit(128 + signum). Outside the main
+    """Within the block, SIGTERM/SIGINT/SIGHUP run `on_signal` and then raise SystemExit(128 + signum). Outside the main
     thread (where handlers cannot be installed) the block runs without them."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -58,7 +59,7 @@ def exit_on_signal(on_signal: Callable[[], None]) -> Iterator[None]:
 
 
 class _Watcher:
-    """A daemon thread that calls `on_signal` as soon as SIGTERM/SIGINT arrive (through the wakeup fd), even while
+    """A daemon thread that calls `on_signal` as soon as a handled signal arrives (through the wakeup fd), even while
     the main thread is stuck in C code."""
 
     def __init__(self, on_signal: Callable[[], None]):

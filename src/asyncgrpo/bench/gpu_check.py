@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncgrpo.children import run_group
 from asyncgrpo.inference.server import find_free_port
 
 BACKENDS = ("ddp", "fsdp1", "fsdp2", "zero2", "zero3")
@@ -82,7 +83,7 @@ def launch(backend: str, args, out: Path) -> subprocess.CompletedProcess:
            "--out", str(out), *batch, "--model_name_or_path", args.model, "--torch_dtype", args.dtype,
            "--lora_r", str(args.lora_r), "--lora_alpha", str(2 * args.lora_r), "--lora_target_modules", ALL_LINEAR,
            "--gradient_checkpointing", str(args.gradient_checkpointing).lower()]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    return run_group(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
 
 
 def check_backend(backend: str, args, work: Path) -> dict:

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import requests
 
+from asyncgrpo.children import GroupProcess
 from asyncgrpo.errors import ConfigError, InferenceServerError
+from asyncgrpo.shutdown import HANDLED
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,7 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path is not None else None
         self.env = dict(env or {})
         self.process: subprocess.Popen | None = None
+        self._group: GroupProcess | None = None
         self._log_offset = 0  # where this start's output begins in a log file that may hold earlier runs
         self._started_at = 0.0
 
@@ -177,12 +180,11 @@ class VLLMServer:
         logger.info("starting vLLM on %s (log: %s): %s", self.base_url, self.log_path, " ".join(self.command()))
         with open(self.log_path, "ab") as log:
             self._log_offset = log.tell()
-            # A session of its own: Ctrl-C in our terminal reaches us, not vLLM, and `stop` can end the engine
-            # core process vLLM forks by killing the whole group.
-            self.process = subprocess.Popen(
-                self.command(), env=self.environment(), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+            # A session of its own: Ctrl-C in our terminal reaches us, not vLLM, and `stop` ends the engine core
+            # process vLLM starts with it; a guard ends them both if we die first (children.py).
+            self._group = GroupProcess(self.command(), env=self.environment(), stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=subprocess.STDOUT)
+            self.process = self._group.process
         self._started_at = time.monotonic()
 
     def wait_ready(self, timeout_s: float = 180.0) -> float:
@@ -223,19 +225,7 @@ class VLLMServer:
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
         """SIGTERM, then SIGKILL to the whole process group after `grace_s`. Idempotent; returns the exit code."""
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            # Never started, stopped already, or exited on its own (then vLLM has ended its engine core itself).
-            # Its group id may belong to someone else by now: signal nothing.
-            return None if proc is None else proc.returncode
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("vLLM (pid %d) ignored SIGTERM for %g s: killing it", proc.pid, grace_s)
-        _kill_group(proc.pid)  # whatever is left: the server if it ignored SIGTERM, an engine core that outlived it
-        proc.wait()
-        return proc.returncode
+        return None if self._group is None else self._group.stop(grace_s)
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -250,18 +240,10 @@ class VLLMServer:
         self.stop()
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL every process left in the session `start` created (its id is the server's pid)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # nothing left
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m asyncgrpo.inference.server",
-        description="Start a local vLLM server with LoRA hot reload enabled; stop it with Ctrl-C or SIGTERM. "
+        description="Start a local vLLM server with LoRA hot reload enabled; stop it with Ctrl-C, SIGTERM or SIGHUP. "
         "Arguments after `--` go to vLLM unchanged.",
     )
     p.add_argument("--model", required=True, help="model directory or hub id (the hub is not reached: offline)")
@@ -286,7 +268,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Start the server, print its base URL, stay in the foreground until Ctrl-C or SIGTERM, then stop it."""
+    """Start the server, print its base URL, stay in the foreground until Ctrl-C, SIGTERM or SIGHUP, then stop it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parse_args(argv)
     # An API key, if any, reaches vLLM as VLLM_API_KEY from our own environment.
@@ -301,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     # SIGINT too: a shell script's background job inherits SIGINT ignored, and Python then keeps it ignored.
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in HANDLED:
         signal.signal(signum, on_signal)
     try:
         server.start()
@@ -316,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s", exc)
         return 1
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave vLLM running
+        for signum in HANDLED:  # a second Ctrl-C must not leave vLLM running
             signal.signal(signum, signal.SIG_IGN)
         server.stop()
 
