@@ -25,6 +25,7 @@ import requests
 
 from asyncgrpo.children import GroupProcess
 from asyncgrpo.errors import ConfigError, InferenceServerError
+from asyncgrpo.inference.receiver import is_loopback
 from asyncgrpo.shutdown import HANDLED
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ GENERATION_CONFIG = "vllm"  # neutral defaults for omitted sampling fields, neve
 # 32 prompts x 8 completions would run in two waves. Keep it >= requests in flight x num_generations.
 MAX_NUM_SEQS = 256
 LOG_TAIL_LINES = 30
+
+ALLOW_KEYLESS_ENV = "ASYNCGRPO_ALLOW_KEYLESS"  # "1": listen beyond loopback without an API key (a trusted network)
 
 POLL_INTERVAL_S = 0.25  # /health answers in milliseconds once up; start-up takes ~30 s on CPU, so 4 polls/s is cheap
 HEALTH_TIMEOUT_S = 2.0  # a local /health that takes longer than this is as good as down
@@ -103,6 +106,7 @@ class VLLMServer:
         extra_args: Sequence[str] = (),
         log_path: Path | None = None,
         env: Mapping[str, str] | None = None,
+        allow_keyless: bool = False,
     ):
         self.model = str(model)
         self.port = port
@@ -119,6 +123,7 @@ class VLLMServer:
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path is not None else None
         self.env = dict(env or {})
+        self.allow_keyless = allow_keyless or os.environ.get(ALLOW_KEYLESS_ENV) == "1"
         self.process: subprocess.Popen | None = None
         self._group: GroupProcess | None = None
         self._log_offset = 0  # where this start's output begins in a log file that may hold earlier runs
@@ -168,8 +173,21 @@ class VLLMServer:
         env.update(self.env)
         return env
 
+    def check_exposure(self) -> None:
+        """Refuse to listen beyond loopback without an API key, unless told that the network is trusted: anyone who
+        reaches the port could use the server, and pause it or load adapters through the routes no key guards."""
+        if self.environment().get("VLLM_API_KEY") or self.allow_keyless or is_loopback(self.host):
+            return
+        raise ConfigError("--host", f"{self.host!r} is not a loopback address and no API key is set (VLLM_API_KEY): "
+                                    f"anyone who reaches port {self.port} could generate, pause the server and load "
+                                    f"adapters",
+                          f"set VLLM_API_KEY to the trainers' ASYNCGRPO_VLLM_API_KEY, listen on --host 127.0.0.1, or, "
+                          f"on a network only you can reach, pass --allow-keyless (or set {ALLOW_KEYLESS_ENV}=1)")
+
     def start(self) -> None:
-        """Start the process (returns at once; call `wait_ready`)."""
+        """Start the process (returns at once; call `wait_ready`). Raises ConfigError for a keyless non-loopback
+        host (`check_exposure`)."""
+        self.check_exposure()
         if self.process is not None and self.process.poll() is None:
             raise InferenceServerError(f"vLLM server on {self.base_url} is already running (pid {self.process.pid})")
         if self.log_path is None:
@@ -248,7 +266,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model", required=True, help="model directory or hub id (the hub is not reached: offline)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 only on a private network")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; other than loopback only with VLLM_API_KEY set or --allow-keyless")
+    p.add_argument("--allow-keyless", action="store_true",
+                   help=f"listen beyond loopback without an API key: only on a network no one else can reach (or set "
+                        f"{ALLOW_KEYLESS_ENV}=1; docs/security.md)")
     p.add_argument("--max-lora-rank", type=int, default=8, help="largest adapter rank (1, 8, 16, 32, 64, ...)")
     p.add_argument("--max-loras", type=int, default=4, help="adapters resident at once")
     p.add_argument("--max-model-len", type=int, default=512, help="prompt + completion tokens per sequence")
@@ -273,11 +295,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     # An API key, if any, reaches vLLM as VLLM_API_KEY from our own environment.
     server = VLLMServer(
-        args.model, args.port or find_free_port(args.host), host=args.host, max_lora_rank=args.max_lora_rank,
+        args.model, args.port, host=args.host, max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, extra_args=args.extra_args, log_path=args.log_path,
+        allow_keyless=args.allow_keyless,
     )  # fmt: skip
+    try:
+        server.check_exposure()  # before anything starts or binds
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    server.port = server.port or find_free_port(args.host)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
