@@ -51,7 +51,7 @@ def test_the_gpu_commands_of_the_readme_and_docs_gpus_name_files_that_exist():
 def test_the_readme_gpu_commands_are_those_of_docs_gpus():
     gpus = _shell_blocks((ROOT / "docs" / "gpus.md").read_text()).splitlines()
     readme = [line for line in _readme_gpu_commands().splitlines() if line.strip()]
-    assert len(readme) == 3  # serve.sh, accelerate launch (one node), sbatch (several nodes)
+    assert len(readme) == 5  # the key, serve.sh, accelerate launch (one node); the key, sbatch (several nodes)
     assert all(line in gpus for line in readme), [line for line in readme if line not in gpus]
 
 
