@@ -24,7 +24,7 @@ from collections.abc import Sequence
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that forked it exits
-GROUP_GRACE_S = 15.0  # between SIGTERM and SIGKILL: vLLM CPU exits ~2 s after SIGTERM, a GPU node freeing its cache later
+GROUP_GRACE_S = 15.0  # SIGTERM to SIGKILL: vLLM CPU exits ~2 s after SIGTERM, a GPU node freeing its cache later
 GUARD_POLL_S = 5.0  # how often a guard checks whether its group is still there (it exits once the group is gone)
 REAP_POLL_S = 0.05  # while waiting for a group to empty after SIGTERM: short, the wait ends as soon as it is empty
 

@@ -202,8 +202,8 @@ def accept_trainer(listener: socket.socket, key: bytes) -> tuple[Link, tuple]:
                 with lock:
                     if len(pending) >= MAX_HANDSHAKES:
                         oldest, oldest_who = pending.popitem(last=False)
-                        throttle.failed(_ip(oldest_who), f"dropped the connection from {oldest_who}: "
-                                        f"{MAX_HANDSHAKES} handshakes were in progress, it was the oldest", costly=False)
+                        throttle.failed(_ip(oldest_who), f"dropped the connection from {oldest_who}: {MAX_HANDSHAKES} "
+                                        f"handshakes were in progress, it was the oldest", costly=False)
                         _cut(oldest)
                     pending[tls] = who
                 threading.Thread(target=handshake, args=(tls, who), name="rollout-handshake", daemon=True).start()

@@ -58,9 +58,9 @@ def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
     with socket.create_server((host, port)) as listener:  # IPv4 (split_address refuses IPv6)
         bound_host, bound_port = listener.getsockname()
         reach = socket.gethostname() if bound_host == "0.0.0.0" else bound_host  # all interfaces: name one
-        log.info("rollout server listening on %s:%d (set `rollout_address: %s:%d` in the trainer's config)",
-                 bound_host, bound_port, reach, bound_port)
         with exit_on_signal(lambda: None):  # SIGTERM/Ctrl-C/SIGHUP while waiting: nothing to clean up, exit 143/130/129
+            log.info("rollout server listening on %s:%d (set `rollout_address: %s:%d` in the trainer's config)",
+                     bound_host, bound_port, reach, bound_port)
             conn, (cfg, side_kwargs, run_id) = accept_trainer(listener, key)
     # Closed: one run per server; a second trainer is refused rather than queued.
     for name, value in paths.items():
@@ -98,7 +98,8 @@ def build_side(cfg, side_kwargs: dict, run_id: str) -> RolloutSide:
 # ---- the loop -------------------------------------------------------------------------------------------------
 def serve_side(conn, side: RolloutSide) -> bool:
     """Answer the trainer's requests on `conn` until `close` (returns True) or the trainer's end closes (False: every
-    version unloaded); on SIGTERM/SIGINT/SIGHUP resume any paused server (shutdown.py), close the side and exit 143/130."""
+    version unloaded); on SIGTERM/SIGINT/SIGHUP resume any paused server (shutdown.py), close the side and exit
+    143/130/129."""
     keep_final = None  # set by `close`; None: the trainer went away or a signal came, unload every version
     with exit_on_signal(side.halt):
         try:

@@ -166,7 +166,8 @@ def test_a_keyless_server_beyond_loopback_is_refused_before_it_starts(no_key, ho
     server = VLLMServer("/m", 8000, host=host)
     with pytest.raises(ConfigError, match=r"`--host`: '.+' is not a loopback address and no API key") as err:
         server.start()
-    assert err.value.field == "--host" and "Fix: set VLLM_API_KEY" in str(err.value) and "--allow-keyless" in str(err.value)
+    assert err.value.field == "--host"
+    assert "Fix: set VLLM_API_KEY" in str(err.value) and "--allow-keyless" in str(err.value)
     assert server.process is None
     assert server_main(["--model", "/m", "--host", host]) == 2  # the module's main, before anything starts
 
