@@ -28,8 +28,9 @@ def cmd_train(args, overrides: list[str]) -> int:
 
     cfg = AsyncGRPOConfig.load(args.config, overrides)
     trainer = AsyncGRPOTrainer(cfg)
-    # SIGTERM (launchers, SLURM) / SIGINT / SIGHUP: no server left paused by a sync in progress; exit 143 / 130.
-    with exit_on_signal(trainer.halt):
+    # SIGTERM (launchers, SLURM) / SIGINT / SIGHUP: no server left paused by a sync in progress; exit 143 / 130 / 129.
+    # With checkpoints on, SIGTERM first gives the loop stop_grace_s to reach a step it can save and resume from.
+    with exit_on_signal(trainer.halt, defer=trainer.stop_requested.set, grace_s=trainer.stop_grace_s):
         try:
             trainer.setup()
             trainer.train()

@@ -1,8 +1,10 @@
 """Entry points ended by a signal leave nothing running: `python -m asyncgrpo.inference.server` on SIGTERM, SIGINT,
 SIGHUP (while vLLM starts or once it serves) and SIGKILL, and `asyncgrpo demo` on SIGTERM mid-training. Every pid of
 the entry point's tree (vLLM's API server, engine core, workers, the guard, the training ranks) is collected before
-the signal and must be gone after it."""
+the signal and must be gone after it. And `train` SIGTERMed as scancel does it (every process of the launch) saves a
+checkpoint at the next step it can resume from exactly, and the resumed run ends with the uninterrupted run's adapter."""
 
+import json
 import os
 import select
 import signal
@@ -14,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
+from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.server import find_free_port
@@ -127,3 +130,38 @@ def test_demo_ended_by_sigterm_mid_training_leaves_nothing_running(world, tmp_pa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_sigterm_to_a_training_launch_saves_a_checkpoint_that_resumes_to_the_uninterrupted_adapter(vllm_server,
+                                                                                                     tmp_path):
+    # As scancel does: SIGTERM to every process of the launch (the launcher passes it on to the ranks once more).
+    from integration.test_checkpoint import run, train_command
+
+    url, b_out = vllm_server.base_url, tmp_path / "b"
+    with open(tmp_path / "b.log", "w") as log:
+        proc = subprocess.Popen(train_command(b_out, url, "--save_steps", "100", "--max_steps", "1000"), cwd=REPO,
+                                env=cpu_launch_env("ddp"), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: list(b_out.glob("adapters/*/v000002")), proc, "adapter version 2 written")
+        pids = tree(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=GONE_S)
+        assert_all_gone(pids)
+    finally:
+        with _quiet():
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = (tmp_path / "b.log").read_text()
+    checkpoints = sorted(b_out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1, text[-5000:]
+    step = json.loads((checkpoints[0] / "manifest.json").read_text())["state"]["step"]
+    assert step >= 2 and f"stopped on SIGTERM after step {step} with a checkpoint" in text
+
+    a = run(train_command(tmp_path / "a", url, "--max_steps", str(step + 2)))
+    b = run(train_command(b_out, url, "--save_steps", "100", "--max_steps", str(step + 2), "--resume_from_checkpoint",
+                          "latest"))
+    assert (b["start_step"], b["steps"]) == (step, step + 2)
+    final_a = load_file(f"{a['adapter_path']}/adapter_model.safetensors")
+    final_b = load_file(f"{b['adapter_path']}/adapter_model.safetensors")
+    assert max((final_a[k] - final_b[k]).abs().max().item() for k in final_a) < 1e-5

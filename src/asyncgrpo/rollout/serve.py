@@ -29,6 +29,8 @@ from asyncgrpo.shutdown import HANDLED, exit_on_signal
 
 log = logging.getLogger(__name__)
 
+CHILD_STOP_MARGIN_S = 10.0  # beyond the trainer's stop_grace_s: its checkpoint save and its close of this process
+
 
 # ---- the two mains --------------------------------------------------------------------------------------------
 def serve(conn, cfg, side_kwargs: dict, run_id: str) -> bool:
@@ -39,7 +41,10 @@ def serve(conn, cfg, side_kwargs: dict, run_id: str) -> bool:
     # progress: exit_on_signal restores these, and the trainer kills a child that does not exit in time.
     for s in HANDLED:
         signal.signal(s, signal.SIG_IGN)
-    return serve_side(conn, build_side(cfg, side_kwargs, run_id))
+    # A SIGTERM sent to every process of the job (scancel) reaches us too: while the trainer goes on to a step it can
+    # checkpoint (stop_grace_s), keep serving it; it closes us after, and past this grace we exit as for any signal.
+    grace_s = cfg.stop_grace_s + CHILD_STOP_MARGIN_S if cfg.save_steps and cfg.stop_grace_s else 0.0
+    return serve_side(conn, build_side(cfg, side_kwargs, run_id), grace_s=grace_s)
 
 
 # Not mutated (make mutate): it runs in the `rollout-serve` process, where mutmut cannot see which tests reach it;
@@ -96,12 +101,12 @@ def build_side(cfg, side_kwargs: dict, run_id: str) -> RolloutSide:
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------
-def serve_side(conn, side: RolloutSide) -> bool:
+def serve_side(conn, side: RolloutSide, grace_s: float = 0.0) -> bool:
     """Answer the trainer's requests on `conn` until `close` (returns True) or the trainer's end closes (False: every
     version unloaded); on SIGTERM/SIGINT/SIGHUP resume any paused server (shutdown.py), close the side and exit
-    143/130/129."""
+    143/130/129. `grace_s` > 0: the first SIGTERM is only acted on that much later (the trainer's checkpoint)."""
     keep_final = None  # set by `close`; None: the trainer went away or a signal came, unload every version
-    with exit_on_signal(side.halt):
+    with exit_on_signal(side.halt, defer=lambda: None, grace_s=grace_s):
         try:
             keep_final = _answer_requests(conn, side)
         finally:
