@@ -18,7 +18,9 @@
 # engine; vLLM refuses runtime adapter updates with more than one API server
 # (docs/gpus.md, "LoRA hot reload with a data-parallel server").
 #
-# SECURITY: put this node on a private network. API_KEY (sent by trainers as `Authorization: Bearer ...`) guards
+# SECURITY: put this node on a private network. Without API_KEY (or ASYNCGRPO_VLLM_API_KEY, the trainer's variable)
+# this script refuses any HOST but loopback, unless ASYNCGRPO_ALLOW_KEYLESS=1 says that the network is trusted.
+# API_KEY (sent by trainers as `Authorization: Bearer ...`) guards
 # only the /v1/* routes. /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /collective_rpc and
 # the other dev routes that VLLM_SERVER_DEV_MODE=1 turns on answer WITHOUT the key, and the adapter endpoints load
 # any directory the server can read. Anyone who can reach PORT can stop generation or swap the served weights.
@@ -40,6 +42,14 @@ DTYPE="${DTYPE:-auto}"                                    # auto: the checkpoint
 DATA_PARALLEL_SIZE="${DATA_PARALLEL_SIZE:-1}"             # engines (model copies); GPUs used = DP x TP
 TENSOR_PARALLEL_SIZE="${TENSOR_PARALLEL_SIZE:-1}"         # GPUs per engine; must divide the attention heads
 VLLM_VERSION_PINNED=0.32.0
+API_KEY="${API_KEY:-${ASYNCGRPO_VLLM_API_KEY:-}}"          # the trainers' key (docs/security.md)
+
+if [[ -z "$API_KEY" && "${ASYNCGRPO_ALLOW_KEYLESS:-0}" != 1 && ! "$HOST" =~ ^(127\.|localhost$|::1$) ]]; then
+    echo "serve.sh: HOST=$HOST is not loopback and no API key is set: anyone who reaches port $PORT could use the" \
+         "server and load adapters. Fix: set ASYNCGRPO_VLLM_API_KEY (the same on the trainers), or HOST=127.0.0.1," \
+         "or ASYNCGRPO_ALLOW_KEYLESS=1 on a network only you can reach (docs/security.md)" >&2
+    exit 2
+fi
 
 installed=$(python3 -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null || echo "not found")
 if [[ "$installed" != "$VLLM_VERSION_PINNED" ]]; then

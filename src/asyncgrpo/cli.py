@@ -7,6 +7,7 @@ once. Every `AsyncGRPOError` ends as one `asyncgrpo: error: ...` line and exit s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -27,8 +28,9 @@ def cmd_train(args, overrides: list[str]) -> int:
 
     cfg = AsyncGRPOConfig.load(args.config, overrides)
     trainer = AsyncGRPOTrainer(cfg)
-    # SIGTERM (launchers, SLURM) / SIGINT: no server left paused by a sync in progress; exit 143 / 130.
-    with exit_on_signal(trainer.halt):
+    # SIGTERM (launchers, SLURM) / SIGINT / SIGHUP: no server left paused by a sync in progress; exit 143 / 130 / 129.
+    # With checkpoints on, SIGTERM first gives the loop stop_grace_s to reach a step it can save and resume from.
+    with exit_on_signal(trainer.halt, defer=trainer.stop_requested.set, grace_s=trainer.stop_grace_s):
         try:
             trainer.setup()
             trainer.train()
@@ -167,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     handlers = {"train": cmd_train, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor,
                 "rollout-serve": cmd_rollout_serve}
+    # train and rollout-serve handle signals themselves (resume paused servers first); for the others a signal exits
+    # through their `finally` blocks, which stop the vLLM servers and launches they started (children.py).
+    on_signal = contextlib.nullcontext() if args.command in ("train", "rollout-serve") else exit_on_signal(lambda: None)
     try:
-        return handlers[args.command](args, overrides)
+        with on_signal:
+            return handlers[args.command](args, overrides)
     except PeerFailed:
         return 2  # rank 0 failed first and printed the error; this rank stops quietly with the same code
     except AsyncGRPOError as exc:

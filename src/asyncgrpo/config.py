@@ -404,6 +404,11 @@ class AsyncGRPOConfig:
     ZeRO-2 and ZeRO-3."""
     save_total_limit: int | None = None
     """Keep only the newest this many checkpoints (older ones are deleted after each save). Unset = keep all."""
+    stop_grace_s: float = 20.0
+    """With `save_steps` set: on SIGTERM (`scancel`, a preemption, `docker stop`), seconds to go on to the next step
+    that can be resumed from exactly, save a checkpoint there and exit 143; past it the run exits 143 without one. 0
+    = exit at once. Keep it below the time your scheduler waits before SIGKILL (SLURM `KillWait`, `docker stop -t`),
+    less ~10 s to stop the servers (docs/faults.md#nothing-left-running)."""
     resume_from_checkpoint: str | None = None
     """Continue a run: `latest` (or `true`, as in transformers: the newest `checkpoint-<step>` in `output_dir`; an
     error when there is none) or a checkpoint directory. Step numbers and policy versions continue; the adapter is
@@ -818,6 +823,7 @@ VALUE_RANGES: dict[str, Range] = {
     "num_completions_to_print": Range(1, fix="use 1 or more, or unset it to log every completion (up to 64)"),
     "save_steps": Range(0, fix="use 0 (never) or e.g. 100"),
     "save_total_limit": Range(1, fix="unset it to keep every checkpoint"),
+    "stop_grace_s": Range(0, fix="use 0 (exit at once on SIGTERM) or e.g. 20, below the scheduler's SIGKILL delay"),
     "max_prompt_length": Range(1, fix="leave it unset to derive it from the server's max_model_len"),
     "ddp_timeout": Range(1, fix=f"use {_SECONDS}, e.g. 1800"),
     "torch_num_threads": Range(0, fix="use 0 (torch's default) or the cores per training process"),

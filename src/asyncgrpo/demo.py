@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from asyncgrpo.children import run_group
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import load_prompts
 from asyncgrpo.errors import AsyncGRPOError
@@ -98,7 +98,7 @@ def run_demo(args, overrides: list[str]) -> int:
         train_overrides = [*overrides, "--vllm_server_base_url", server.base_url]
         cmd = launch_command(args.num_processes, find_free_port(), config_path, train_overrides)
         t_train = time.perf_counter()
-        proc = subprocess.run(cmd, env=launch_environment())
+        proc = run_group(cmd, env=launch_environment())
         if proc.returncode != 0:
             raise AsyncGRPOError(f"training exited with code {proc.returncode}; see the log above "
                                  f"(server log: {out / 'vllm.log'})")

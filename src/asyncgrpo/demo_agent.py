@@ -12,13 +12,13 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from asyncgrpo.children import run_group
 from asyncgrpo.config import AsyncGRPOConfig, parse_overrides
 from asyncgrpo.demo import launch_command, launch_environment
 from asyncgrpo.errors import AsyncGRPOError
@@ -129,7 +129,7 @@ def run_agent_demo(args: Any, overrides: list[str]) -> int:
         cmd = launch_command(args.num_processes, find_free_port(), config_path,
                              ["--vllm_server_base_url", server.base_url])
         t_train = time.perf_counter()
-        if subprocess.run(cmd, env=launch_environment()).returncode != 0:
+        if run_group(cmd, env=launch_environment()).returncode != 0:
             raise AsyncGRPOError(f"training failed; see the log above (server log: {out / 'vllm.log'})")
         train_s = time.perf_counter() - t_train
     run = json.loads((out / "run_summary.json").read_text())

@@ -28,3 +28,28 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (/proc/self/status), else by setting and
+    restoring it (which another thread creating a file at that instant would see)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o077)
+    os.umask(old)
+    return old
+
+
+def file_mode() -> int:
+    """The mode a new file gets under the current umask (0644 under the usual 022, 0600 under 077)."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """The mode a new directory gets under the current umask (0755 under 022, 0700 under 077)."""
+    return 0o777 & ~current_umask()

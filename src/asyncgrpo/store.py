@@ -22,11 +22,10 @@ import torch
 from safetensors.torch import save_file
 
 from asyncgrpo.errors import AsyncGRPOError, SyncError
-from asyncgrpo.files import fsync_path, sha256_file
+from asyncgrpo.files import dir_mode, file_mode, fsync_path, sha256_file
 
 log = logging.getLogger(__name__)
 
-FILE_MODE, DIR_MODE = 0o644, 0o755  # readable to a vLLM running as another user (shared storage)
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 MANIFEST_NAME = "asyncgrpo_manifest.json"  # size and sha256 of each file, recorded at write, checked before a load
@@ -48,7 +47,7 @@ class AdapterStore:
             self.root.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileExistsError):
                 self.root.mkdir()
-                os.chmod(self.root, DIR_MODE)  # ours (a run's directory): readable to a server run by another user
+                os.chmod(self.root, dir_mode())  # the user's umask decides who else reads it (docs/security.md)
         except OSError as exc:
             raise AsyncGRPOError(f"cannot create lora_adapter_path {str(self.root)!r} ({exc}); set lora_adapter_path "
                                  f"to a writable directory the inference server can read") from exc
@@ -86,9 +85,11 @@ class AdapterStore:
             fsync_path(tmp / WEIGHTS_NAME)
             self._write_config(tmp, peft_config, base_model)  # last loadable file: a partial directory has no config
             write_manifest(tmp, [WEIGHTS_NAME, CONFIG_NAME])
+            # The user's umask decides who else reads a version (a server run by another user needs 022 or a shared
+            # group): whatever mode the libraries created each file with, e.g. 0600 for a temporary file.
             for p in tmp.iterdir():
-                os.chmod(p, FILE_MODE)
-            os.chmod(tmp, DIR_MODE)
+                os.chmod(p, file_mode())
+            os.chmod(tmp, dir_mode())
             fsync_path(tmp)
             os.rename(tmp, final)
             fsync_path(self.root)
@@ -131,7 +132,7 @@ def export_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], peft
         fsync_path(tmp / WEIGHTS_NAME)
         AdapterStore._write_config(tmp, peft_config, base_model)
         for name in (WEIGHTS_NAME, CONFIG_NAME):
-            os.chmod(tmp / name, FILE_MODE)
+            os.chmod(tmp / name, file_mode())
             os.replace(tmp / name, directory / name)
         fsync_path(directory)
     finally:

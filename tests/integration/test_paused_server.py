@@ -5,6 +5,7 @@ trainer that gets SIGTERM during a sync resumes the server itself before it exit
 Every test leaves the session server resumed (`finally`), whatever happens."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -58,7 +59,9 @@ def test_train_resumes_a_server_a_previous_run_left_paused_and_logs_it(vllm_serv
         mine = set(run_adapters(client, summary))
     assert summary["adapter_left_loaded"] == summary["adapter_name"]
     assert mine == {summary["adapter_name"]} and summary["version"] == 2
-    assert all(oct(p.stat().st_mode & 0o777) == "0o644" for p in Path(summary["adapter_path"]).iterdir())
+    umask = os.umask(0o022)
+    os.umask(umask)  # the files follow the umask (the run's, which is ours)
+    assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in Path(summary["adapter_path"]).iterdir())
 
 
 def test_sigterm_during_a_sync_resumes_the_server_before_the_trainer_exits_143(vllm_server, tmp_path):

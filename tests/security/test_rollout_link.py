@@ -23,7 +23,7 @@ from liveness import returns_within
 from asyncgrpo.cli import main
 from asyncgrpo.config import ROLLOUT_KEY_ENV, AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError, RolloutProcessError
-from asyncgrpo.rollout import link, remote
+from asyncgrpo.rollout import link, remote, throttle
 from asyncgrpo.rollout.process import RolloutProcess
 from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
 from asyncgrpo.rollout.serve import _answer_requests
@@ -405,3 +405,44 @@ def test_the_certificate_is_new_for_each_server_and_the_proof_is_bound_to_it():
     nonces = (b"s" * link.NONCE_BYTES, b"c" * link.NONCE_BYTES)
     assert link._proof(KEY, b"trainer", first, *nonces) != link._proof(KEY, b"trainer", second, *nonces)
     assert link._proof(KEY, b"trainer", first, *nonces) != link._proof(KEY, b"server", first, *nonces)
+
+
+def test_a_flood_of_failing_handshakes_is_limited_in_log_lines_and_tls_work_and_then_let_in_again(
+        tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(throttle, "WINDOW_S", 2.0)  # the block ages out quickly, for the real trainer at the end
+    tls_handshakes = []
+    real_tls_handshake = remote.tls_handshake
+    monkeypatch.setattr(remote, "tls_handshake", lambda tls, deadline: (tls_handshakes.append(1),
+                                                                        real_tls_handshake(tls, deadline)))
+    server = RolloutServer()
+    host, port = server.address.rsplit(":", 1)
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+        for _ in range(5 * throttle.BLOCK_AFTER):  # not TLS at all: each costs the server a failed TLS handshake
+            with socket.create_connection((host, int(port)), timeout=BOUND_S) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                _read_until_closed(sock)  # the server has counted this failure before it closes
+        lines = [r.getMessage() for r in caplog.records]
+        # The first BLOCK_AFTER cost a TLS handshake each; the rest were closed at accept, before any TLS.
+        assert len(tls_handshakes) == throttle.BLOCK_AFTER
+        assert len(lines) <= throttle.LOG_BURST + 1, lines
+        assert any("more connections from 127.0.0.1 failed or were closed at accept" in line for line in lines)
+
+        proxy = _proxy(tmp_path, server.address)
+        deadline = time.monotonic() + BOUND_S  # once the failures age out of the window, the trainer gets in
+        while True:
+            try:
+                proxy.start()
+                break
+            except RolloutProcessError:
+                assert time.monotonic() < deadline, "the real trainer was never let in again"
+                proxy = _proxy(tmp_path, server.address)
+    proxy.close(keep_final=False)
+    server.join()
+
+
+def _read_until_closed(sock: socket.socket) -> None:
+    try:
+        while sock.recv(1024):  # a TLS alert, then the end
+            pass
+    except ConnectionResetError:
+        pass

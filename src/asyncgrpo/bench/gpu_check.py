@@ -167,6 +167,8 @@ def launch_command(backend: str, args, out: Path) -> tuple[list[str], dict]:
     from asyncgrpo.inference.server import find_free_port  # after the environment check: it imports requests
 
     if args.cpu_smoke:
+        from asyncgrpo.bench.sync import cpu_launch_env  # heavy: torch, only for the CPU variant's environment
+
         config, processes, env, batch = f"launch/accelerate/{backend}_cpu.yaml", 2, cpu_launch_env(backend), CPU_BATCH
     else:
         config, processes, batch = f"launch/accelerate/{backend}.yaml", 1, GPU_BATCH

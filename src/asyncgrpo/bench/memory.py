@@ -11,13 +11,13 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from asyncgrpo.children import run_group
 from asyncgrpo.trainer.logprobs import (
     chunk_positions,
     find_scoring_head,
@@ -94,7 +94,7 @@ def measure_variant(variant: str, vocab_size: int, completion_tokens: int, hidde
 def _run_variant(variant: str, vocab_size: int, completion_tokens: int, hidden: int, temperature: float) -> dict:
     cmd = [sys.executable, "-m", "asyncgrpo.bench.memory", "--variant", variant, "--vocab_size", str(vocab_size),
            "--completion_tokens", str(completion_tokens), "--hidden", str(hidden), "--temperature", str(temperature)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = run_group(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"memory bench variant {variant} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

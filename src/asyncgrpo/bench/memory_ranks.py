@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from asyncgrpo.bench.sync import cpu_launch_env
+from asyncgrpo.children import run_group
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
@@ -116,7 +116,7 @@ def launch(backend: str, variant: str, model: str, work: Path, *, completions: i
            "--prompt_tokens", str(prompt_tokens), "--model_name_or_path", model, *overrides]
     print(f"bench memory: {backend} {variant} ({completions} x {completion_tokens} tokens)...", file=sys.stderr,
           flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend, large_model=True), capture_output=True, text=True,
+    proc = run_group(cmd, cwd=REPO, env=cpu_launch_env(backend, large_model=True), capture_output=True, text=True,
                           timeout=timeout_s)
     if proc.returncode != 0 or not out.exists():
         raise AsyncGRPOError(f"bench memory worker for {backend}/{variant} failed (exit {proc.returncode}):\n"

@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 from transformers import PreTrainedTokenizerFast
 
+from asyncgrpo.children import GroupProcess
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import PromptRow
 from asyncgrpo.inference.client import InferenceClient
@@ -86,8 +87,9 @@ class LoadGenerator:
     def __init__(self, completions: list[dict]):
         src = str(Path(__file__).resolve().parents[2])  # this checkout's sources, whatever the caller's path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-        self.process = subprocess.Popen([sys.executable, "-m", "asyncgrpo.bench.loadgen", "--port", "0"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self._group = GroupProcess([sys.executable, "-m", "asyncgrpo.bench.loadgen", "--port", "0"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self.process = self._group.process
         try:
             self.process.stdin.write(json.dumps({"completions": completions}))
             self.process.stdin.close()
@@ -107,13 +109,7 @@ class LoadGenerator:
         return int(line.split()[1])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self._group.stop(grace_s=10)
 
     def __enter__(self) -> LoadGenerator:
         return self

@@ -13,13 +13,13 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncgrpo.children import run_group
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path
@@ -89,7 +89,7 @@ def launch_worker(backend: str, model_dir: Path, server_url: str, out: Path, ove
            "-m", "asyncgrpo.bench.sync", "--worker", "--out", str(out),
            "--model_name_or_path", str(model_dir), "--vllm_server_base_url", server_url,
            "--lora_adapter_path", str(out.parent / "adapters"), "--lora_target_modules", LORA_TARGETS, *overrides]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = run_group(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0 or not out.exists():
 
         raise AsyncGRPOError(f"bench sync worker for {backend} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

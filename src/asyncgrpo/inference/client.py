@@ -22,6 +22,7 @@ from urllib3.exceptions import NewConnectionError
 
 from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import AdapterNotLoadedError, InferenceServerError, ServerUnreachableError
+from asyncgrpo.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -430,7 +431,7 @@ class InferenceClient:
         raise AssertionError("unreachable")
 
     def _http_error(self, call: str, method: str, url: str, resp: requests.Response) -> InferenceServerError:
-        text = resp.text
+        text = redact(resp.text, self._api_key)  # before the cut: a cut could leave a part of the key unrecognised
         quoted = text if len(text) <= MAX_QUOTED_CHARS else f"{text[:MAX_QUOTED_CHARS]}... ({len(text)} chars)"
         message = f'{call}: {method} {url} answered HTTP {resp.status_code} {resp.reason}: "{quoted}"'
         if resp.status_code == 401:
@@ -455,17 +456,16 @@ class InferenceClient:
         except ValueError as exc:
             raise self._error(
                 f'{call}: {resp.request.method} {resp.url} answered {resp.status_code} with a body that is not '
-                f'JSON: "{resp.text[:MAX_QUOTED_CHARS]}"',
+                f'JSON: "{redact(resp.text, self._api_key)[:MAX_QUOTED_CHARS]}"',
                 status=resp.status_code, body=resp.text,
             ) from exc  # fmt: skip
 
     def _error(self, message: str, status: int | None = None, body: str | None = None,
                unreachable: bool = False) -> InferenceServerError:
-        """An InferenceServerError (ServerUnreachableError when no answer came) with the API key scrubbed from
-        everything it carries."""
-        if self._api_key:
-            message = message.replace(self._api_key, "***")
-            body = body.replace(self._api_key, "***") if body is not None else None
+        """An InferenceServerError (ServerUnreachableError when no answer came) with the API key, any 8-character run
+        of it and of its encodings, scrubbed from everything it carries (redact.py)."""
+        message = redact(message, self._api_key)
+        body = redact(body, self._api_key) if body is not None else None
         kind = ServerUnreachableError if unreachable else InferenceServerError
         return kind(message, status=status, body=body)
 

@@ -32,6 +32,7 @@ from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import ConfigError, InferenceServerError
 from asyncgrpo.files import fsync_path, sha256_file
 from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.shutdown import exit_on_signal
 
 log = logging.getLogger(__name__)
 
@@ -550,10 +551,11 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         parser.exit(2, f"{parser.prog}: error: cannot listen on {args.host}:{args.port} ({exc.strerror}). Fix: "
                        f"choose a free --port, or stop what holds it\n")
-    log.info("receiving adapters into %s on %s:%d for %s (API key %s)", receiver.root, args.host,
-             server.server_address[1], args.vllm_url, "required" if api_key else "NOT set: loopback only")
     try:
-        server.serve_forever()
+        with exit_on_signal(lambda: None):  # SIGTERM/SIGHUP too: close the socket, exit 143/129 (nothing to resume)
+            log.info("receiving adapters into %s on %s:%d for %s (API key %s)", receiver.root, args.host,
+                     server.server_address[1], args.vllm_url, "required" if api_key else "NOT set: loopback only")
+            server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:

@@ -23,7 +23,10 @@ from pathlib import Path
 
 import requests
 
+from asyncgrpo.children import GroupProcess
 from asyncgrpo.errors import ConfigError, InferenceServerError
+from asyncgrpo.inference.receiver import is_loopback
+from asyncgrpo.shutdown import HANDLED
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,8 @@ GENERATION_CONFIG = "vllm"  # neutral defaults for omitted sampling fields, neve
 # 32 prompts x 8 completions would run in two waves. Keep it >= requests in flight x num_generations.
 MAX_NUM_SEQS = 256
 LOG_TAIL_LINES = 30
+
+ALLOW_KEYLESS_ENV = "ASYNCGRPO_ALLOW_KEYLESS"  # "1": listen beyond loopback without an API key (a trusted network)
 
 POLL_INTERVAL_S = 0.25  # /health answers in milliseconds once up; start-up takes ~30 s on CPU, so 4 polls/s is cheap
 HEALTH_TIMEOUT_S = 2.0  # a local /health that takes longer than this is as good as down
@@ -101,6 +106,7 @@ class VLLMServer:
         extra_args: Sequence[str] = (),
         log_path: Path | None = None,
         env: Mapping[str, str] | None = None,
+        allow_keyless: bool = False,
     ):
         self.model = str(model)
         self.port = port
@@ -117,7 +123,9 @@ class VLLMServer:
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path is not None else None
         self.env = dict(env or {})
+        self.allow_keyless = allow_keyless or os.environ.get(ALLOW_KEYLESS_ENV) == "1"
         self.process: subprocess.Popen | None = None
+        self._group: GroupProcess | None = None
         self._log_offset = 0  # where this start's output begins in a log file that may hold earlier runs
         self._started_at = 0.0
 
@@ -165,8 +173,21 @@ class VLLMServer:
         env.update(self.env)
         return env
 
+    def check_exposure(self) -> None:
+        """Refuse to listen beyond loopback without an API key, unless told that the network is trusted: anyone who
+        reaches the port could use the server, and pause it or load adapters through the routes no key guards."""
+        if self.environment().get("VLLM_API_KEY") or self.allow_keyless or is_loopback(self.host):
+            return
+        raise ConfigError("--host", f"{self.host!r} is not a loopback address and no API key is set (VLLM_API_KEY): "
+                                    f"anyone who reaches port {self.port} could generate, pause the server and load "
+                                    f"adapters",
+                          f"set VLLM_API_KEY to the trainers' ASYNCGRPO_VLLM_API_KEY, listen on --host 127.0.0.1, or, "
+                          f"on a network only you can reach, pass --allow-keyless (or set {ALLOW_KEYLESS_ENV}=1)")
+
     def start(self) -> None:
-        """Start the process (returns at once; call `wait_ready`)."""
+        """Start the process (returns at once; call `wait_ready`). Raises ConfigError for a keyless non-loopback
+        host (`check_exposure`)."""
+        self.check_exposure()
         if self.process is not None and self.process.poll() is None:
             raise InferenceServerError(f"vLLM server on {self.base_url} is already running (pid {self.process.pid})")
         if self.log_path is None:
@@ -177,12 +198,11 @@ class VLLMServer:
         logger.info("starting vLLM on %s (log: %s): %s", self.base_url, self.log_path, " ".join(self.command()))
         with open(self.log_path, "ab") as log:
             self._log_offset = log.tell()
-            # A session of its own: Ctrl-C in our terminal reaches us, not vLLM, and `stop` can end the engine
-            # core process vLLM forks by killing the whole group.
-            self.process = subprocess.Popen(
-                self.command(), env=self.environment(), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+            # A session of its own: Ctrl-C in our terminal reaches us, not vLLM, and `stop` ends the engine core
+            # process vLLM starts with it; a guard ends them both if we die first (children.py).
+            self._group = GroupProcess(self.command(), env=self.environment(), stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=subprocess.STDOUT)
+            self.process = self._group.process
         self._started_at = time.monotonic()
 
     def wait_ready(self, timeout_s: float = 180.0) -> float:
@@ -223,19 +243,7 @@ class VLLMServer:
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
         """SIGTERM, then SIGKILL to the whole process group after `grace_s`. Idempotent; returns the exit code."""
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            # Never started, stopped already, or exited on its own (then vLLM has ended its engine core itself).
-            # Its group id may belong to someone else by now: signal nothing.
-            return None if proc is None else proc.returncode
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("vLLM (pid %d) ignored SIGTERM for %g s: killing it", proc.pid, grace_s)
-        _kill_group(proc.pid)  # whatever is left: the server if it ignored SIGTERM, an engine core that outlived it
-        proc.wait()
-        return proc.returncode
+        return None if self._group is None else self._group.stop(grace_s)
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -250,23 +258,19 @@ class VLLMServer:
         self.stop()
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL every process left in the session `start` created (its id is the server's pid)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # nothing left
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m asyncgrpo.inference.server",
-        description="Start a local vLLM server with LoRA hot reload enabled; stop it with Ctrl-C or SIGTERM. "
+        description="Start a local vLLM server with LoRA hot reload enabled; stop it with Ctrl-C, SIGTERM or SIGHUP. "
         "Arguments after `--` go to vLLM unchanged.",
     )
     p.add_argument("--model", required=True, help="model directory or hub id (the hub is not reached: offline)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 only on a private network")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; other than loopback only with VLLM_API_KEY set or --allow-keyless")
+    p.add_argument("--allow-keyless", action="store_true",
+                   help=f"listen beyond loopback without an API key: only on a network no one else can reach (or set "
+                        f"{ALLOW_KEYLESS_ENV}=1; docs/security.md)")
     p.add_argument("--max-lora-rank", type=int, default=8, help="largest adapter rank (1, 8, 16, 32, 64, ...)")
     p.add_argument("--max-loras", type=int, default=4, help="adapters resident at once")
     p.add_argument("--max-model-len", type=int, default=512, help="prompt + completion tokens per sequence")
@@ -286,22 +290,29 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Start the server, print its base URL, stay in the foreground until Ctrl-C or SIGTERM, then stop it."""
+    """Start the server, print its base URL, stay in the foreground until Ctrl-C, SIGTERM or SIGHUP, then stop it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parse_args(argv)
     # An API key, if any, reaches vLLM as VLLM_API_KEY from our own environment.
     server = VLLMServer(
-        args.model, args.port or find_free_port(args.host), host=args.host, max_lora_rank=args.max_lora_rank,
+        args.model, args.port, host=args.host, max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, extra_args=args.extra_args, log_path=args.log_path,
+        allow_keyless=args.allow_keyless,
     )  # fmt: skip
+    try:
+        server.check_exposure()  # before anything starts or binds
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    server.port = server.port or find_free_port(args.host)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
     # SIGINT too: a shell script's background job inherits SIGINT ignored, and Python then keeps it ignored.
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in HANDLED:
         signal.signal(signum, on_signal)
     try:
         server.start()
@@ -316,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s", exc)
         return 1
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave vLLM running
+        for signum in HANDLED:  # a second Ctrl-C must not leave vLLM running
             signal.signal(signum, signal.SIG_IGN)
         server.stop()
 

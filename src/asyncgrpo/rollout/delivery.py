@@ -18,6 +18,7 @@ import requests
 from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
 from asyncgrpo.receiver_timeouts import ADMIN_TIMEOUT_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, UPLOAD_TIMEOUT_S
+from asyncgrpo.redact import redact
 from asyncgrpo.store import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,11 @@ class ReceiverClient:
         except requests.RequestException as exc:
             raise self._error(f"{what}: {method} {url} failed: {exc}") from exc
         if not resp.ok:
+            text = redact(resp.text, self._api_key)  # before the cut below (redact.py)
             try:
-                detail = resp.json().get("error", resp.text)
+                detail = redact(str(resp.json().get("error", text)), self._api_key)
             except (ValueError, AttributeError):
-                detail = resp.text[:2000]
+                detail = text[:2000]
             hint = (f". Set {API_KEY_ENV} to the key the receiver was started with" if resp.status_code == 401 else "")
             raise self._error(f"{what}: {method} {url} answered HTTP {resp.status_code}: {detail}{hint}",
                               status=resp.status_code, body=resp.text)
@@ -77,16 +79,16 @@ class ReceiverClient:
             return resp.json()
         except ValueError:
             raise self._error(f"{what}: {method} {url} answered {resp.status_code} with a body that is not JSON: "
-                              f"{resp.text[:200]!r}", status=resp.status_code, body=resp.text) from None
+                              f"{redact(resp.text, self._api_key)[:200]!r}", status=resp.status_code,
+                              body=resp.text) from None
 
     def _error(self, message: str, status: int | None = None, body: str | None = None,
                unreachable: bool = False) -> InferenceServerError:
         """An InferenceServerError (ServerUnreachableError when no answer came) with the API key scrubbed from
         everything it carries, as InferenceClient._error does: a receiver or a proxy in front of it may quote the
         request, its Authorization header included, back in its answer."""
-        if self._api_key:
-            message = message.replace(self._api_key, "***")
-            body = body.replace(self._api_key, "***") if body is not None else None
+        message = redact(message, self._api_key)
+        body = redact(body, self._api_key) if body is not None else None
         kind = ServerUnreachableError if unreachable else InferenceServerError
         return kind(message, status=status, body=body)
 

@@ -17,12 +17,14 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 
 from asyncgrpo import __version__
 from asyncgrpo.config import ROLLOUT_KEY_ENV, split_address
 from asyncgrpo.errors import RolloutProcessError
 from asyncgrpo.rollout.link import (KeyMismatch, Link, client_tls, prove_client, prove_server, refuse, rollout_key,
                                     server_tls, tls_handshake)
+from asyncgrpo.rollout.throttle import HandshakeThrottle
 from asyncgrpo.rollout.wire import pack_exception, rebuild_exception
 
 log = logging.getLogger(__name__)
@@ -152,8 +154,10 @@ def accept_trainer(listener: socket.socket, key: bytes) -> tuple[Link, tuple]:
     """The first connection that opens TLS, proves `key` and sends a hello of this asyncgrpo version, within
     HANDSHAKE_S in all: its Link and the hello's (cfg, side kwargs, run id). Each handshake runs on a thread of its
     own, so a slow or silent client holds nothing but its own thread; at most MAX_HANDSHAKES run at once (one more
-    evicts the oldest). The others are logged and dropped, and listening goes on until one wins."""
+    evicts the oldest). The others are logged and dropped, and listening goes on until one wins. An address whose
+    handshakes keep failing is logged in summary and closed at accept for a while (throttle.py)."""
     context, fingerprint = server_tls()
+    throttle = HandshakeThrottle()
     lock = threading.Lock()
     pending: OrderedDict[ssl.SSLSocket, str] = OrderedDict()  # handshakes in progress, oldest first
     won: list[tuple[Link, tuple]] = []
@@ -163,7 +167,8 @@ def accept_trainer(listener: socket.socket, key: bytes) -> tuple[Link, tuple]:
     def handshake(tls: ssl.SSLSocket, who: str) -> None:
         result = None
         try:
-            result = _handshake(tls, who, fingerprint, key)
+            result = _handshake(tls, who, fingerprint, key,
+                                lambda message, costly: throttle.failed(_ip(who), message, costly=costly))
         finally:
             # Under the lock: a socket is cut (shut down) only while it is still open, never after its descriptor
             # was closed and maybe reused by the next connection.
@@ -189,13 +194,16 @@ def accept_trainer(listener: socket.socket, key: bytes) -> tuple[Link, tuple]:
                     sock, (ip, port) = listener.accept()
                 except ConnectionError:  # reset or aborted between the select and the accept: not ours to serve
                     continue
+                if throttle.blocked(ip):  # its handshakes keep failing: no TLS, no thread, no line of its own
+                    sock.close()
+                    continue
                 who = f"{ip}:{port}"
                 tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
                 with lock:
                     if len(pending) >= MAX_HANDSHAKES:
                         oldest, oldest_who = pending.popitem(last=False)
-                        log.error("dropped the connection from %s: %d handshakes were in progress, it was the oldest",
-                                  oldest_who, MAX_HANDSHAKES)
+                        throttle.failed(_ip(oldest_who), f"dropped the connection from {oldest_who}: {MAX_HANDSHAKES} "
+                                        f"handshakes were in progress, it was the oldest", costly=False)
                         _cut(oldest)
                     pending[tls] = who
                 threading.Thread(target=handshake, args=(tls, who), name="rollout-handshake", daemon=True).start()
@@ -211,9 +219,14 @@ def accept_trainer(listener: socket.socket, key: bytes) -> tuple[Link, tuple]:
         waking_w.close()
 
 
-def _handshake(tls: ssl.SSLSocket, who: str, fingerprint: bytes, key: bytes) -> tuple[Link, tuple] | None:
+def _ip(who: str) -> str:
+    return who.rsplit(":", 1)[0]
+
+
+def _handshake(tls: ssl.SSLSocket, who: str, fingerprint: bytes, key: bytes,
+               failed: Callable[[str, bool], None]) -> tuple[Link, tuple] | None:
     """One client's TLS handshake, key proof and hello within HANDSHAKE_S: its Link and the hello's arguments, or
-    None (logged) if it failed."""
+    None if it failed, told to `failed(message, costly)` (costly: it got as far as TLS; throttle.py)."""
     deadline = time.monotonic() + HANDSHAKE_S
     try:
         tls_handshake(tls, deadline)
@@ -223,17 +236,19 @@ def _handshake(tls: ssl.SSLSocket, who: str, fingerprint: bytes, key: bytes) -> 
         first = conn.recv()  # authenticated: only a holder of the key gets a pickle read
         conn.settimeout(None)
     except KeyMismatch:
-        log.error("refused a connection from %s: it did not prove this server's key (%s must be the same on both "
-                  "hosts); still listening", who, ROLLOUT_KEY_ENV)
+        failed(f"refused a connection from {who}: it did not prove this server's key ({ROLLOUT_KEY_ENV} must be the "
+               f"same on both hosts); still listening", True)
         refuse(tls, deadline)  # after the log: whoever sees the refusal finds it logged
         return None
     except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # TimeoutError, ssl.SSLError: OSErrors
-        log.error("dropped a connection from %s: no rollout handshake within %.0f s (%s: %s); still listening", who,
-                  HANDSHAKE_S, type(exc).__name__, exc)
+        # Costly unless it only went silent or was cut: a bad TLS record or message took work to find.
+        costly = isinstance(exc, (ssl.SSLError, EOFError, ValueError, pickle.UnpicklingError))
+        failed(f"dropped a connection from {who}: no rollout handshake within {HANDSHAKE_S:.0f} s "
+               f"({type(exc).__name__}: {exc}); still listening", costly)
         return None
     if not (isinstance(first, tuple) and len(first) == 3 and first[0] == "hello"):
         shown = first[0] if isinstance(first, tuple) and first else first
-        log.error("dropped a connection from %s: its first message was %.80r, not the hello", who, shown)
+        failed(f"dropped a connection from {who}: its first message was {shown!r:.80}, not the hello", True)
         return None
     _, version, hello = first
     try:
@@ -242,7 +257,7 @@ def _handshake(tls: ssl.SSLSocket, who: str, fingerprint: bytes, key: bytes) -> 
                                       f"install the same asyncgrpo version on both hosts")
         args = pickle.loads(hello)  # the config and the LoRA config: asyncgrpo's and peft's classes
     except Exception as exc:  # noqa: BLE001 - told to the trainer, which raises it
-        log.error("refused a connection from %s: %s", who, exc)
+        failed(f"refused a connection from {who}: {exc}", True)
         try:
             conn.send(("error", pack_exception(exc, traceback.format_exc())))
         except OSError:

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 WORKER_START_TIMEOUT_S = 120.0  # a spawned worker imports Python, the tokenizer and the user's reward modules
 WORKER_NICE = 10  # workers yield the CPU to the training process when both want it (os.nice; see _worker_main)
 WORKER_STOP_TIMEOUT_S = 5.0  # close(): a worker between calls exits at once on the stop message
+PARENT_POLL_S = 1.0  # how often a worker checks that its parent lives: one stuck in a function outlives it by this
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,25 @@ class _RemoteTraceback(Exception):
 def _child_main() -> None:  # pragma: no mutate block
     """A worker's entry point (`python -c`): wrap the inherited pipe end, take this process's sys.path and working
     directory from the parent (where the reward modules are found, as multiprocessing's spawn does), then serve."""
+    exit_with_parent(int(sys.argv[2]))
     conn = Connection(int(sys.argv[1]))
     sys_path, cwd, spec = conn.recv()
     sys.path[:] = sys_path
     os.chdir(cwd)
     _worker_main(conn, spec)
+
+
+def exit_with_parent(parent: int, poll_s: float = PARENT_POLL_S) -> None:  # pragma: no mutate block
+    """End this process (exit code 1) once process `parent` is no longer its parent (it died, however: SIGKILL, the
+    OOM killer), even while the main thread is inside a reward function that never returns: a daemon thread checks
+    every `poll_s`. (A parent-death signal would not do: it fires when the parent's *thread* that started us ends.)"""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
@@ -163,9 +178,10 @@ class _Worker:
         self.conn, child = multiprocessing.Pipe(duplex=True)
         # A new interpreter started with an environment of our choosing: multiprocessing's spawn copies this
         # process's environment, secrets included, where any reward function (or /proc/<pid>/environ) reads them.
-        # A killed parent closes the pipe, and a worker between calls returns; the pool kills the rest at exit.
+        # A killed parent closes the pipe, and a worker between calls returns; one inside a function sees its parent
+        # gone (exit_with_parent); the pool kills the rest at exit.
         command = [sys.executable, "-c", "from asyncgrpo.rollout.reward_pool import _child_main; _child_main()",
-                   str(child.fileno())]
+                   str(child.fileno()), str(os.getpid())]
         try:
             popen = subprocess.Popen(command, env=worker_environment(), pass_fds=[child.fileno()],
                                      stdin=subprocess.DEVNULL)

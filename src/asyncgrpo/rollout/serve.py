@@ -25,21 +25,26 @@ from asyncgrpo.rollout.link import rollout_key
 from asyncgrpo.rollout.remote import accept_trainer, socket_of
 from asyncgrpo.rollout.side import RolloutSide
 from asyncgrpo.rollout.wire import encode_groups, pack_exception
-from asyncgrpo.shutdown import exit_on_signal
+from asyncgrpo.shutdown import HANDLED, exit_on_signal
 
 log = logging.getLogger(__name__)
+
+CHILD_STOP_MARGIN_S = 10.0  # beyond the trainer's stop_grace_s: its checkpoint save and its close of this process
 
 
 # ---- the two mains --------------------------------------------------------------------------------------------
 def serve(conn, cfg, side_kwargs: dict, run_id: str) -> bool:
     """The spawned child's main: build the side, answer requests until `close` or the trainer's end of the pipe
-    closes; on SIGTERM/SIGINT resume any paused server (shutdown.py), close the side and exit 143/130."""
+    closes; on SIGTERM/SIGINT/SIGHUP resume any paused server (shutdown.py), close the side and exit 143/130."""
     log_as_rollout()
     # A signal after the first (the trainer's halt after a Ctrl-C the child saw too) must not kill the close in
     # progress: exit_on_signal restores these, and the trainer kills a child that does not exit in time.
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in HANDLED:
         signal.signal(s, signal.SIG_IGN)
-    return serve_side(conn, build_side(cfg, side_kwargs, run_id))
+    # A SIGTERM sent to every process of the job (scancel) reaches us too: while the trainer goes on to a step it can
+    # checkpoint (stop_grace_s), keep serving it; it closes us after, and past this grace we exit as for any signal.
+    grace_s = cfg.stop_grace_s + CHILD_STOP_MARGIN_S if cfg.save_steps and cfg.stop_grace_s else 0.0
+    return serve_side(conn, build_side(cfg, side_kwargs, run_id), grace_s=grace_s)
 
 
 def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
@@ -56,9 +61,9 @@ def serve_one_run(listen: str, paths: dict) -> int:  # pragma: no mutate block
     with socket.create_server((host, port)) as listener:  # IPv4 (split_address refuses IPv6)
         bound_host, bound_port = listener.getsockname()
         reach = socket.gethostname() if bound_host == "0.0.0.0" else bound_host  # all interfaces: name one
-        log.info("rollout server listening on %s:%d (set `rollout_address: %s:%d` in the trainer's config)",
-                 bound_host, bound_port, reach, bound_port)
-        with exit_on_signal(lambda: None):  # SIGTERM/Ctrl-C while waiting: nothing to clean up, exit 143/130
+        with exit_on_signal(lambda: None):  # SIGTERM/Ctrl-C/SIGHUP while waiting: nothing to clean up, exit 143/130/129
+            log.info("rollout server listening on %s:%d (set `rollout_address: %s:%d` in the trainer's config)",
+                     bound_host, bound_port, reach, bound_port)
             conn, (cfg, side_kwargs, run_id) = accept_trainer(listener, key)
     # Closed: one run per server; a second trainer is refused rather than queued.
     for name, value in paths.items():
@@ -94,11 +99,12 @@ def build_side(cfg, side_kwargs: dict, run_id: str) -> RolloutSide:
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------
-def serve_side(conn, side: RolloutSide) -> bool:
+def serve_side(conn, side: RolloutSide, grace_s: float = 0.0) -> bool:
     """Answer the trainer's requests on `conn` until `close` (returns True) or the trainer's end closes (False: every
-    version unloaded); on SIGTERM/SIGINT resume any paused server (shutdown.py), close the side and exit 143/130."""
+    version unloaded); on SIGTERM/SIGINT/SIGHUP resume any paused server (shutdown.py), close the side and exit
+    143/130/129. `grace_s` > 0: the first SIGTERM is only acted on that much later (the trainer's checkpoint)."""
     keep_final = None  # set by `close`; None: the trainer went away or a signal came, unload every version
-    with exit_on_signal(side.halt):
+    with exit_on_signal(side.halt, defer=lambda: None, grace_s=grace_s):
         try:
             keep_final = _answer_requests(conn, side)
         finally:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from asyncgrpo.inference.recovery import batch_wait_s, check_evaluation_fits_ddp
 from asyncgrpo.rewards import reward_name
 from asyncgrpo.rollout.factory import open_rollout_side
 from asyncgrpo.rollout.interface import RolloutInterface
+from asyncgrpo.shutdown import exit_code
 from asyncgrpo.store import export_adapter
 from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import (collate, pack_by_tokens, score_completions, split_by_tokens, to_device,
@@ -72,6 +75,7 @@ class AsyncGRPOTrainer:
         self.wait_timeline = Timeline()  # rank 0: intervals spent waiting on the rollout queue
         self._batch: TrainBatch | None = None  # the batch being trained on (num_iterations steps)
         self.finished = False  # train() ran to max_steps (cleanup then keeps the final adapter loaded)
+        self.stop_requested = threading.Event()  # set by a deferred SIGTERM (shutdown.py): checkpoint, then exit
         self._published: dict[str, torch.Tensor] | None = None  # rank 0: the LoRA tensors of the last sync
         self.completion_log: CompletionLog | None = None  # rank 0 with log_completions
         self.eval_metrics: dict[str, float] = {}  # rank 0: the last evaluation's (eval_strategy: steps)
@@ -162,8 +166,11 @@ class AsyncGRPOTrainer:
                 # rank 0 evaluates the version just published; a failure stops every rank
                 evaluated = on_main(lambda: self.rollout.evaluate(self.step), "evaluating the held-out set")
                 self.eval_metrics = evaluated if self.main else self.eval_metrics
-            if self.checkpointer.should_save(self.step, last_step=last_step):
+            saved = self.checkpointer.should_save(self.step, last_step=last_step)
+            if saved:
                 self.save_checkpoint()
+            if self._stop_agreed():
+                self._stop_with_checkpoint(saved)
         if self.main:
             bar.close()
         self.save_final()
@@ -329,6 +336,28 @@ class AsyncGRPOTrainer:
         self.checkpointer.save(self.acc, self.model, self.optimizer, state, peft_config=self.peft_config,
                                base_model=base_model_reference(self.model_path), lr_scheduler=self.lr_scheduler)
 
+    @property
+    def stop_grace_s(self) -> float:
+        """How long the first SIGTERM waits for a checkpoint (shutdown.py): only with checkpoints on."""
+        return self.cfg.stop_grace_s if self.cfg.save_steps else 0.0
+
+    def _stop_agreed(self) -> bool:
+        """Collective (with checkpoints on): whether every rank stops after this step, because one of them got SIGTERM
+        and this step can be resumed from exactly (its weights published, its batch's passes done)."""
+        if not self.stop_grace_s:
+            return False  # the same on every rank: no collective, SIGTERM exits at once
+        asked = dist_max(1.0 if self.stop_requested.is_set() else 0.0) > 0
+        cfg = self.cfg
+        return asked and self.step % cfg.weight_sync_steps == 0 and self.step % cfg.num_iterations == 0
+
+    def _stop_with_checkpoint(self, saved: bool) -> None:
+        """Collective: save this step (unless it just was) and exit as SIGTERM does (143); cleanup follows."""
+        if not saved:
+            self.save_checkpoint()
+        log.warning("stopped on SIGTERM after step %d with a checkpoint in %s; continue with "
+                    "--resume_from_checkpoint latest", self.step, self.cfg.output_dir)
+        raise SystemExit(exit_code(signal.SIGTERM))
+
     def _resume(self) -> None:
         """Every rank: refuse a backend checkpoints do not support; when resuming, load the checkpoint
         `resume_from_checkpoint` names into the model and the optimizer, and continue its step, policy version and
@@ -401,7 +430,7 @@ class AsyncGRPOTrainer:
         return ",".join(sorted(dtypes))
 
     def halt(self) -> None:
-        """On SIGTERM/SIGINT (main thread, shutdown.py): resume every server a sync in progress has paused."""
+        """On SIGTERM/SIGINT/SIGHUP (main thread, shutdown.py): resume every server a sync in progress has paused."""
         if self.rollout is not None:
             self.rollout.halt()
 

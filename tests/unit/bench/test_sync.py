@@ -31,7 +31,7 @@ def test_launch_worker_passes_the_allocator_setting_for_real_shapes(monkeypatch,
         seen.update(cmd=cmd, env=env)
         return subprocess.CompletedProcess(cmd, 1, "", "boom")
 
-    monkeypatch.setattr(sync.subprocess, "run", fake_run)
+    monkeypatch.setattr(sync, "run_group", fake_run)
     with pytest.raises(AsyncGRPOError, match="zero3 failed .exit 1.:\nboom"):
         sync.launch_worker("zero3", tmp_path / "model", "http://127.0.0.1:1", tmp_path / "out" / "r.json", [],
                            large_model=large_model)

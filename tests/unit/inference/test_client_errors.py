@@ -9,6 +9,7 @@ Backoff sleeps are replaced by a recorder, so no test waits.
 
 from __future__ import annotations
 
+import base64
 import logging
 import socket
 from collections.abc import Callable
@@ -178,3 +179,20 @@ def test_api_key_is_sent_as_bearer_and_never_appears_in_errors_or_logs(stubs, sl
     assert len(retries) == 2 and f"127.0.0.1:{down.base_url.rsplit(':', 1)[1]}" in retries[0].getMessage()
     assert all(API_KEY not in r.getMessage() for r in caplog.records)
     assert API_KEY not in repr(client)
+
+
+def test_a_key_echoed_across_the_quote_cut_or_in_base64_leaves_no_8_characters_of_it(stubs, sleeps):
+    def echo_cut_and_encoded(stub, handler):  # the cut of the quote falls 13 characters into the key
+        header = handler.headers["Authorization"]  # "Bearer <key>"
+        filler = "x" * (client_module.MAX_QUOTED_CHARS - len("Bearer ") - 13)
+        return 401, "text/plain", f"{filler}{header} debug={base64.b64encode(header.encode()).decode()}"
+
+    stub = stubs(echo_cut_and_encoded)
+    with pytest.raises(InferenceServerError) as err:
+        InferenceClient(stub.url, api_key=API_KEY).pause("keep")
+
+    encoded = base64.b64encode(f"Bearer {API_KEY}".encode()).decode()
+    for text in (str(err.value), err.value.body):
+        assert "Bearer ***" in text
+        assert not [API_KEY[i:i + 8] for i in range(len(API_KEY) - 7) if API_KEY[i:i + 8] in text]
+        assert encoded[12:24] not in text  # the middle of the base64 echo, which spells key bytes only

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.errors import ConfigError, InferenceServerError
 from asyncgrpo.inference import VLLMServer
 from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference.server import main as server_main
 
 
 def flag(cmd: list[str], name: str) -> str:
@@ -152,3 +153,29 @@ def _wait_for_log(server: VLLMServer, text: str, timeout_s: float = 30.0) -> Non
         assert server.process.poll() is None, server.log_path.read_text()
         assert time.monotonic() < deadline, f"{text!r} never appeared in {server.log_path}"
         time.sleep(0.01)
+
+
+@pytest.fixture
+def no_key(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("ASYNCGRPO_ALLOW_KEYLESS", raising=False)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5"])
+def test_a_keyless_server_beyond_loopback_is_refused_before_it_starts(no_key, host):
+    server = VLLMServer("/m", 8000, host=host)
+    with pytest.raises(ConfigError, match=r"`--host`: '.+' is not a loopback address and no API key") as err:
+        server.start()
+    assert err.value.field == "--host"
+    assert "Fix: set VLLM_API_KEY" in str(err.value) and "--allow-keyless" in str(err.value)
+    assert server.process is None
+    assert server_main(["--model", "/m", "--host", host]) == 2  # the module's main, before anything starts
+
+
+def test_a_key_loopback_or_an_explicit_allowance_lets_it_listen(no_key, monkeypatch):
+    VLLMServer("/m", 8000, host="127.0.0.1").check_exposure()
+    VLLMServer("/m", 8000, host="0.0.0.0", api_key="k" * 32).check_exposure()
+    VLLMServer("/m", 8000, host="0.0.0.0", env={"VLLM_API_KEY": "k" * 32}).check_exposure()
+    VLLMServer("/m", 8000, host="0.0.0.0", allow_keyless=True).check_exposure()
+    monkeypatch.setenv("ASYNCGRPO_ALLOW_KEYLESS", "1")
+    VLLMServer("/m", 8000, host="0.0.0.0").check_exposure()

@@ -197,3 +197,16 @@ def test_an_unreachable_server_skips_the_receiver_line_only_where_there_is_a_rec
     assert all(r.ok is None for r in results[1:])
     receiver_lines = [r for r in results if r.name == "adapter receiver"]
     assert len(receiver_lines) == (1 if delivery == "http" else 0)
+
+
+def test_a_receiver_echoing_the_key_across_its_cut_leaves_no_8_characters_of_it(stubs):
+    def echo(stub, handler):  # not JSON: the message quotes the first 2,000 characters, the cut 9 into the key
+        return 401, "text/plain", "x" * (2000 - len("Bearer ") - 9) + handler.headers["Authorization"]
+
+    stub = stubs(echo)
+    with pytest.raises(InferenceServerError) as err:
+        ReceiverClient(stub.url, KEY).committed()
+
+    for text in (str(err.value), err.value.body):
+        assert "Bearer ***" in text
+        assert not [KEY[i:i + 8] for i in range(len(KEY) - 7) if KEY[i:i + 8] in text]

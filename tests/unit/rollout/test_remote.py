@@ -560,8 +560,8 @@ def test_a_handshake_that_completes_as_another_trainer_wins_is_closed_and_logged
     real, late = remote._handshake, {}
     completed, other_won = threading.Event(), threading.Event()
 
-    def handshake(tls, who, fingerprint, key):
-        result = real(tls, who, fingerprint, key)
+    def handshake(tls, who, fingerprint, key, failed):
+        result = real(tls, who, fingerprint, key, failed)
         if not late:
             late.update(result=result, thread=threading.current_thread())
             completed.set()

@@ -12,11 +12,13 @@ import inspect
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from liveness import returns_within
 
@@ -328,3 +330,33 @@ def test_a_worker_that_never_gets_ready_fails_the_pool_at_its_start_timeout(rewa
         returns_within(lambda: RewardPool(1, RewardScorer(["reward_fns:misbehave"]), never, start_timeout_s=1.0),
                        30.0, "RewardPool(start_timeout_s=1) with a worker that never gets ready")
     assert str(error.value).startswith("a reward worker process did not start within 1 s (exit code -9). Fix:")
+
+
+def test_a_worker_stuck_in_a_function_exits_when_its_parent_is_sigkilled():
+    # The parent starts a child that watches it (as each worker does) and then hangs, as in a reward function that
+    # never returns; the parent is then SIGKILLed, which closes the pipe a hung worker never reads.
+    child_code = ("import os, sys, threading; from asyncgrpo.rollout.reward_pool import exit_with_parent; "
+                  "exit_with_parent(int(sys.argv[1]), poll_s=0.05); print(os.getpid(), flush=True); "
+                  "threading.Event().wait()")
+    parent_code = ("import os, subprocess, sys, time; "
+                   f"subprocess.Popen([sys.executable, '-c', {child_code!r}, str(os.getpid())]); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert psutil.Process(child).ppid() == parent.pid
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _running(child):
+            assert time.monotonic() < deadline, "the orphaned worker kept running"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

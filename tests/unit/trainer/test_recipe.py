@@ -193,3 +193,57 @@ def test_the_final_adapter_is_the_last_served_version_with_unpublished_steps_pub
     AsyncGRPOTrainer.save_final(trainer)
     assert synced == ([True] if publishes else [])  # steps 5: one step since the sync at 4 is published first
     assert exported == ["waited", (str(tmp_path), trainer._published, "peft", "org/model")]  # once it is served
+
+
+# ---- SIGTERM with checkpoints on: stop at a step that can be resumed from, with a checkpoint --------------------------
+def _loop(sigterm_at: int, **values) -> tuple[AsyncGRPOTrainer, list[tuple[str, int]]]:
+    """A trainer whose steps, syncs and saves are recorded, not run; SIGTERM (the deferred one: shutdown.py) is
+    received during step `sigterm_at`."""
+    trainer = AsyncGRPOTrainer(make_cfg(**{"max_steps": 10, "save_steps": 5, **values}))
+    trainer.main, trainer.world = False, 1
+    calls: list[tuple[str, int]] = []
+
+    def train_step():
+        trainer.step += 1
+        calls.append(("step", trainer.step))
+        if trainer.step == sigterm_at:
+            trainer.stop_requested.set()
+        return StepMetrics()
+
+    trainer.train_step = train_step
+    trainer.sync = lambda metrics=None: calls.append(("sync", trainer.step))
+    trainer.save_checkpoint = lambda: calls.append(("save", trainer.step))
+    trainer.save_final = lambda: calls.append(("final", trainer.step))
+    trainer._finish = lambda seconds: {}
+    return trainer, calls
+
+
+def test_sigterm_saves_the_step_in_progress_and_exits_143_without_training_on():
+    trainer, calls = _loop(sigterm_at=3)
+    with pytest.raises(SystemExit) as exited:
+        trainer.train()
+    assert exited.value.code == 143
+    assert calls[-3:] == [("step", 3), ("sync", 3), ("save", 3)]  # published, then saved: resumable exactly
+    assert ("step", 4) not in calls and ("final", 3) not in calls
+
+
+def test_sigterm_mid_batch_goes_on_to_the_batch_s_last_pass_before_saving():
+    trainer, calls = _loop(sigterm_at=3, num_iterations=2, save_steps=4)  # step 3 is the first pass of batch 2
+    with pytest.raises(SystemExit):
+        trainer.train()
+    assert calls[-2:] == [("sync", 4), ("save", 4)] and ("step", 5) not in calls
+
+
+def test_sigterm_on_a_save_step_saves_once():
+    trainer, calls = _loop(sigterm_at=5)
+    with pytest.raises(SystemExit):
+        trainer.train()
+    assert [c for c in calls if c[0] == "save"] == [("save", 5)]
+
+
+def test_without_checkpoints_sigterm_is_not_deferred():
+    trainer, _ = _loop(sigterm_at=3, save_steps=0)
+    assert trainer.stop_grace_s == 0.0
+    assert AsyncGRPOTrainer(make_cfg(save_steps=5, stop_grace_s=0)).stop_grace_s == 0.0
+    assert AsyncGRPOTrainer(make_cfg(save_steps=5)).stop_grace_s == 20.0
+    trainer.train()  # the loop runs on: SIGTERM is the handler's to act on at once (shutdown.py)

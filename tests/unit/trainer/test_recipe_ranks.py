@@ -30,7 +30,7 @@ def loop(rank: int, evaluation_fails: bool):
         _progress_bar=lambda: SimpleNamespace(close=lambda: None), sync=lambda metrics: None,
         _log=lambda metrics, bar: None,
         evaluator=SimpleNamespace(should_evaluate=lambda step, last_step: True),
-        checkpointer=SimpleNamespace(should_save=lambda step, last_step: False),
+        checkpointer=SimpleNamespace(should_save=lambda step, last_step: False), _stop_agreed=lambda: False,
         save_final=lambda: None, _finish=lambda seconds: {})
 
     def train_step():
