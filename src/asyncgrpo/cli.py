@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
+import textwrap
 
 from asyncgrpo.bench import run_bench
 from asyncgrpo.config import AsyncGRPOConfig, reference
@@ -17,6 +17,7 @@ from asyncgrpo.demo import run_demo
 from asyncgrpo.demo_agent import run_agent_demo
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, PeerFailed
 from asyncgrpo.shutdown import exit_on_signal
+from asyncgrpo.trl_compat import trl_name
 
 
 def cmd_train(args, overrides: list[str]) -> int:
@@ -82,17 +83,15 @@ def cmd_rollout_serve(args, overrides: list[str]) -> int:
     return serve_one_run(args.listen, paths)
 
 
-FIRST_SENTENCE = re.compile(r"(?<=[\w)`])\.\s+(?=[A-Z`])")  # a full stop after a word, before a capital
-
-
 def config_keys_help() -> str:
-    """Every config key with its type, default and the first sentence of its doc (the source of
-    docs/configuration.md), for `asyncgrpo train --help`."""
+    """Every config key with its type, default, whole doc (the source of docs/configuration.md) and TRL name, for
+    `asyncgrpo train --help`."""
     lines = ["config keys (YAML `key: value`, or `--key value` after --config; TRL's names are read too, "
              "docs/configuration.md#trl-keys):"]
     for name, kind, default, doc in reference():
-        first = FIRST_SENTENCE.split(doc, maxsplit=1)[0].rstrip(".")
-        lines += [f"  --{name} {kind} (default: {default})", f"      {first}."]
+        lines.append(f"  --{name} {kind} (default: {default})")
+        lines += textwrap.wrap(f"{doc} TRL: {trl_name(name)}.", width=116, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6, break_on_hyphens=False)
     return "\n".join(lines)
 
 

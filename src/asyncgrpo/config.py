@@ -534,9 +534,10 @@ class AsyncGRPOConfig:
         if not self.reward_funcs:
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
         for ref in self.reward_funcs:
-            if ":" not in ref and "/" not in ref and not Path(ref).exists():
+            if not (_is_function_ref(ref) if ":" in ref else "/" in ref or Path(ref).exists()):
                 raise ConfigError("reward_funcs", f"{ref!r} is neither package.module:function nor a reward model's "
-                                  "directory", "write e.g. `asyncgrpo.toy:larger_reward`, or a checkpoint's path")
+                                  "directory or hub id", "write e.g. `asyncgrpo.toy:larger_reward`, or a checkpoint's "
+                                  "path")
         resolve_report_to(self.report_to, check_installed=False)  # installed: checked where trackers open
 
     def _validate_eval(self) -> None:
@@ -690,8 +691,6 @@ class AsyncGRPOConfig:
         values, problems = trl_compat.translate(values)
         kwargs = {}
         for key, value in values.items():
-            if key == "max_tool_calling_iterations" and value is not None:  # TRL's name: tool rounds, not turns
-                key, value = "max_turns", int(value) + 1
             try:
                 if key not in known:
                     raise trl_compat.unknown_key(key, known)
@@ -924,6 +923,12 @@ def parse_overrides(args: list[str]) -> dict:
     return out
 
 
+def _is_function_ref(ref: str) -> bool:
+    """`package.module:function`: dotted Python names on both sides of the one `:`."""
+    module, _, name = ref.partition(":")
+    return all(part.isidentifier() for part in [*module.split("."), *name.split(".")])
+
+
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     """PyYAML's error in one line: what is wrong and where (line and column, 1-based)."""
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
@@ -1012,9 +1017,9 @@ def _type_name(hint) -> str:
 
 def reference_markdown() -> str:
     """The config reference table for docs/configuration.md: `python -m asyncgrpo.config`."""
-    rows = ["| key | type | default | what it does |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{name}` | `{kind.replace('|', chr(92) + '|')}` | `{default}` | {doc} |"  # `\|`: not a cell edge
-             for name, kind, default, doc in reference()]
+    rows = ["| key | type | default | what it does | TRL name |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| `{name}` | `{kind.replace('|', chr(92) + '|')}` | `{default}` | {doc} | "  # `\|`: not a cell edge
+             f"{trl_compat.trl_name(name).replace('|', chr(92) + '|')} |" for name, kind, default, doc in reference()]
     return "\n".join(rows)
 
 

@@ -8,6 +8,7 @@ below are the reference for docs/configuration.md#trl-keys (a unit test checks t
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
 from asyncgrpo.errors import ConfigError
 
@@ -92,7 +93,8 @@ def translate(values: dict) -> tuple[dict, list[ConfigError]]:
             problems.append(ConfigError(key, f"{shown} cannot be honoured: {why}", fix))
     for key in IGNORED:
         values.pop(key, None)
-    for step in (_model_init_kwargs, _precision, _save_strategy, _epochs, _resume, _server_address, _reward_paths):
+    for step in (_model_init_kwargs, _precision, _save_strategy, _epochs, _resume, _server_address, _tool_iterations,
+                 _reward_paths):
         try:
             step(values)
         except ConfigError as exc:
@@ -182,6 +184,17 @@ def _server_address(values: dict) -> None:
         values["vllm_server_base_url"] = f"http://{host}:{port or 8000}"
 
 
+def _tool_iterations(values: dict) -> None:
+    """TRL's `max_tool_calling_iterations` counts tool rounds (unset: no cap); `max_turns` counts model turns."""
+    rounds = values.pop("max_tool_calling_iterations", None)
+    if rounds is None:
+        return
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+        raise ConfigError("max_tool_calling_iterations", f"is {rounds!r}, not a whole number >= 0",
+                          "give the most tool rounds an episode may take, e.g. 7 (or max_turns: 8)")
+    values.setdefault("max_turns", rounds + 1)
+
+
 def _reward_paths(values: dict) -> None:
     """TRL's reward function names: a dotted path `pkg.module.function` is `pkg.module:function` here, and TRL's
     built-in names (`accuracy_reward`, ...) are its `trl.rewards` functions."""
@@ -197,10 +210,14 @@ TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_rew
 
 
 def _reward_path(name: str) -> str:
+    """TRL's `pkg.module.function` as `pkg.module:function`. Only a dotted Python name is one: an entry with a `/`
+    (`/nfs/rm.v2/ckpt`, `Skywork/Skywork-Reward-V2-Qwen3-0.6B`), a `-`, or an existing path is a reward model and
+    stays as written."""
     if name in TRL_REWARDS:
         return f"trl.rewards:{name}"
-    if ":" in name or "." not in name:
-        return name  # ours, or a bare name that config validation reports
+    parts = name.split(".")
+    if ":" in name or len(parts) < 2 or not all(p.isidentifier() for p in parts) or Path(name).exists():
+        return name  # ours, a reward model, or a bare name that config validation reports
     module, _, function = name.rpartition(".")
     return f"{module}:{function}"
 
@@ -228,3 +245,40 @@ def unknown_key(key: str, known) -> ConfigError:
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=SUGGEST_CUTOFF)
     return ConfigError(key, "unknown key", f"did you mean `{close[0]}`?" if close else
                        "remove it (docs/configuration.md lists every key, and #trl-keys the TRL names it reads)")
+
+
+# Every key of this project that TRL (GRPOConfig, its ModelConfig and `trl grpo`'s script arguments) or transformers'
+# TrainingArguments has under the same name (`--help` and docs/configuration.md say so beside each key).
+SAME_NAME = frozenset("""
+model_name_or_path lora_r lora_alpha lora_dropout lora_target_modules dataset_name dataset_config dataset_train_split
+data_files chat_template_kwargs reward_funcs reward_weights num_generations max_completion_length temperature top_p
+per_device_train_batch_size gradient_accumulation_steps learning_rate lr_scheduler_type warmup_steps
+weight_decay adam_beta1 adam_beta2 max_grad_norm max_steps num_train_epochs num_iterations epsilon epsilon_high delta
+loss_type sapo_temperature_pos sapo_temperature_neg importance_sampling_level vllm_importance_sampling_correction
+vllm_importance_sampling_mode vllm_importance_sampling_cap vllm_importance_sampling_clip_min off_policy_mask_threshold
+use_bias_correction_kl top_entropy_quantile beta scale_rewards mask_truncated_completions seed gradient_checkpointing
+vllm_server_base_url vllm_server_timeout output_dir logging_steps report_to run_name log_completions
+num_completions_to_print eval_strategy eval_steps num_generations_eval save_steps save_total_limit
+resume_from_checkpoint deepspeed ddp_timeout
+""".split())
+# Keys TRL sets under other names or spellings, and how they are read (the `translate` steps above).
+OTHER_NAMES = {
+    "torch_dtype": "`dtype`, `model_init_kwargs: {dtype: X}`, `bf16: true` (bfloat16), `fp16: true` (float16)",
+    "use_lora": "`use_peft`",
+    "vllm_importance_sampling_cap": "`vllm_importance_sampling_clip_max` (also this name, TRL's old one)",
+    "save_steps": "the same name; `save_strategy: no` is 0, `save_strategy: steps` without save_steps is 500",
+    "vllm_server_base_url": "the same name; `vllm_server_host` + `vllm_server_port` when it is not given",
+    "max_turns": "`max_tool_calling_iterations: N` (tool rounds) is `max_turns: N + 1`",
+    "resume_from_checkpoint": "the same name; `true` is `latest`, `false` unset",
+    "max_steps": "the same name; `-1` runs `num_train_epochs`",
+    "warmup_ratio": "the same name in transformers 4 (transformers 5 takes a fraction in `warmup_steps`)",
+    "reward_funcs": "the same name; a dotted `pkg.module.function` is `pkg.module:function`, and TRL's built-in "
+                    "names (`accuracy_reward`, ...) are `trl.rewards:<name>`",
+}
+
+
+def trl_name(key: str) -> str:
+    """What a TRL user writes for `key`: its TRL name(s), or that TRL has none."""
+    if key in OTHER_NAMES:
+        return OTHER_NAMES[key]
+    return "the same name" if key in SAME_NAME else "none (asyncgrpo's own key)"

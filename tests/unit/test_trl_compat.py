@@ -250,3 +250,22 @@ def test_no_key_this_project_reads_is_listed_as_a_trl_key_without_an_equivalent(
     from asyncgrpo.trl_compat import TRL_ONLY
 
     assert TRL_ONLY.isdisjoint({f.name for f in dataclasses.fields(AsyncGRPOConfig)} | {"max_tool_calling_iterations"})
+
+
+@pytest.mark.parametrize("model", ["/nfs/rm.v2/ckpt", "Skywork/Skywork-Reward-V2-Qwen3-0.6B"])
+def test_a_reward_model_path_or_hub_id_with_a_dot_is_kept_as_written(model):
+    funcs = cfg(reward_funcs=["asyncgrpo.rewards.math_accuracy", model]).reward_funcs
+    assert funcs == ["asyncgrpo.rewards:math_accuracy", model]
+
+
+def test_a_reward_model_directory_named_like_a_module_path_is_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rm.v2").mkdir()
+    assert cfg(reward_funcs=["rm.v2"]).reward_funcs == ["rm.v2"]
+
+
+@pytest.mark.parametrize("ref", ["/nfs/rm:v2/ckpt", "Skywork/Skywork-Reward-V2-Qwen3-0:6B", "my-lib:fn"])
+def test_a_reward_function_reference_that_is_no_python_name_is_refused(ref):
+    with pytest.raises(ConfigError) as err:
+        cfg(reward_funcs=[ref])
+    assert err.value.field == "reward_funcs" and ref in str(err.value)
