@@ -274,8 +274,7 @@ class AsyncGRPOConfig:
     example."""
     use_bias_correction_kl: bool = False
     """Multiply the KL term by the (differentiable) importance ratio, which makes its gradient the unbiased
-    reverse-KL gradient (DeepSeek-V3.2; TRL's name). TRL's default is true; ours false keeps the KL term as it was.
-    Only matters with `beta` > 0."""
+    reverse-KL gradient (DeepSeek-V3.2; TRL's name and default, false). Only matters with `beta` > 0."""
     top_entropy_quantile: float = 1.0
     """Train only on the highest-entropy tokens (TRL's name): the loss keeps the tokens whose entropy under the
     trainer is in the top `top_entropy_quantile` of each micro-batch's completion tokens (TRL pools all ranks'; 0.2
