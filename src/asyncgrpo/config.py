@@ -29,6 +29,7 @@ from asyncgrpo.rewards import reward_name
 from asyncgrpo.trackers import resolve_report_to
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
+TOY_REWARD = "asyncgrpo.toy:larger_reward"  # the toy world's reward: `reward_funcs`' default with `dataset_name: toy`
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)
 # Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
@@ -43,9 +44,10 @@ class AsyncGRPOConfig:
     """Every knob of a run. Each field's docstring is its reference documentation (rendered in docs/configuration.md)."""
 
     # ---- model and LoRA -------------------------------------------------------------------------
-    model_name_or_path: str = "toy"
-    """Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
-    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory; `shape:<name>` (e.g.
+    model_name_or_path: str | None = None
+    """Required. Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
+    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory, and chooses the toy world: its prompts and
+    reward become the defaults of `dataset_name` and `reward_funcs`; `shape:<name>` (e.g.
     `shape:qwen2.5-1.5b`) a random-weight model of a real checkpoint's shape in `torch_dtype` (docs/models.md).
     Every adapter records it as `base_model_name_or_path`: a hub id as written, a local directory as an absolute
     path."""
@@ -77,8 +79,9 @@ class AsyncGRPOConfig:
     the output head)."""
 
     # ---- data and rewards -----------------------------------------------------------------------
-    dataset_name: str = "toy"
-    """Prompt source: `toy` (the toy world's training split); a local data file (`.json`, `.jsonl`, `.parquet`,
+    dataset_name: str | None = None
+    """Required unless `model_name_or_path: toy`. Prompt source: `toy` (the toy world's training split, whose reward
+    then becomes the default of `reward_funcs`); a local data file (`.json`, `.jsonl`, `.parquet`,
     `.csv`, `.arrow`) or a directory written by `Dataset.save_to_disk`; a `datasets` format (`json`, `parquet`,
     `csv`, `arrow`) together with `data_files`; or a Hugging Face hub dataset such as `openai/gsm8k` (needs hub
     access)."""
@@ -110,8 +113,9 @@ class AsyncGRPOConfig:
     """Parse chat completions with transformers' `tokenizer.parse_response` (content, thinking, tool calls) and hand
     the parsed messages to reward functions as `parsed`. Uses the tokenizer's `response_template`, else the one
     transformers ships for the model type (Qwen2/2.5/3, Gemma 4); without either there is no `parsed`."""
-    reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:larger_reward"])
-    """Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
+    reward_funcs: list[str] | None = None
+    """Required unless the toy world's prompts are chosen (then `asyncgrpo.toy:larger_reward`) or `environment_factory`
+    names a class with `get_reward()`. Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
     returning one float per completion, or None where the function does not apply. Built-ins:
     `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`.
     A factory (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment`
@@ -425,6 +429,13 @@ class AsyncGRPOConfig:
 
     # ---------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        # The toy world only when chosen: `model_name_or_path: toy` brings its prompts, `dataset_name: toy` its reward.
+        if self.model_name_or_path == "toy" and self.dataset_name is None:
+            self.dataset_name = "toy"
+        if self.dataset_name == "toy" and self.reward_funcs is None:
+            self.reward_funcs = [TOY_REWARD]
+        if self.environment_factory is not None and self.reward_funcs is None:
+            self.reward_funcs = []  # the environment's get_reward(), checked where the class is loaded
         if isinstance(self.scale_rewards, bool):  # TRL's booleans
             self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.lora_adapter_path is None:
@@ -469,6 +480,11 @@ class AsyncGRPOConfig:
             return self.max_inflight_requests
         steps_ahead = min(self.max_staleness + 1, 2)
         return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
+
+    def task_problems(self) -> list[ConfigError]:
+        """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of
+        `validate`: a config may be built in code before its model and data are known; the trainer checks it."""
+        return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs, self.environment_factory)
 
     def validate(self) -> None:
         """Every value alone (VALUE_RANGES, names, URLs), then each group of cross-field checks; every problem found
@@ -527,10 +543,12 @@ class AsyncGRPOConfig:
         if self.sync_pause_mode not in ("keep", "wait", "abort"):
             raise ConfigError("sync_pause_mode", f"unknown mode {self.sync_pause_mode!r}",
                               "use one of keep, wait, abort")
+        if self.reward_funcs is None:  # not given: task_problems() says so
+            return
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
                               f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
-        if not self.reward_funcs:
+        if not self.reward_funcs and self.environment_factory is None:
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
         for ref in self.reward_funcs:
             if not (_is_function_ref(ref) if ":" in ref else "/" in ref or Path(ref).exists()):
@@ -671,7 +689,7 @@ class AsyncGRPOConfig:
         if self.data_files is not None and self.dataset_name == "toy":
             raise ConfigError("dataset_name", "is `toy` but data_files is set",
                               "set dataset_name to the files' format: json (also .jsonl), parquet, csv or arrow")
-        names = {reward_name(r) for r in self.reward_funcs} | set(self.reward_funcs)
+        names = {reward_name(r) for r in self.reward_funcs or []} | set(self.reward_funcs or [])
         for key, value in (self.reward_kwargs or {}).items():
             if key not in names:
                 raise ConfigError("reward_kwargs", f"{key!r} is not one of reward_funcs ({self.reward_funcs})",
@@ -688,6 +706,8 @@ class AsyncGRPOConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         values, problems = trl_compat.translate(values)
+        problems[:0] = task_problems(*(values.get(key) for key in (
+            "model_name_or_path", "dataset_name", "reward_funcs", "environment_factory")))
         kwargs = {}
         for key, value in values.items():
             try:
@@ -825,6 +845,29 @@ LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
 # The secrets asyncgrpo reads from the environment; reward workers start without them (rollout/reward_pool.py).
 SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
+
+
+def task_problems(model, dataset, rewards, environment) -> list[ConfigError]:
+    """One error per missing key of the three every run needs (values as given; None = not given). The toy world
+    fills them only when chosen: `model_name_or_path: toy` (its prompts and reward), `dataset_name: toy` (its
+    reward); an `environment_factory` may bring the reward (its get_reward())."""
+    problems = []
+    if model is None:
+        problems.append(ConfigError("model_name_or_path", "is required: asyncgrpo has no default model",
+                                    "give the base model's directory or hub id (the one the vLLM server serves), e.g. "
+                                    "`model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct`, or `model_name_or_path: toy` "
+                                    "for the built-in toy world"))
+    if dataset is None and model == "toy":
+        dataset = "toy"
+    if dataset is None:
+        problems.append(ConfigError("dataset_name", "is required: asyncgrpo has no default prompts",
+                                    "give a data file, a saved dataset directory or a hub dataset, e.g. "
+                                    "`dataset_name: openai/gsm8k`, or `dataset_name: toy` for the toy world's prompts"))
+    if rewards is None and environment is None and dataset != "toy":
+        problems.append(ConfigError("reward_funcs", "is required: asyncgrpo has no default reward for your data",
+                                    "name your reward functions, e.g. `reward_funcs: [asyncgrpo.rewards:math_accuracy]`"
+                                    ", or give an environment_factory whose class has get_reward()"))
+    return problems
 
 
 def raise_all(problems: list[ConfigError]) -> None:

@@ -204,7 +204,7 @@ def test_bf16_beside_another_dtype_is_an_error_naming_both_ways_out():
 
 def test_every_problem_of_a_file_comes_in_one_message(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("use_vllm: false\nvllm_mode: colocate\nlearning_rat: 1e-5\nmax_steps: ten\n"
+    path.write_text("model_name_or_path: toy\nuse_vllm: false\nvllm_mode: colocate\nlearning_rat: 1e-5\nmax_steps: ten\n"
                     "num_generations: 1\nloss_type: ppo\nsync_mode: later\n")
     with pytest.raises(ConfigErrors) as err:
         AsyncGRPOConfig.load(path)
@@ -212,7 +212,7 @@ def test_every_problem_of_a_file_comes_in_one_message(tmp_path):
     assert fields == ["use_vllm", "vllm_mode", "learning_rat", "max_steps", "num_generations"], fields
     assert "did you mean `learning_rate`?" in str(err.value)
     # once the values are right, every group of cross-field checks reports too
-    path.write_text("loss_type: ppo\nsync_mode: later\nper_device_train_batch_size: 12\n")
+    path.write_text("model_name_or_path: toy\nloss_type: ppo\nsync_mode: later\nper_device_train_batch_size: 12\n")
     with pytest.raises(ConfigErrors) as err:
         AsyncGRPOConfig.load(path)
     assert [e.field for e in err.value.errors] == ["per_device_train_batch_size", "loss_type", "sync_mode"]
