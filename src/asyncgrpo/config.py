@@ -941,28 +941,82 @@ def split_address(address, *, any_port: bool = False) -> tuple[str, int]:
 
 
 def parse_overrides(args: list[str]) -> dict:
-    """`["--lr_x", "3", "--a=b"]` -> {"lr_x": "3", "a": "b"}; values are YAML scalars, coerced later."""
+    """Command-line overrides in the forms TRL's parser (transformers' HfArgumentParser) accepts -> {key: value}:
+    `--key value` and `--key=value`; a boolean key alone is true (`--use_peft`), `--no_key` false, and its value may be
+    HF's yes/no/true/false/1/0; a list key takes every value up to the next `--key` (`--lora_target_modules q_proj
+    v_proj`, or `q_proj,v_proj`); `--per-device-train-batch-size` is `--per_device_train_batch_size`. Values are
+    read as YAML (`{a: 1}`, `[a, b]`, `1e-5`) and coerced to the key's type later."""
     out: dict = {}
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(arg, "is not an override", "write overrides as `--key value` or `--key=value`")
-        key = arg[2:]
-        if "=" in key:
-            key, raw = key.split("=", 1)
-            i += 1
-        elif i + 1 < len(args):
-            raw = args[i + 1]
-            i += 2
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(arg, "is not an override", "write overrides as `--key value`, `--key=value`, or a "
+                              "boolean key alone (`--use_peft`); a list key takes several values (`--lora_target_"
+                              "modules q_proj v_proj`)")
+        key, inline, raw = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if inline:
+            values, i = [raw], i + 1
         else:
-            raise ConfigError(key, "override has no value", f"write `--{key} VALUE`")
-        try:
-            out[key] = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(key, f"override value {raw!r} is not valid YAML ({_yaml_problem(exc)})",
-                              f"quote it for the shell, e.g. --{key} '{{name: value}}' or --{key} '[a, b]'") from None
+            end = next((j for j in range(i + 1, len(args)) if args[j].startswith("--")), len(args))
+            values, i = args[i + 1:end], end
+        kind = _override_kind(key)
+        if kind is None and key.startswith("no_") and _override_kind(key[3:]) == "bool":
+            if values:
+                raise ConfigError(key, f"takes no value, got {' '.join(values)!r}", f"write `--{key}` alone")
+            out[key[3:]] = False  # HfArgumentParser's `--no_X` for a boolean X
+        elif not values:
+            if kind not in ("bool", None):  # an unknown key alone reads as a flag, reported as unknown later
+                raise ConfigError(key, "override has no value", f"write `--{key} VALUE`")
+            out[key] = True
+        elif kind == "bool":
+            if len(values) > 1:
+                raise ConfigError(key, f"takes one value, got {' '.join(values)!r}", f"write `--{key}` or `--{key} "
+                                  "false`")
+            out[key] = _flag_value(key, values[0])
+        elif len(values) > 1:
+            if kind != "list" and kind is not None:
+                raise ConfigError(key, f"takes one value, got {len(values)}: {' '.join(values)!r}",
+                                  f"write `--{key} VALUE` (only list keys take several), quoting a value with spaces")
+            out[key] = [_override_value(key, v) for v in values]
+        else:
+            out[key] = _override_value(key, values[0])
     return out
+
+
+# HfArgumentParser's `string_to_bool`: the words a boolean override may be.
+_TRUE_WORDS, _FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
+
+
+def _flag_value(key: str, raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE_WORDS or word in _FALSE_WORDS:
+        return word in _TRUE_WORDS
+    raise ConfigError(key, f"expected true or false, got {raw!r}", f"write `--{key}` alone (true), `--{key} false` "
+                      f"or `--no_{key}`")
+
+
+def _override_value(key: str, raw: str):
+    try:
+        return yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(key, f"override value {raw!r} is not valid YAML ({_yaml_problem(exc)})",
+                          f"quote it for the shell, e.g. --{key} '{{name: value}}' or --{key} '[a, b]'") from None
+
+
+def _override_kind(key: str) -> str | None:
+    """`bool`, `list` or `value` for a key this project or the TRL layer reads; None for an unknown key."""
+    key = trl_compat.ALIASES.get(key, key)
+    if key in trl_compat.BOOLEAN_KEYS:
+        return "bool"
+    hint = typing.get_type_hints(AsyncGRPOConfig).get(key)
+    if hint is None:
+        return None
+    if hint is bool:
+        return "bool"
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return "list" if any(typing.get_origin(k) is list for k in kinds) else "value"
 
 
 def _is_function_ref(ref: str) -> bool:
