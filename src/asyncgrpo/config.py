@@ -195,10 +195,10 @@ class AsyncGRPOConfig:
     """Micro-steps per optimizer step."""
     learning_rate: float = 1e-5
     """AdamW peak learning rate; `lr_scheduler_type` and the warm-up shape it over the run."""
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: str = "linear"
     """Learning-rate schedule over `max_steps` optimizer steps (transformers' names): `constant`,
-    `constant_with_warmup`, `linear` (warm-up, then linear decay to 0) or `cosine` (warm-up, then half a cosine to 0).
-    TRL's default is `linear`; ours stays `constant`. The schedule is a function of the step alone, stepped once per
+    `constant_with_warmup`, `linear` (default, TRL's and transformers': warm-up, then linear decay to 0) or `cosine`
+    (warm-up, then half a cosine to 0). The schedule is a function of the step alone, stepped once per
     optimizer step on every backend, and saved in checkpoints."""
     warmup_ratio: float = 0.0
     """Fraction of `max_steps` over which the learning rate rises linearly from 0 (transformers' `warmup_ratio`)."""
