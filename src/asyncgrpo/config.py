@@ -728,23 +728,7 @@ class AsyncGRPOConfig:
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "AsyncGRPOConfig":
         """Read a YAML file (optional) and apply `--key value` / `--key=value` overrides on top."""
-        values: dict = {}
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
-            try:
-                loaded = yaml.safe_load(path.read_text()) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError("--config", f"{str(path)!r} is not valid YAML ({_yaml_problem(exc)})",
-                                  "correct that line: one `key: value` per line, nested values indented under their key"
-                                  ) from None
-            if not isinstance(loaded, dict):
-                raise ConfigError("--config", f"{str(path)!r} is not a mapping of key: value",
-                                  "write one `key: value` per line")
-            values.update(loaded)
-        values.update(parse_overrides(overrides or []))
-        return cls.from_dict(values)
+        return cls.from_dict(read_values(path, overrides))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -752,6 +736,39 @@ class AsyncGRPOConfig:
     def save(self, path: str | Path) -> None:
         """Write the resolved config as YAML (the API key is never part of it)."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def read_values(path: str | Path | None = None, overrides: list[str] | None = None) -> dict:
+    """The raw mapping of a YAML file (optional) with the command-line overrides on top, in the names written
+    (this project's or TRL's): what `AsyncGRPOConfig.from_dict` and `trl_notice` read."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError("--config", f"{str(path)!r} is not valid YAML ({_yaml_problem(exc)})",
+                              "correct that line: one `key: value` per line, nested values indented under their key"
+                              ) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError("--config", f"{str(path)!r} is not a mapping of key: value",
+                              "write one `key: value` per line")
+        values.update(loaded)
+    values.update(parse_overrides(overrides or []))
+    return values
+
+
+def defaults() -> dict[str, object]:
+    """Every key's default."""
+    return {name: default for name, _, default, _ in reference()}
+
+
+def trl_notice(values: dict) -> str | None:
+    """For a mapping written for TRL (`read_values`): the defaults it leaves out that differ from TRL's, with why
+    (trl_compat.TRL_DEFAULTS), to print once at start; None for a config of ours."""
+    return trl_compat.default_notice(values, defaults())
 
 
 # ---- values one at a time -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ below are the reference for docs/configuration.md#trl-keys (a unit test checks t
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 
 from asyncgrpo.errors import ConfigError
@@ -286,3 +287,107 @@ def trl_name(key: str) -> str:
     if key in OTHER_NAMES:
         return OTHER_NAMES[key]
     return "the same name" if key in SAME_NAME else "none (asyncgrpo's own key)"
+
+
+# ---- defaults that differ from TRL's ---------------------------------------------------------------------------
+# Keys whose presence marks a file as written for TRL (its own names, the keys it reads differently, its booleans).
+TRL_STYLE_KEYS = frozenset({*ALIASES, *AGREEING, *IGNORED, *BOOLEAN_KEYS, "model_init_kwargs", "save_strategy",
+                            "vllm_server_host", "vllm_server_port", "max_tool_calling_iterations"})
+
+
+class TrlDefault(typing.NamedTuple):
+    """One default that differs from TRL's: TRL's value as a TRL user writes it, why asyncgrpo keeps its own, and
+    the keys (ours and TRL's) that set it, so that a file that sets one of them is not told about it."""
+
+    trl: str
+    why: str
+    keys: tuple[str, ...]
+
+
+# Our key -> how TRL's default differs (TRL's GRPOConfig and ModelConfig, transformers' TrainingArguments). The one
+# source of docs/configuration.md#defaults-that-differ-from-trls and of the note a TRL-style config gets at start.
+TRL_DEFAULTS = {
+    "torch_dtype": TrlDefault("`bf16: true` (bf16 autocast over the checkpoint's dtype)", "the CPU hosts and the toy "
+                              "train in fp32, and 16 bits here means the base held in bf16 with the LoRA weights and "
+                              "the loss in fp32, not autocast; the GPU recipes set `torch_dtype: bfloat16`",
+                              ("torch_dtype", "dtype", "bf16", "fp16", "model_init_kwargs")),
+    "gradient_checkpointing": TrlDefault("`true`", "a LoRA run of a small model keeps its activations and saves the "
+                                         "extra forward; the GPU recipes turn it on",
+                                         ("gradient_checkpointing",)),
+    "learning_rate": TrlDefault("`1e-6`", "TRL's rate is sized for full fine-tuning; asyncgrpo trains LoRA adapters "
+                                "only, which take a rate about 10x higher", ("learning_rate",)),
+    "max_steps": TrlDefault("`-1` with `num_train_epochs: 3`", "a length left out should not mean three passes over a "
+                            "large dataset; 100 steps is a short run that shows whether the reward moves "
+                            "(`num_train_epochs: 3` gives TRL's)", ("max_steps", "num_train_epochs")),
+    "save_steps": TrlDefault("`500`", "a checkpoint holds the optimizer, RNG states and data position, and a run "
+                             "that saves also saves its last step, so a run asks for them; the interval must be a "
+                             "multiple of num_iterations and weight_sync_steps, which 500 often is not",
+                             ("save_steps", "save_strategy")),
+    "seed": TrlDefault("`42`", "the figures in docs/ (benchmarks, staleness, agents) were measured at seed 0 and "
+                       "reproduce at the default", ("seed",)),
+    "delta": TrlDefault("unset (no bound)", "training is asynchronous by default (max_staleness 1): without a bound a "
+                        "token far more likely under the trainer than under the sampler weighs without limit "
+                        "(docs/losses.md)", ("delta",)),
+    "vllm_importance_sampling_correction": TrlDefault("`true`", "measured on the toy, the correction did not beat the "
+                                                      "clip against the sampler's logprobs up to max_staleness 8, and "
+                                                      "with num_iterations 1 it drops the clip's trust region "
+                                                      "(docs/losses.md)", ("vllm_importance_sampling_correction",)),
+    "vllm_importance_sampling_mode": TrlDefault("`sequence_mask`", "read only with the correction on (off by "
+                                                "default); token_truncate is the mode measured in docs/losses.md",
+                                                ("vllm_importance_sampling_mode",)),
+    "use_lora": TrlDefault("`use_peft: false`", "asyncgrpo trains LoRA adapters only: the servers are sent adapters, "
+                           "never full weights", ("use_lora", "use_peft")),
+    "lora_r": TrlDefault("`16`", "every server loads the adapter at every sync: a smaller one is faster to publish "
+                         "(raise it for capacity, up to the server's --max-lora-rank)", ("lora_r",)),
+    "lora_alpha": TrlDefault("`32`", "2 x lora_r, the same scale as TRL's pair", ("lora_alpha",)),
+    "lora_dropout": TrlDefault("`0.05`", "dropout makes the trainer's policy differ from the one the server samples "
+                               "with; 0 keeps them equal", ("lora_dropout",)),
+    "lora_target_modules": TrlDefault("unset: PEFT's choice for the architecture (`q_proj`, `v_proj` for Qwen2 and "
+                                      "Llama)", "every attention and MLP projection, as the recipes train; PEFT's "
+                                      "choice adapts two", ("lora_target_modules",)),
+    "logging_steps": TrlDefault("`10`", "an asynchronous run is watched step by step (staleness, sync times), and a "
+                                "write per step costs little", ("logging_steps",)),
+    "per_device_train_batch_size": TrlDefault("`8`", "a batch holds whole groups (a multiple of num_generations, 8): "
+                                              "64 is 8 prompts of 8 completions per rank",
+                                              ("per_device_train_batch_size",)),
+    "max_completion_length": TrlDefault("`512`", "sized for the toy and CPU hosts; the GSM8K recipes set 512",
+                                        ("max_completion_length",)),
+    "report_to": TrlDefault("`none`", "metrics are how an asynchronous run is watched; TensorBoard writes local files "
+                            "and needs no account", ("report_to",)),
+    "output_dir": TrlDefault("`trainer_output`", "a directory named after the project, under runs/", ("output_dir",)),
+    "ddp_timeout": TrlDefault("`1800`", "it must exceed rank 0's longest wait with the default timeouts (a batch, a "
+                              "sync through a server outage, adapter uploads), which 1800 s does not",
+                              ("ddp_timeout",)),
+}
+
+
+def trl_style_keys(values: dict) -> list[str]:
+    """The keys of a raw mapping (before `translate`) that only a TRL config writes; empty for one of ours."""
+    return sorted(key for key in values if key in TRL_STYLE_KEYS)
+
+
+def default_differences(values: dict, ours: dict) -> list[str]:
+    """For a TRL-style mapping: one line per default it leaves out that differs from TRL's (`ours`: our defaults by
+    key); empty for a file of ours or one that sets every such key."""
+    if not trl_style_keys(values):
+        return []
+    return [f"{key}: {ours[key]!r} (TRL: {entry.trl}): {entry.why}" for key, entry in TRL_DEFAULTS.items()
+            if not any(k in values for k in entry.keys)]
+
+
+def default_notice(values: dict, ours: dict) -> str | None:
+    """What a TRL-style config is told once at start: the defaults it gets that TRL would not have given it."""
+    lines = default_differences(values, ours)
+    if not lines:
+        return None
+    head = (f"this config is written for TRL ({', '.join(trl_style_keys(values)[:4])}, ...); these keys it leaves out "
+            f"take asyncgrpo's defaults, not TRL's (set one to choose; docs/configuration.md#defaults-that-differ-"
+            f"from-trls):")
+    return "\n".join([head, *(f"  {line}" for line in lines)])
+
+
+def trl_defaults_markdown(ours: dict) -> str:
+    """The table of docs/configuration.md#defaults-that-differ-from-trls."""
+    rows = ["| key | asyncgrpo | TRL | why asyncgrpo's |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{key}` | `{ours[key]}` | {entry.trl} | {entry.why} |" for key, entry in TRL_DEFAULTS.items()]
+    return "\n".join(rows)
