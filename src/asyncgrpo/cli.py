@@ -18,7 +18,7 @@ from asyncgrpo.demo import run_demo
 from asyncgrpo.demo_agent import run_agent_demo
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, PeerFailed
 from asyncgrpo.shutdown import exit_on_signal
-from asyncgrpo.trl_compat import trl_name
+from asyncgrpo.trl_compat import apply_environment, trl_name
 
 
 def cmd_train(args, overrides: list[str]) -> int:
@@ -29,6 +29,7 @@ def cmd_train(args, overrides: list[str]) -> int:
 
     values = read_values(args.config, overrides)
     cfg = AsyncGRPOConfig.from_dict(values)
+    apply_environment(values)  # TRL's `env:` mapping, before anything of the run reads the environment
     notice = trl_notice(values)
     if notice and os.environ.get("RANK", "0") == "0":  # once per run: every rank reads the same file
         print(f"asyncgrpo: {notice}", file=sys.stderr, flush=True)

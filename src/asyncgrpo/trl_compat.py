@@ -8,6 +8,7 @@ below are the reference for docs/configuration.md#trl-keys (a unit test checks t
 from __future__ import annotations
 
 import difflib
+import os
 import typing
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def translate(values: dict) -> tuple[dict, list[ConfigError]]:
     for key in IGNORED:
         values.pop(key, None)
     for step in (_model_init_kwargs, _precision, _save_strategy, _epochs, _resume, _server_address, _tool_iterations,
-                 _reward_paths):
+                 _reward_paths, _environment):
         try:
             step(values)
         except ConfigError as exc:
@@ -200,6 +201,26 @@ def _tool_iterations(values: dict) -> None:
     values.setdefault("max_turns", rounds + 1)
 
 
+def _environment(values: dict) -> None:
+    """TRL's `env:` mapping (TrlParser): environment variables, set by `apply_environment` before the run starts."""
+    environment_variables(values.pop("env", None))
+
+
+def environment_variables(env) -> dict[str, str]:
+    """`env:` as {name: value}; anything but a mapping of names is an error naming the fix."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k for k in env):
+        raise ConfigError("env", f"is {env!r}, not a mapping of variable names to values",
+                          "write `env: {NAME: value}`, one entry per environment variable")
+    return {name: "" if value is None else str(value) for name, value in env.items()}
+
+
+def apply_environment(values: dict) -> None:
+    """Set the variables of TRL's `env:` mapping in this process, as TRL's parser does when it reads the file."""
+    os.environ.update(environment_variables(values.get("env")))
+
+
 def _reward_paths(values: dict) -> None:
     """TRL's reward function names: a dotted path `pkg.module.function` is `pkg.module:function` here, and TRL's
     built-in names (`accuracy_reward`, ...) are its `trl.rewards` functions."""
@@ -292,7 +313,7 @@ def trl_name(key: str) -> str:
 # ---- defaults that differ from TRL's ---------------------------------------------------------------------------
 # Keys whose presence marks a file as written for TRL (its own names, the keys it reads differently, its booleans).
 TRL_STYLE_KEYS = frozenset({*ALIASES, *AGREEING, *IGNORED, *BOOLEAN_KEYS, "model_init_kwargs", "save_strategy",
-                            "vllm_server_host", "vllm_server_port", "max_tool_calling_iterations"})
+                            "vllm_server_host", "vllm_server_port", "max_tool_calling_iterations", "env"})
 
 
 class TrlDefault(typing.NamedTuple):

@@ -79,3 +79,27 @@ def test_train_reads_a_trl_command_line_up_to_the_config_check(tmp_path, capsys)
     assert code == 2
     err = capsys.readouterr().err
     assert "config `not_a_key`: unknown key" in err and "1 config" not in err and "is not an override" not in err
+
+
+def test_a_trl_files_env_mapping_is_accepted_and_set_by_train(tmp_path, monkeypatch, capsys):
+    import os
+
+    import asyncgrpo.trainer.recipe as recipe
+
+    seen = {}
+
+    class Stop:
+        def __init__(self, cfg):
+            seen["value"] = os.environ.get("ASYNCGRPO_TEST_ENV")
+            raise ConfigError("stop", "the test stops here", "none")
+
+    monkeypatch.setattr(recipe, "AsyncGRPOTrainer", Stop)
+    monkeypatch.delenv("ASYNCGRPO_TEST_ENV", raising=False)
+    path = tmp_path / "grpo.yaml"
+    path.write_text("model_name_or_path: toy\nenv:\n  ASYNCGRPO_TEST_ENV: offline\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert seen == {"value": "offline"}
+    monkeypatch.delenv("ASYNCGRPO_TEST_ENV", raising=False)
+    with pytest.raises(ConfigError) as err:
+        AsyncGRPOConfig.from_dict({"model_name_or_path": "toy", "env": ["A=1"]})
+    assert err.value.field == "env"

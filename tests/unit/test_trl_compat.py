@@ -239,7 +239,8 @@ def test_train_help_lists_every_key_with_its_type_and_default(capsys):
 def test_the_configuration_page_lists_every_trl_key_the_layer_reads():
     page = (REPO / "docs" / "configuration.md").read_text().split("## Every key")[0]
     keys = [*trl_compat.ALIASES, *trl_compat.AGREEING, *trl_compat.IGNORED, "save_strategy", "num_train_epochs",
-            "bf16", "fp16", "model_init_kwargs", "vllm_server_host", "vllm_server_port", *trl_compat.TRL_REWARDS]
+            "bf16", "fp16", "model_init_kwargs", "vllm_server_host", "vllm_server_port", *trl_compat.TRL_REWARDS,
+            "env", "max_tool_calling_iterations"]
     assert [k for k in keys if f"`{k}" not in page] == []
 
 
