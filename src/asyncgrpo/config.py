@@ -115,12 +115,12 @@ class AsyncGRPOConfig:
     transformers ships for the model type (Qwen2/2.5/3, Gemma 4); without either there is no `parsed`."""
     reward_funcs: list[str] | None = None
     """Required unless the toy world's prompts are chosen (then `asyncgrpo.toy:larger_reward`) or `environment_factory`
-    names a class with `get_reward()`. Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
-    returning one float per completion, or None where the function does not apply. Built-ins:
-    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`.
-    A factory (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment`
-    or the built-in `asyncgrpo.rewards:get_soft_overlong_punishment`) is called with its `reward_kwargs` and the
-    function it returns is used. A function may be `async def`. An entry without `:` is a reward model: the directory
+    names a class with `get_reward()`. Reward functions as `package.module:function`, TRL signature `fn(prompts,
+    completions, **columns)` returning one float per completion, or None where the function does not apply. Built-ins:
+    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`. A factory
+    (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment` or the
+    built-in `asyncgrpo.rewards:get_soft_overlong_punishment`) is called with its `reward_kwargs` and the function it
+    returns is used. A function may be `async def`. An entry without `:` is a reward model: the directory (or hub id)
     of a sequence-classification checkpoint (`AutoModelForSequenceClassification`), scoring prompt + completion."""
     reward_weights: list[float] | None = None
     """Weight of each reward function; a completion's reward is the weighted sum over the functions that apply to

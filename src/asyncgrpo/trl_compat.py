@@ -83,7 +83,7 @@ IGNORED = {
 # TRL / transformers keys read here that are booleans (a command line may give them alone: `--bf16`).
 BOOLEAN_KEYS = frozenset({"bf16", "fp16", "do_train", "do_eval", "disable_tqdm", "dataloader_pin_memory",
                           "dataloader_persistent_workers", "ddp_find_unused_parameters"} |
-                         {key for key, (agree, _, _) in AGREEING.items() if all(v is True or v is False for v in agree)})
+                         {key for key, (agree, _, _) in AGREEING.items() if all(type(v) is bool for v in agree)})
 SAVE_STEPS_DEFAULT = 500  # transformers' save_steps, used by `save_strategy: steps` without save_steps
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 

@@ -25,7 +25,8 @@ def test_scale_rewards_takes_trls_booleans_and_names():
 
 
 def test_scale_rewards_override_from_the_command_line():
-    c = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a", "--scale_rewards", "false"])
+    c = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a", "--scale_rewards",
+                                    "false"])
     assert c.scale_rewards == "none"
 
 

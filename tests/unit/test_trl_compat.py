@@ -204,7 +204,8 @@ def test_bf16_beside_another_dtype_is_an_error_naming_both_ways_out():
 
 def test_every_problem_of_a_file_comes_in_one_message(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("model_name_or_path: toy\nuse_vllm: false\nvllm_mode: colocate\nlearning_rat: 1e-5\nmax_steps: ten\n"
+    path.write_text("model_name_or_path: toy\nuse_vllm: false\nvllm_mode: colocate\nlearning_rat: 1e-5\n"
+                    "max_steps: ten\n"
                     "num_generations: 1\nloss_type: ppo\nsync_mode: later\n")
     with pytest.raises(ConfigErrors) as err:
         AsyncGRPOConfig.load(path)

@@ -127,9 +127,9 @@ def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupSc
         scorer.functions.append(environment_reward)
         scorer.weights = [*scorer.weights, 1.0]
     if not scorer.functions:
-        raise ConfigError("reward_funcs", f"is not given, and {cfg.environment_factory} has no get_reward() method: the "
-                          "run would have no reward", "name reward functions in reward_funcs, or give the environment "
-                          "class a get_reward()")
+        raise ConfigError("reward_funcs", f"is not given, and {cfg.environment_factory} has no get_reward() "
+                          "method: the run would have no reward", "name reward functions in reward_funcs, or give the "
+                          "environment class a get_reward()")
     if cfg.reward_workers == 0:
         return InThreadScoring(scorer, tokenizer, response_template, timeout_s=cfg.reward_timeout)
     return RewardPool(cfg.reward_workers, scorer, TokenizerRef.of(tokenizer), response_template,

@@ -13,7 +13,8 @@ def test_a_cell_lets_the_producer_run_max_staleness_versions_ahead_with_its_corr
     assert (cfg.max_staleness, cfg.seed, cfg.weight_sync_steps, cfg.num_iterations) == (4, 2, 1, 1)
     assert cfg.inflight_requests(32) == 32 * 5  # five steps' worth: batches up to 4 versions ahead
     assert cfg.vllm_importance_sampling_correction and cfg.vllm_importance_sampling_mode == "token_truncate"
-    plain = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a", *cell_overrides(0, "none", 0, 32)])
+    plain = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a",
+                                        *cell_overrides(0, "none", 0, 32)])
     assert plain.vllm_importance_sampling_correction is False
 
 
