@@ -90,7 +90,8 @@ def test_a_trl_yaml_trains_and_its_final_adapter_passes_peft_auto_peft_and_vllm(
                            "--lora_target_modules", *TOY_LINEAR], cwd=REPO, env=cpu_launch_env(), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert proc.stderr.count("take asyncgrpo's defaults, not TRL's") == 1 and "\n  delta: 3.0 (TRL: unset" in proc.stderr
+    assert proc.stderr.count("take asyncgrpo's defaults, not TRL's") == 1  # told once, the keys it left out
+    assert "\n  delta: 3.0 (TRL: unset" in proc.stderr
     summary = json.loads((out / "run_summary.json").read_text())
     assert (summary["steps"], summary["version"], summary["base_dtype"]) == (2, 2, "bfloat16")  # ceil(1.5) steps
     assert (out / "checkpoint-2").is_dir() and (out / "adapters").is_dir()  # save_steps; the default adapter path
