@@ -98,3 +98,14 @@ def slow(seconds: float) -> str:
 def messages_reward(prompts, completions, environments=None, **kwargs) -> list[float]:
     """A reward function for episodes: the number of messages after the prompt."""
     return [float(len(c)) for c in completions]
+
+
+class NoReward:
+    """An environment that leaves the reward to reward_funcs (it has no get_reward)."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def noop(self) -> str:
+        """Do nothing."""
+        return "ok"

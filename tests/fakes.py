@@ -1,6 +1,6 @@
 """The fakes the unit tests share: `FakeVLLM` (an `InferenceClient` stand-in, no HTTP), `StubServer` (an HTTP stub of
 vLLM on a loopback port) with its routes, `Clock`, `DigitTokenizer`, `ParkingCondition` (says when a producer waits)
-and `cfg(**values)` (a config with its one required field set).
+and `cfg(**values)` (a toy-world config, its required fields set).
 
 A fake stands in for vLLM only where a real server cannot be made to do what a test needs on demand (a call refused,
 a request held or dropped, a restart at a chosen moment); each test module says which. Importable as
@@ -15,13 +15,18 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
-from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config import TOY_REWARD, AsyncGRPOConfig
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError
 
 
 def cfg(**values) -> AsyncGRPOConfig:
-    """A validated config: `lora_adapter_path` (the one field every config needs) at /tmp/adapters, then `values`."""
-    return AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", **values})
+    """A validated config of the toy world, named as every config must name its model, prompts and reward
+    (`model_name_or_path: toy`; the toy reward beside a dataset of the test's own), with `lora_adapter_path` at
+    /tmp/adapters, then `values`."""
+    named = {"model_name_or_path": "toy", "lora_adapter_path": "/tmp/adapters"}
+    if "environment_factory" not in values:
+        named["reward_funcs"] = [TOY_REWARD]
+    return AsyncGRPOConfig.from_dict({**named, **values})
 
 
 class Clock:

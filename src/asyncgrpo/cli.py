@@ -1,4 +1,4 @@
-"""`asyncgrpo train | doctor | demo | bench | rollout-serve`: parse, build, run, clean up.
+"""`asyncgrpo train | check | doctor | demo | bench | rollout-serve`: parse, build, run, clean up.
 
 Subcommands whose modules import torch import them only when chosen, so that `asyncgrpo --help` answers at
 once. Every `AsyncGRPOError` ends as one `asyncgrpo: error: ...` line and exit status 2.
@@ -9,15 +9,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import sys
+import textwrap
 
 from asyncgrpo.bench import run_bench
-from asyncgrpo.config import AsyncGRPOConfig, reference
+from asyncgrpo.check import run_check
+from asyncgrpo.config import AsyncGRPOConfig, read_values, reference, trl_notice
 from asyncgrpo.demo import run_demo
 from asyncgrpo.demo_agent import run_agent_demo
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, PeerFailed
 from asyncgrpo.shutdown import exit_on_signal
+from asyncgrpo.trl_compat import apply_environment, trl_name
 
 
 def cmd_train(args, overrides: list[str]) -> int:
@@ -26,7 +28,12 @@ def cmd_train(args, overrides: list[str]) -> int:
     from asyncgrpo.distributed import leave_launched_process
     from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
-    cfg = AsyncGRPOConfig.load(args.config, overrides)
+    values = read_values(args.config, overrides)
+    cfg = AsyncGRPOConfig.from_dict(values)
+    apply_environment(values)  # TRL's `env:` mapping, before anything of the run reads the environment
+    notice = trl_notice(values)
+    if notice and os.environ.get("RANK", "0") == "0":  # once per run: every rank reads the same file
+        print(f"asyncgrpo: {notice}", file=sys.stderr, flush=True)
     trainer = AsyncGRPOTrainer(cfg)
     # SIGTERM (launchers, SLURM) / SIGINT / SIGHUP: no server left paused by a sync in progress; exit 143 / 130 / 129.
     # With checkpoints on, SIGTERM first gives the loop stop_grace_s to reach a step it can save and resume from.
@@ -38,6 +45,10 @@ def cmd_train(args, overrides: list[str]) -> int:
             trainer.cleanup()
     leave_launched_process(0)  # a finished rank of a launch skips interpreter finalization (distributed.py says why)
     return 0
+
+
+def cmd_check(args, overrides: list[str]) -> int:
+    return run_check(args.config, overrides)
 
 
 def cmd_demo(args, overrides: list[str]) -> int:
@@ -84,17 +95,15 @@ def cmd_rollout_serve(args, overrides: list[str]) -> int:
     return serve_one_run(args.listen, paths)
 
 
-FIRST_SENTENCE = re.compile(r"(?<=[\w)`])\.\s+(?=[A-Z`])")  # a full stop after a word, before a capital
-
-
 def config_keys_help() -> str:
-    """Every config key with its type, default and the first sentence of its doc (the source of
-    docs/configuration.md), for `asyncgrpo train --help`."""
+    """Every config key with its type, default, whole doc (the source of docs/configuration.md) and TRL name, for
+    `asyncgrpo train --help`."""
     lines = ["config keys (YAML `key: value`, or `--key value` after --config; TRL's names are read too, "
              "docs/configuration.md#trl-keys):"]
     for name, kind, default, doc in reference():
-        first = FIRST_SENTENCE.split(doc, maxsplit=1)[0].rstrip(".")
-        lines += [f"  --{name} {kind} (default: {default})", f"      {first}."]
+        lines.append(f"  --{name} {kind} (default: {default})")
+        lines += textwrap.wrap(f"{doc} TRL: {trl_name(name)}.", width=116, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6, break_on_hyphens=False)
     return "\n".join(lines)
 
 
@@ -106,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train (run it under accelerate launch / torchrun for several ranks)",
                            epilog=config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", help="YAML config file; any `--key value` after it overrides a config key")
+    check = sub.add_parser("check", help="validate a config without training: every problem at once, or the "
+                                         "resolved config (exit status 0 when valid)",
+                           epilog="Overrides as for train (`asyncgrpo train --help` lists every key).")
+    check.add_argument("--config", help="YAML config file; any `--key value` after it overrides a config key")
     demo = sub.add_parser("demo", help="toy world + local vLLM + a 2-process accelerate run, with a summary")
     demo.add_argument("--config", default=None, help="default: configs/demo.yaml")
     demo.add_argument("--num_processes", type=int, default=2)
@@ -167,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, text in ROLLOUT_SERVE_PATHS.items():
         serve.add_argument(f"--{name}", nargs="+" if name == "data_files" else None, default=None, help=text)
     args, overrides = parser.parse_known_args(argv)
-    handlers = {"train": cmd_train, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor,
+    handlers = {"train": cmd_train, "check": cmd_check, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor,
                 "rollout-serve": cmd_rollout_serve}
     # train and rollout-serve handle signals themselves (resume paused servers first); for the others a signal exits
     # through their `finally` blocks, which stop the vLLM servers and launches they started (children.py).

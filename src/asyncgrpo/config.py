@@ -29,6 +29,7 @@ from asyncgrpo.rewards import reward_name
 from asyncgrpo.trackers import resolve_report_to
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
+TOY_REWARD = "asyncgrpo.toy:larger_reward"  # the toy world's reward: `reward_funcs`' default with `dataset_name: toy`
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)
 # Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
@@ -43,9 +44,10 @@ class AsyncGRPOConfig:
     """Every knob of a run. Each field's docstring is its reference documentation (rendered in docs/configuration.md)."""
 
     # ---- model and LoRA -------------------------------------------------------------------------
-    model_name_or_path: str = "toy"
-    """Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
-    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory; `shape:<name>` (e.g.
+    model_name_or_path: str | None = None
+    """Required. Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
+    (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory, and chooses the toy world: its prompts and
+    reward become the defaults of `dataset_name` and `reward_funcs`; `shape:<name>` (e.g.
     `shape:qwen2.5-1.5b`) a random-weight model of a real checkpoint's shape in `torch_dtype` (docs/models.md).
     Every adapter records it as `base_model_name_or_path`: a hub id as written, a local directory as an absolute
     path."""
@@ -77,8 +79,9 @@ class AsyncGRPOConfig:
     the output head)."""
 
     # ---- data and rewards -----------------------------------------------------------------------
-    dataset_name: str = "toy"
-    """Prompt source: `toy` (the toy world's training split); a local data file (`.json`, `.jsonl`, `.parquet`,
+    dataset_name: str | None = None
+    """Required unless `model_name_or_path: toy`. Prompt source: `toy` (the toy world's training split, whose reward
+    then becomes the default of `reward_funcs`); a local data file (`.json`, `.jsonl`, `.parquet`,
     `.csv`, `.arrow`) or a directory written by `Dataset.save_to_disk`; a `datasets` format (`json`, `parquet`,
     `csv`, `arrow`) together with `data_files`; or a Hugging Face hub dataset such as `openai/gsm8k` (needs hub
     access)."""
@@ -110,13 +113,14 @@ class AsyncGRPOConfig:
     """Parse chat completions with transformers' `tokenizer.parse_response` (content, thinking, tool calls) and hand
     the parsed messages to reward functions as `parsed`. Uses the tokenizer's `response_template`, else the one
     transformers ships for the model type (Qwen2/2.5/3, Gemma 4); without either there is no `parsed`."""
-    reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:larger_reward"])
-    """Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
-    returning one float per completion, or None where the function does not apply. Built-ins:
-    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`.
-    A factory (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment`
-    or the built-in `asyncgrpo.rewards:get_soft_overlong_punishment`) is called with its `reward_kwargs` and the
-    function it returns is used. A function may be `async def`. An entry without `:` is a reward model: the directory
+    reward_funcs: list[str] | None = None
+    """Required unless the toy world's prompts are chosen (then `asyncgrpo.toy:larger_reward`) or `environment_factory`
+    names a class with `get_reward()`. Reward functions as `package.module:function`, TRL signature `fn(prompts,
+    completions, **columns)` returning one float per completion, or None where the function does not apply. Built-ins:
+    `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`. A factory
+    (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment` or the
+    built-in `asyncgrpo.rewards:get_soft_overlong_punishment`) is called with its `reward_kwargs` and the function it
+    returns is used. A function may be `async def`. An entry without `:` is a reward model: the directory (or hub id)
     of a sequence-classification checkpoint (`AutoModelForSequenceClassification`), scoring prompt + completion."""
     reward_weights: list[float] | None = None
     """Weight of each reward function; a completion's reward is the weighted sum over the functions that apply to
@@ -191,10 +195,10 @@ class AsyncGRPOConfig:
     """Micro-steps per optimizer step."""
     learning_rate: float = 1e-5
     """AdamW peak learning rate; `lr_scheduler_type` and the warm-up shape it over the run."""
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: str = "linear"
     """Learning-rate schedule over `max_steps` optimizer steps (transformers' names): `constant`,
-    `constant_with_warmup`, `linear` (warm-up, then linear decay to 0) or `cosine` (warm-up, then half a cosine to 0).
-    TRL's default is `linear`; ours stays `constant`. The schedule is a function of the step alone, stepped once per
+    `constant_with_warmup`, `linear` (default, TRL's and transformers': warm-up, then linear decay to 0) or `cosine`
+    (warm-up, then half a cosine to 0). The schedule is a function of the step alone, stepped once per
     optimizer step on every backend, and saved in checkpoints."""
     warmup_ratio: float = 0.0
     """Fraction of `max_steps` over which the learning rate rises linearly from 0 (transformers' `warmup_ratio`)."""
@@ -274,8 +278,7 @@ class AsyncGRPOConfig:
     example."""
     use_bias_correction_kl: bool = False
     """Multiply the KL term by the (differentiable) importance ratio, which makes its gradient the unbiased
-    reverse-KL gradient (DeepSeek-V3.2; TRL's name). TRL's default is true; ours false keeps the KL term as it was.
-    Only matters with `beta` > 0."""
+    reverse-KL gradient (DeepSeek-V3.2; TRL's name and default, false). Only matters with `beta` > 0."""
     top_entropy_quantile: float = 1.0
     """Train only on the highest-entropy tokens (TRL's name): the loss keeps the tokens whose entropy under the
     trainer is in the top `top_entropy_quantile` of each micro-batch's completion tokens (TRL pools all ranks'; 0.2
@@ -433,6 +436,13 @@ class AsyncGRPOConfig:
 
     # ---------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        # The toy world only when chosen: `model_name_or_path: toy` brings its prompts, `dataset_name: toy` its reward.
+        if self.model_name_or_path == "toy" and self.dataset_name is None:
+            self.dataset_name = "toy"
+        if self.dataset_name == "toy" and self.reward_funcs is None:
+            self.reward_funcs = [TOY_REWARD]
+        if self.environment_factory is not None and self.reward_funcs is None:
+            self.reward_funcs = []  # the environment's get_reward(), checked where the class is loaded
         if isinstance(self.scale_rewards, bool):  # TRL's booleans
             self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.lora_adapter_path is None:
@@ -477,6 +487,11 @@ class AsyncGRPOConfig:
             return self.max_inflight_requests
         steps_ahead = min(self.max_staleness + 1, 2)
         return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
+
+    def task_problems(self) -> list[ConfigError]:
+        """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of
+        `validate`: a config may be built in code before its model and data are known; the trainer checks it."""
+        return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs, self.environment_factory)
 
     def validate(self) -> None:
         """Every value alone (VALUE_RANGES, names, URLs), then each group of cross-field checks; every problem found
@@ -535,15 +550,18 @@ class AsyncGRPOConfig:
         if self.sync_pause_mode not in ("keep", "wait", "abort"):
             raise ConfigError("sync_pause_mode", f"unknown mode {self.sync_pause_mode!r}",
                               "use one of keep, wait, abort")
+        if self.reward_funcs is None:  # not given: task_problems() says so
+            return
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
                               f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
-        if not self.reward_funcs:
+        if not self.reward_funcs and self.environment_factory is None:
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
         for ref in self.reward_funcs:
-            if ":" not in ref and "/" not in ref and not Path(ref).exists():
+            if not (_is_function_ref(ref) if ":" in ref else "/" in ref or Path(ref).exists()):
                 raise ConfigError("reward_funcs", f"{ref!r} is neither package.module:function nor a reward model's "
-                                  "directory", "write e.g. `asyncgrpo.toy:larger_reward`, or a checkpoint's path")
+                                  "directory or hub id", "write e.g. `asyncgrpo.toy:larger_reward`, or a checkpoint's "
+                                  "path")
         resolve_report_to(self.report_to, check_installed=False)  # installed: checked where trackers open
 
     def _validate_eval(self) -> None:
@@ -678,7 +696,7 @@ class AsyncGRPOConfig:
         if self.data_files is not None and self.dataset_name == "toy":
             raise ConfigError("dataset_name", "is `toy` but data_files is set",
                               "set dataset_name to the files' format: json (also .jsonl), parquet, csv or arrow")
-        names = {reward_name(r) for r in self.reward_funcs} | set(self.reward_funcs)
+        names = {reward_name(r) for r in self.reward_funcs or []} | set(self.reward_funcs or [])
         for key, value in (self.reward_kwargs or {}).items():
             if key not in names:
                 raise ConfigError("reward_kwargs", f"{key!r} is not one of reward_funcs ({self.reward_funcs})",
@@ -695,10 +713,10 @@ class AsyncGRPOConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         values, problems = trl_compat.translate(values)
+        problems[:0] = task_problems(*(values.get(key) for key in (
+            "model_name_or_path", "dataset_name", "reward_funcs", "environment_factory")))
         kwargs = {}
         for key, value in values.items():
-            if key == "max_tool_calling_iterations" and value is not None:  # TRL's name: tool rounds, not turns
-                key, value = "max_turns", int(value) + 1
             try:
                 if key not in known:
                     raise trl_compat.unknown_key(key, known)
@@ -717,23 +735,7 @@ class AsyncGRPOConfig:
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "AsyncGRPOConfig":
         """Read a YAML file (optional) and apply `--key value` / `--key=value` overrides on top."""
-        values: dict = {}
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
-            try:
-                loaded = yaml.safe_load(path.read_text()) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError("--config", f"{str(path)!r} is not valid YAML ({_yaml_problem(exc)})",
-                                  "correct that line: one `key: value` per line, nested values indented under their key"
-                                  ) from None
-            if not isinstance(loaded, dict):
-                raise ConfigError("--config", f"{str(path)!r} is not a mapping of key: value",
-                                  "write one `key: value` per line")
-            values.update(loaded)
-        values.update(parse_overrides(overrides or []))
-        return cls.from_dict(values)
+        return cls.from_dict(read_values(path, overrides))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -741,6 +743,39 @@ class AsyncGRPOConfig:
     def save(self, path: str | Path) -> None:
         """Write the resolved config as YAML (the API key is never part of it)."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def read_values(path: str | Path | None = None, overrides: list[str] | None = None) -> dict:
+    """The raw mapping of a YAML file (optional) with the command-line overrides on top, in the names written
+    (this project's or TRL's): what `AsyncGRPOConfig.from_dict` and `trl_notice` read."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError("--config", f"{str(path)!r} is not valid YAML ({_yaml_problem(exc)})",
+                              "correct that line: one `key: value` per line, nested values indented under their key"
+                              ) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError("--config", f"{str(path)!r} is not a mapping of key: value",
+                              "write one `key: value` per line")
+        values.update(loaded)
+    values.update(parse_overrides(overrides or []))
+    return values
+
+
+def defaults() -> dict[str, object]:
+    """Every key's default."""
+    return {name: default for name, _, default, _ in reference()}
+
+
+def trl_notice(values: dict) -> str | None:
+    """For a mapping written for TRL (`read_values`): the defaults it leaves out that differ from TRL's, with why
+    (trl_compat.TRL_DEFAULTS), to print once at start; None for a config of ours."""
+    return trl_compat.default_notice(values, defaults())
 
 
 # ---- values one at a time -----------------------------------------------------------------------
@@ -837,6 +872,29 @@ URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
 SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
 
 
+def task_problems(model, dataset, rewards, environment) -> list[ConfigError]:
+    """One error per missing key of the three every run needs (values as given; None = not given). The toy world
+    fills them only when chosen: `model_name_or_path: toy` (its prompts and reward), `dataset_name: toy` (its
+    reward); an `environment_factory` may bring the reward (its get_reward())."""
+    problems = []
+    if model is None:
+        problems.append(ConfigError("model_name_or_path", "is required: asyncgrpo has no default model",
+                                    "give the base model's directory or hub id (the one the vLLM server serves), e.g. "
+                                    "`model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct`, or `model_name_or_path: toy` "
+                                    "for the built-in toy world"))
+    if dataset is None and model == "toy":
+        dataset = "toy"
+    if dataset is None:
+        problems.append(ConfigError("dataset_name", "is required: asyncgrpo has no default prompts",
+                                    "give a data file, a saved dataset directory or a hub dataset, e.g. "
+                                    "`dataset_name: openai/gsm8k`, or `dataset_name: toy` for the toy world's prompts"))
+    if rewards is None and environment is None and dataset != "toy":
+        problems.append(ConfigError("reward_funcs", "is required: asyncgrpo has no default reward for your data",
+                                    "name your reward functions, e.g. `reward_funcs: [asyncgrpo.rewards:math_accuracy]`"
+                                    ", or give an environment_factory whose class has get_reward()"))
+    return problems
+
+
 def raise_all(problems: list[ConfigError]) -> None:
     """Raise the one problem as it is, several as one ConfigErrors (one line each); nothing when there is none."""
     if len(problems) == 1:
@@ -908,28 +966,88 @@ def split_address(address, *, any_port: bool = False) -> tuple[str, int]:
 
 
 def parse_overrides(args: list[str]) -> dict:
-    """`["--lr_x", "3", "--a=b"]` -> {"lr_x": "3", "a": "b"}; values are YAML scalars, coerced later."""
+    """Command-line overrides in the forms TRL's parser (transformers' HfArgumentParser) accepts -> {key: value}:
+    `--key value` and `--key=value`; a boolean key alone is true (`--use_peft`), `--no_key` false, and its value may be
+    HF's yes/no/true/false/1/0; a list key takes every value up to the next `--key` (`--lora_target_modules q_proj
+    v_proj`, or `q_proj,v_proj`); `--per-device-train-batch-size` is `--per_device_train_batch_size`. Values are
+    read as YAML (`{a: 1}`, `[a, b]`, `1e-5`) and coerced to the key's type later."""
     out: dict = {}
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(arg, "is not an override", "write overrides as `--key value` or `--key=value`")
-        key = arg[2:]
-        if "=" in key:
-            key, raw = key.split("=", 1)
-            i += 1
-        elif i + 1 < len(args):
-            raw = args[i + 1]
-            i += 2
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(arg, "is not an override", "write overrides as `--key value`, `--key=value`, or a "
+                              "boolean key alone (`--use_peft`); a list key takes several values (`--lora_target_"
+                              "modules q_proj v_proj`)")
+        key, inline, raw = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if inline:
+            values, i = [raw], i + 1
         else:
-            raise ConfigError(key, "override has no value", f"write `--{key} VALUE`")
-        try:
-            out[key] = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(key, f"override value {raw!r} is not valid YAML ({_yaml_problem(exc)})",
-                              f"quote it for the shell, e.g. --{key} '{{name: value}}' or --{key} '[a, b]'") from None
+            end = next((j for j in range(i + 1, len(args)) if args[j].startswith("--")), len(args))
+            values, i = args[i + 1:end], end
+        kind = _override_kind(key)
+        if kind is None and key.startswith("no_") and _override_kind(key[3:]) == "bool":
+            if values:
+                raise ConfigError(key, f"takes no value, got {' '.join(values)!r}", f"write `--{key}` alone")
+            out[key[3:]] = False  # HfArgumentParser's `--no_X` for a boolean X
+        elif not values:
+            if kind not in ("bool", None):  # an unknown key alone reads as a flag, reported as unknown later
+                raise ConfigError(key, "override has no value", f"write `--{key} VALUE`")
+            out[key] = True
+        elif kind == "bool":
+            if len(values) > 1:
+                raise ConfigError(key, f"takes one value, got {' '.join(values)!r}", f"write `--{key}` or `--{key} "
+                                  "false`")
+            out[key] = _flag_value(key, values[0])
+        elif len(values) > 1:
+            if kind != "list" and kind is not None:
+                raise ConfigError(key, f"takes one value, got {len(values)}: {' '.join(values)!r}",
+                                  f"write `--{key} VALUE` (only list keys take several), quoting a value with spaces")
+            out[key] = [_override_value(key, v) for v in values]
+        else:
+            out[key] = _override_value(key, values[0])
     return out
+
+
+# HfArgumentParser's `string_to_bool`: the words a boolean override may be.
+_TRUE_WORDS, _FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
+
+
+def _flag_value(key: str, raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE_WORDS or word in _FALSE_WORDS:
+        return word in _TRUE_WORDS
+    raise ConfigError(key, f"expected true or false, got {raw!r}", f"write `--{key}` alone (true), `--{key} false` "
+                      f"or `--no_{key}`")
+
+
+def _override_value(key: str, raw: str):
+    try:
+        return yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(key, f"override value {raw!r} is not valid YAML ({_yaml_problem(exc)})",
+                          f"quote it for the shell, e.g. --{key} '{{name: value}}' or --{key} '[a, b]'") from None
+
+
+def _override_kind(key: str) -> str | None:
+    """`bool`, `list` or `value` for a key this project or the TRL layer reads; None for an unknown key."""
+    key = trl_compat.ALIASES.get(key, key)
+    if key in trl_compat.BOOLEAN_KEYS:
+        return "bool"
+    hint = typing.get_type_hints(AsyncGRPOConfig).get(key)
+    if hint is None:
+        return None
+    if hint is bool:
+        return "bool"
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return "list" if any(typing.get_origin(k) is list for k in kinds) else "value"
+
+
+def _is_function_ref(ref: str) -> bool:
+    """`package.module:function`: dotted Python names on both sides of the one `:`."""
+    module, _, name = ref.partition(":")
+    return all(part.isidentifier() for part in [*module.split("."), *name.split(".")])
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -1020,9 +1138,9 @@ def _type_name(hint) -> str:
 
 def reference_markdown() -> str:
     """The config reference table for docs/configuration.md: `python -m asyncgrpo.config`."""
-    rows = ["| key | type | default | what it does |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{name}` | `{kind.replace('|', chr(92) + '|')}` | `{default}` | {doc} |"  # `\|`: not a cell edge
-             for name, kind, default, doc in reference()]
+    rows = ["| key | type | default | what it does | TRL name |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| `{name}` | `{kind.replace('|', chr(92) + '|')}` | `{default}` | {doc} | "  # `\|`: not a cell edge
+             f"{trl_compat.trl_name(name).replace('|', chr(92) + '|')} |" for name, kind, default, doc in reference()]
     return "\n".join(rows)
 
 

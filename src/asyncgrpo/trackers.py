@@ -23,6 +23,8 @@ TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "w
             "trackio": ("trackio", "trackio"), "mlflow": ("mlflow", "mlflow"), "comet_ml": ("comet_ml", "comet-ml"),
             "aim": ("aim", "aim"), "clearml": ("clearml", "clearml"), "dvclive": ("dvclive", "dvclive"),
             "swanlab": ("swanlab", "swanlab")}
+# The trackers `pip install 'asyncgrpo[trackers]'` installs (pyproject.toml; a test keeps the two in step).
+TRACKERS_EXTRA = ("wandb", "trackio")
 STEP_KEY = "train/global_step"  # wandb: the x-axis of every chart (logged as a value, as transformers does)
 
 
@@ -45,9 +47,9 @@ def resolve_report_to(report_to: list[str] | str | None, *, check_installed: boo
             raise ConfigError("report_to", f"unknown tracker {name!r}",
                               f"use some of {', '.join(TRACKERS)}, or `all`, or `none`")
         if check_installed and not installed(name):
+            extra = " (or `pip install 'asyncgrpo[trackers]'`)" if name in TRACKERS_EXTRA else ""
             raise ConfigError("report_to", f"names {name}, but its package is not installed here",
-                              f"pip install {TRACKERS[name][1]} (or `pip install 'asyncgrpo[trackers]'`), or drop "
-                              f"{name} from report_to")
+                              f"pip install {TRACKERS[name][1]}{extra}, or drop {name} from report_to")
         if name not in out:
             out.append(name)
     return out

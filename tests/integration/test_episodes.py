@@ -236,6 +236,7 @@ def test_a_tool_calling_run_trains_on_exactly_the_tokens_the_server_sampled(worl
         "tools": ["agent_format:lookup"], "max_turns": 3, "max_completion_length": 12, "num_generations": 4,
         "per_device_train_batch_size": 8, "max_steps": 2, "max_staleness": 0, "weight_sync_steps": 1,
         "lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["q_proj", "v_proj"], "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
         "lora_name": "agent", "output_dir": str(tmp_path / "run"), "lora_adapter_path": str(tmp_path / "adapters"),
         "vllm_server_base_url": vllm_server.base_url, "vllm_server_timeout": 30, "vllm_request_timeout": 60,
         "torch_num_threads": 0})

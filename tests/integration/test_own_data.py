@@ -46,6 +46,7 @@ reward_kwargs:
 lora_adapter_path: {out}/adapters
 output_dir: {out}
 learning_rate: 2.0e-3
+lr_scheduler_type: constant
 ddp_timeout: 120
 vllm_server_timeout: 30   # ddp_timeout must exceed an outage: 30 + 40 + 45.5 s of retries
 vllm_request_timeout: 40

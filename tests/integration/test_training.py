@@ -59,7 +59,7 @@ def test_reward_workers_score_a_two_process_run_and_stop_with_it(train_two_proce
 
 def test_a_config_mistake_fails_before_any_work_with_the_field_and_fix(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("use_lora: true\nnum_generation: 8\n")
+    bad.write_text("model_name_or_path: toy\nuse_lora: true\nnum_generation: 8\n")
     proc = subprocess.run([sys.executable, "-m", "asyncgrpo", "train", "--config", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

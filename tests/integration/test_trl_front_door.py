@@ -21,6 +21,7 @@ from asyncgrpo.bench.sync import cpu_launch_env
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3 + b for b in b"61,16>"]  # the toy tokenizer: one token per character
 PROMPTS_PER_STEP = 4  # per_device_train_batch_size 32 / num_generations 8, one process
+TOY_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the toy's linear layers
 
 TRL_YAML = """\
 model_name_or_path: {model}
@@ -84,9 +85,13 @@ def test_a_trl_yaml_trains_and_its_final_adapter_passes_peft_auto_peft_and_vllm(
     config = tmp_path / "grpo.yaml"
     config.write_text(TRL_YAML.format(model=world.model_dir, data=world.train_file, url=vllm_server.base_url,
                                       epochs=1.5 * PROMPTS_PER_STEP / rows, out=out))
-    proc = subprocess.run([sys.executable, "-m", "asyncgrpo", "train", "--config", str(config)], cwd=REPO,
-                          env=cpu_launch_env(), capture_output=True, text=True, timeout=900)
+    # TRL's command-line forms on top: a bare boolean, a space-separated list (all-linear's modules, written out)
+    proc = subprocess.run([sys.executable, "-m", "asyncgrpo", "train", "--config", str(config), "--use_peft",
+                           "--lora_target_modules", *TOY_LINEAR], cwd=REPO, env=cpu_launch_env(), capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.stderr.count("take asyncgrpo's defaults, not TRL's") == 1  # told once, the keys it left out
+    assert "\n  delta: 3.0 (TRL: unset" in proc.stderr
     summary = json.loads((out / "run_summary.json").read_text())
     assert (summary["steps"], summary["version"], summary["base_dtype"]) == (2, 2, "bfloat16")  # ceil(1.5) steps
     assert (out / "checkpoint-2").is_dir() and (out / "adapters").is_dir()  # save_steps; the default adapter path
@@ -95,7 +100,7 @@ def test_a_trl_yaml_trains_and_its_final_adapter_passes_peft_auto_peft_and_vllm(
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(world.model_dir)  # a local base: its absolute path
     targets = {name.rsplit(".", 1)[-1] for name in adapter_config["target_modules"]}  # PEFT expands all-linear
-    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert targets == set(TOY_LINEAR)
 
     served = client.complete(summary["adapter_name"], PROMPT, n=1, max_tokens=3, temperature=1.0)[0]
     want = torch.tensor(served.logprobs)

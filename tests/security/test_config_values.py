@@ -23,7 +23,7 @@ BAD = [
 
 def load(tmp_path, body: str) -> AsyncGRPOConfig:
     path = tmp_path / "attack.yaml"
-    path.write_text(f"lora_adapter_path: {tmp_path / 'adapters'}\n{body}")
+    path.write_text(f"model_name_or_path: toy\nlora_adapter_path: {tmp_path / 'adapters'}\n{body}")
     return AsyncGRPOConfig.load(path)
 
 

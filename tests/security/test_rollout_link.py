@@ -39,7 +39,8 @@ def _key(monkeypatch):
 
 
 def _proxy(tmp_path, address: str) -> RolloutProcess:
-    cfg = AsyncGRPOConfig(lora_adapter_path=str(tmp_path), sync_mode="versioned", vllm_request_timeout=1.0)
+    cfg = AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path=str(tmp_path), sync_mode="versioned",
+                          vllm_request_timeout=1.0)
     return RolloutProcess(cfg, model_path="m", peft_config=None, groups_per_step=1, peer=RemotePeer(address))
 
 

@@ -11,9 +11,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_unset_adapter_path_is_under_output_dir_and_an_empty_one_names_the_fix():
-    assert AsyncGRPOConfig.from_dict({"output_dir": "/tmp/run7"}).lora_adapter_path == "/tmp/run7/adapters"
+    assert cfg(output_dir="/tmp/run7", lora_adapter_path=None).lora_adapter_path == "/tmp/run7/adapters"
     with pytest.raises(ConfigError) as err:
-        AsyncGRPOConfig.from_dict({"use_lora": True, "lora_adapter_path": ""})
+        cfg(use_lora=True, lora_adapter_path="")
     assert err.value.field == "lora_adapter_path"
     assert "set lora_adapter_path" in str(err.value)
 
@@ -56,7 +56,7 @@ def test_bad_values_name_their_field(key, value, field):
 
 def test_yaml_file_plus_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("lora_adapter_path: /tmp/a\nlearning_rate: 1e-5\nmax_steps: 7\n")
+    path.write_text("model_name_or_path: toy\nlora_adapter_path: /tmp/a\nlearning_rate: 1e-5\nmax_steps: 7\n")
     config = AsyncGRPOConfig.load(path, ["--max_steps", "9", "--learning_rate=3e-4",
                                       "--lora_target_modules", "q_proj,v_proj", "--epsilon_high", "0.28"])
     assert config.max_steps == 9

@@ -20,7 +20,8 @@ def test_a_config_file_that_is_not_yaml_names_the_file_line_and_column(tmp_path)
 
 def test_an_override_that_is_not_yaml_names_the_key_and_how_to_quote_it(tmp_path):
     with pytest.raises(ConfigError) as err:
-        AsyncGRPOConfig.load(None, ["--lora_adapter_path", str(tmp_path), "--reward_kwargs", "{a: [1"])
+        AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", str(tmp_path),
+                                    "--reward_kwargs", "{a: [1"])
     assert err.value.field == "reward_kwargs"
     assert "'{a: [1'" in str(err.value) and "--reward_kwargs '{name: value}'" in str(err.value)
 

@@ -13,7 +13,7 @@ def test_defaults_bound_the_unclipped_ratio_with_delta_3_and_keep_the_rest_of_th
     c = cfg()
     assert (c.loss_type, c.importance_sampling_level, c.scale_rewards, c.delta) == ("dapo", "token", "group", 3.0)
     assert c.vllm_importance_sampling_correction is False and c.mask_truncated_completions is False
-    assert c.lr_scheduler_type == "constant" and c.num_warmup_steps == 0
+    assert c.lr_scheduler_type == "linear" and c.num_warmup_steps == 0  # TRL's and transformers' schedule
 
 
 def test_scale_rewards_takes_trls_booleans_and_names():
@@ -25,7 +25,8 @@ def test_scale_rewards_takes_trls_booleans_and_names():
 
 
 def test_scale_rewards_override_from_the_command_line():
-    c = AsyncGRPOConfig.load(None, ["--lora_adapter_path", "/tmp/a", "--scale_rewards", "false"])
+    c = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a", "--scale_rewards",
+                                    "false"])
     assert c.scale_rewards == "none"
 
 

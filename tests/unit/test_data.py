@@ -322,7 +322,8 @@ def test_data_config_keys_are_checked_and_name_their_fix():
 
 def test_mappings_can_be_overridden_on_the_command_line(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("lora_adapter_path: /tmp/a\nreward_funcs: [asyncgrpo.rewards:format_reward]\n")
+    path.write_text("model_name_or_path: toy\nlora_adapter_path: /tmp/a\n"
+                    "reward_funcs: [asyncgrpo.rewards:format_reward]\n")
     config = AsyncGRPOConfig.load(path, ["--chat_template_kwargs", "{enable_thinking: false}",
                                       "--reward_kwargs", "{format_reward: {pattern: '<answer>'}}",
                                       "--data_files", "a.jsonl,b.jsonl", "--dataset_name", "json"])

@@ -11,7 +11,9 @@ from asyncgrpo.errors import ConfigError
 
 @pytest.mark.parametrize("name", ["data/train.jsonl", "./prompts", "../elsewhere/train.parquet"])
 def test_a_missing_relative_dataset_path_is_a_missing_file_with_its_resolved_path(tmp_path, name):
-    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "dataset_name": name})
+    cfg = AsyncGRPOConfig.from_dict({"model_name_or_path": "toy", "lora_adapter_path": "/tmp/adapters",
+                                     "dataset_name": name,
+                                     "reward_funcs": ["asyncgrpo.rewards:math_accuracy"]})
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:

@@ -24,7 +24,7 @@ def test_the_adapter_covers_every_decoder_target_and_nothing_in_the_vision_tower
     from peft import get_peft_model
 
 
-    cfg = AsyncGRPOConfig(use_lora=True, lora_adapter_path="/tmp/adapters")
+    cfg = AsyncGRPOConfig(model_name_or_path="toy", use_lora=True, lora_adapter_path="/tmp/adapters")
     with torch.device("meta"):
         model = ARCHITECTURES[arch]()
     peft_model = get_peft_model(model, lora_config(cfg, model))  # raised ValueError on the wrapper before

@@ -18,7 +18,7 @@ def test_soft_overlong_punishment_by_hand():
 
 
 def test_a_factory_in_the_config_scores_through_the_scorer():
-    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/a", "reward_funcs": [REF],
+    cfg = AsyncGRPOConfig.from_dict({"model_name_or_path": "toy", "lora_adapter_path": "/tmp/a", "reward_funcs": [REF],
                                      "reward_kwargs": {"get_soft_overlong_punishment":
                                                        {"max_completion_len": 10, "soft_punish_cache": 4}}})
     scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)

@@ -70,3 +70,17 @@ def test_each_tracker_holds_the_scalars_at_their_steps_and_the_table(opened, tmp
     (table_row,) = [(name, step, m["completions"]) for name, step, m in logs if "completions" in m]
     assert table_row[:2] == ("run-a", 2)
     assert table_row[2]["_value"] == [{"prompt": "07,45>", "completion": "45", "reward": 1.0}]
+
+
+@pytest.mark.parametrize("name", list(trackers_module.TRACKERS))
+def test_the_missing_package_hint_offers_the_extra_only_for_trackers_it_installs(monkeypatch, name):
+    import re
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    extra = {re.split(r"[=<>\[ ]", req)[0] for req in pyproject["project"]["optional-dependencies"]["trackers"]}
+    monkeypatch.setattr(trackers_module, "installed", lambda n: False)
+    with pytest.raises(ConfigError) as err:
+        resolve_report_to([name])
+    assert ("asyncgrpo[trackers]" in str(err.value)) == (trackers_module.TRACKERS[name][1] in extra), str(err.value)

@@ -204,7 +204,8 @@ def test_bf16_beside_another_dtype_is_an_error_naming_both_ways_out():
 
 def test_every_problem_of_a_file_comes_in_one_message(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("use_vllm: false\nvllm_mode: colocate\nlearning_rat: 1e-5\nmax_steps: ten\n"
+    path.write_text("model_name_or_path: toy\nuse_vllm: false\nvllm_mode: colocate\nlearning_rat: 1e-5\n"
+                    "max_steps: ten\n"
                     "num_generations: 1\nloss_type: ppo\nsync_mode: later\n")
     with pytest.raises(ConfigErrors) as err:
         AsyncGRPOConfig.load(path)
@@ -212,7 +213,7 @@ def test_every_problem_of_a_file_comes_in_one_message(tmp_path):
     assert fields == ["use_vllm", "vllm_mode", "learning_rat", "max_steps", "num_generations"], fields
     assert "did you mean `learning_rate`?" in str(err.value)
     # once the values are right, every group of cross-field checks reports too
-    path.write_text("loss_type: ppo\nsync_mode: later\nper_device_train_batch_size: 12\n")
+    path.write_text("model_name_or_path: toy\nloss_type: ppo\nsync_mode: later\nper_device_train_batch_size: 12\n")
     with pytest.raises(ConfigErrors) as err:
         AsyncGRPOConfig.load(path)
     assert [e.field for e in err.value.errors] == ["per_device_train_batch_size", "loss_type", "sync_mode"]
@@ -239,7 +240,8 @@ def test_train_help_lists_every_key_with_its_type_and_default(capsys):
 def test_the_configuration_page_lists_every_trl_key_the_layer_reads():
     page = (REPO / "docs" / "configuration.md").read_text().split("## Every key")[0]
     keys = [*trl_compat.ALIASES, *trl_compat.AGREEING, *trl_compat.IGNORED, "save_strategy", "num_train_epochs",
-            "bf16", "fp16", "model_init_kwargs", "vllm_server_host", "vllm_server_port", *trl_compat.TRL_REWARDS]
+            "bf16", "fp16", "model_init_kwargs", "vllm_server_host", "vllm_server_port", *trl_compat.TRL_REWARDS,
+            "env", "max_tool_calling_iterations"]
     assert [k for k in keys if f"`{k}" not in page] == []
 
 
@@ -250,3 +252,22 @@ def test_no_key_this_project_reads_is_listed_as_a_trl_key_without_an_equivalent(
     from asyncgrpo.trl_compat import TRL_ONLY
 
     assert TRL_ONLY.isdisjoint({f.name for f in dataclasses.fields(AsyncGRPOConfig)} | {"max_tool_calling_iterations"})
+
+
+@pytest.mark.parametrize("model", ["/nfs/rm.v2/ckpt", "Skywork/Skywork-Reward-V2-Qwen3-0.6B"])
+def test_a_reward_model_path_or_hub_id_with_a_dot_is_kept_as_written(model):
+    funcs = cfg(reward_funcs=["asyncgrpo.rewards.math_accuracy", model]).reward_funcs
+    assert funcs == ["asyncgrpo.rewards:math_accuracy", model]
+
+
+def test_a_reward_model_directory_named_like_a_module_path_is_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rm.v2").mkdir()
+    assert cfg(reward_funcs=["rm.v2"]).reward_funcs == ["rm.v2"]
+
+
+@pytest.mark.parametrize("ref", ["/nfs/rm:v2/ckpt", "Skywork/Skywork-Reward-V2-Qwen3-0:6B", "my-lib:fn"])
+def test_a_reward_function_reference_that_is_no_python_name_is_refused(ref):
+    with pytest.raises(ConfigError) as err:
+        cfg(reward_funcs=[ref])
+    assert err.value.field == "reward_funcs" and ref in str(err.value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -85,6 +86,16 @@ def missing(modules, path: list[str] = ()) -> list[str]:
             and not any((Path(p) / m).is_dir() or (Path(p) / f"{m}.py").is_file() for p in path)]
 
 
+def has_pip() -> bool:
+    """Whether this interpreter has pip, read from its installed distributions: `find_spec("pip")` would make
+    setuptools' distutils shim step aside for the rest of the process (DeepSpeed's setuptools import then fails)."""
+    try:
+        importlib.metadata.distribution("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def carry_wheels(wheels: Path, target: Path) -> str | None:
     """Installs every wheel in `wheels` into `target` (no index, no dependencies: the folder is the exact set), for
     the launches' PYTHONPATH; None when done, else why not. pip when this interpreter has it, else an unzip (a wheel
@@ -92,7 +103,7 @@ def carry_wheels(wheels: Path, target: Path) -> str | None:
     found = sorted(wheels.glob("*.whl"))
     if not found:
         return f"{wheels} holds no wheels (scripts/gpu_wheels.sh makes them; docs/gpus.md: carried wheels)"
-    if importlib.util.find_spec("pip") is not None:
+    if has_pip():
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
                                "--disable-pip-version-check", "--target", str(target), *map(str, found)],
                               capture_output=True, text=True)

@@ -40,7 +40,8 @@ LOADGEN_START_S = 30.0  # the load generator imports only the standard library: 
 TAKE_TIMEOUT_S = 60.0  # the consumer's wait for a batch; the load generator answers in milliseconds
 REWARD = "asyncgrpo.rewards:math_accuracy"
 # The workload: 32 prompts x 8 completions of 256 tokens per batch, generation one batch ahead (max_staleness 1).
-SETTINGS = ["--num_generations", "8", "--max_completion_length", "256", "--per_device_train_batch_size", "256",
+SETTINGS = ["--model_name_or_path", "toy", "--dataset_name", "toy",  # named, as every config must; rows are the bench's
+            "--num_generations", "8", "--max_completion_length", "256", "--per_device_train_batch_size", "256",
             "--max_staleness", "1", "--max_inflight_requests", "32", "--reward_funcs", REWARD,
             # the number comparison (~0.1 ms per completion) as when the figures in benchmarks.md were measured;
             # math-verify, the default when installed, costs ~10 ms and would measure sympy instead of the producer

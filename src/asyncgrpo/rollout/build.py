@@ -10,6 +10,7 @@ from pathlib import Path
 
 from asyncgrpo.data import (PromptRow, load_eval_prompts, load_prompt_set, model_type_of, response_template_for,
                             server_max_model_len)
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rewards import RewardScorer
@@ -115,13 +116,17 @@ def end_token_ids(tokenizer, model_path: str) -> frozenset[int]:
 def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupScorer:
     """The scorer `reward_workers` asks for. The pool's workers load the tokenizer from the directory the trainer
     loaded it from (`tokenizer.name_or_path`, a local directory: `data.local_model_dir`)."""
-    scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
+    scorer = RewardScorer(list(cfg.reward_funcs or []), cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
     if factory is not None and callable(getattr(factory, "get_reward", None)):
         # TRL: an environment's get_reward() is one more reward, named after its class, weight 1
         scorer.refs.append(f"{factory.__module__}:{factory.__name__}")
         scorer.functions.append(environment_reward)
         scorer.weights = [*scorer.weights, 1.0]
+    if not scorer.functions:
+        raise ConfigError("reward_funcs", f"is not given, and {cfg.environment_factory} has no get_reward() "
+                          "method: the run would have no reward", "name reward functions in reward_funcs, or give the "
+                          "environment class a get_reward()")
     if cfg.reward_workers == 0:
         return InThreadScoring(scorer, tokenizer, response_template, timeout_s=cfg.reward_timeout)
     return RewardPool(cfg.reward_workers, scorer, TokenizerRef.of(tokenizer), response_template,

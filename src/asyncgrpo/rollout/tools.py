@@ -55,11 +55,11 @@ def load_environment_factory(ref: str) -> type:
 
 
 def environment_tools(environment) -> list[Callable]:
-    """The tools of one environment instance: the public methods of its class other than reset and get_reward,
-    bound to the instance (TRL: `inspect.isfunction` members of the type, no leading underscore)."""
-    names = [name for name, member in inspect.getmembers(type(environment), inspect.isfunction)
-             if not name.startswith("_") and name not in NOT_TOOLS]
-    return [getattr(environment, name) for name in names]
+    """The tools of one environment instance, as TRL finds them: the instance's public bound methods
+    (`inspect.ismethod` members of the instance, so classmethods too and staticmethods not) other than reset and
+    get_reward, in name order."""
+    return [member for name, member in inspect.getmembers(environment, inspect.ismethod)
+            if not name.startswith("_") and name not in NOT_TOOLS]
 
 
 def tool_schema(fn: Callable, key: str = "tools") -> dict:

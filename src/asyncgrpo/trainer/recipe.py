@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config import AsyncGRPOConfig, raise_all
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference, count_training_rows, resolve_model_path
 from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
@@ -62,6 +62,7 @@ class AsyncGRPOTrainer:
     producer, queue, publisher; rollout/side.py), None on the other ranks."""
 
     def __init__(self, cfg: AsyncGRPOConfig):
+        raise_all(cfg.task_problems())  # no silent defaults: a run names its model, prompts and reward
         self.cfg = cfg
         self.loss_spec = LossSpec.from_config(cfg)  # what the loss takes from the config, fixed for the run
         self.checkpointer = Checkpointer.from_config(cfg)  # when and where checkpoints are written
@@ -140,8 +141,8 @@ class AsyncGRPOTrainer:
         clean_partial(out)  # what a save killed midway left behind
         self.cfg.save(out / "config.yaml")
         if self.cfg.log_completions:
-            self.completion_log = CompletionLog(out, self.tokenizer, [reward_name(r) for r in self.cfg.reward_funcs],
-                                                self.cfg.num_completions_to_print)
+            names = [reward_name(r) for r in self.cfg.reward_funcs or []]
+            self.completion_log = CompletionLog(out, self.tokenizer, names, self.cfg.num_completions_to_print)
         self.rollout = open_rollout_side(self.cfg, tokenizer=self.tokenizer, model_path=self.model_path,
                                           peft_config=self.peft_config, groups_per_step=self.groups_per_step,
                                           step=self.step, data_position=self.data_position,

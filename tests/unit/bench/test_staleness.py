@@ -8,12 +8,13 @@ from asyncgrpo.config import AsyncGRPOConfig
 
 
 def test_a_cell_lets_the_producer_run_max_staleness_versions_ahead_with_its_correction():
-    cfg = AsyncGRPOConfig.load(None, ["--lora_adapter_path", "/tmp/a", *WORKLOAD,
+    cfg = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a", *WORKLOAD,
                                       *cell_overrides(4, "token_truncate", 2, groups_per_step=32)])
     assert (cfg.max_staleness, cfg.seed, cfg.weight_sync_steps, cfg.num_iterations) == (4, 2, 1, 1)
     assert cfg.inflight_requests(32) == 32 * 5  # five steps' worth: batches up to 4 versions ahead
     assert cfg.vllm_importance_sampling_correction and cfg.vllm_importance_sampling_mode == "token_truncate"
-    plain = AsyncGRPOConfig.load(None, ["--lora_adapter_path", "/tmp/a", *cell_overrides(0, "none", 0, 32)])
+    plain = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a",
+                                        *cell_overrides(0, "none", 0, 32)])
     assert plain.vllm_importance_sampling_correction is False
 
 
@@ -32,7 +33,7 @@ def test_summary_gives_mean_spread_and_distance_to_the_synchronous_run():
 
 def test_none_is_the_loss_without_delta_and_default_the_config_defaults():
     def load(correction):
-        return AsyncGRPOConfig.load(None, ["--lora_adapter_path", "/tmp/a", *WORKLOAD,
+        return AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a", *WORKLOAD,
                                            *cell_overrides(2, correction, 0, groups_per_step=32)])
 
     assert load("none").delta is None and not load("none").vllm_importance_sampling_correction

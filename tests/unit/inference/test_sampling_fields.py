@@ -42,7 +42,7 @@ def test_server_command_uses_vllms_neutral_generation_config():
 @pytest.mark.parametrize("top_p", [0.95, 0.5])
 def test_top_p_below_one_is_refused_with_the_fix(top_p):
     with pytest.raises(ConfigError) as err:
-        AsyncGRPOConfig(use_lora=True, lora_adapter_path="/tmp/a", top_p=top_p).validate()
+        AsyncGRPOConfig(model_name_or_path="toy", use_lora=True, lora_adapter_path="/tmp/a", top_p=top_p).validate()
     assert err.value.field == "top_p"
     assert f"config `top_p`: {top_p} is not supported" in str(err.value)
     assert str(err.value).endswith("Fix: set `top_p: 1.0` (the default)")

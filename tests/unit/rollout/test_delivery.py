@@ -49,21 +49,23 @@ class Unreachable:
 
 def test_http_delivery_needs_one_receiver_per_server():
     with pytest.raises(ConfigError, match="adapter_receiver_url"):
-        AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http")
+        AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="a", adapter_delivery="http")
     with pytest.raises(ConfigError, match="has 1 entries for 2"):
-        AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=[VLLM, "http://10.9.9.8:8000"],
+        AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="a", adapter_delivery="http",
+                        vllm_server_base_url=[VLLM, "http://10.9.9.8:8000"],
                         adapter_receiver_url="http://10.9.9.9:8001")
     with pytest.raises(ConfigError, match="adapter_delivery is shared_fs"):
-        AsyncGRPOConfig(lora_adapter_path="a", adapter_receiver_url="http://10.9.9.9:8001")
+        AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="a", adapter_receiver_url="http://10.9.9.9:8001")
     with pytest.raises(ConfigError, match="unknown value 'nfs'"):
-        AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="nfs")
-    cfg = AsyncGRPOConfig.load(None, ["--lora_adapter_path", "a", "--adapter_delivery", "http",
+        AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="a", adapter_delivery="nfs")
+    cfg = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "a",
+                                      "--adapter_delivery", "http",
                                       "--vllm_server_base_url", f"{VLLM},http://10.9.9.8:8000",
                                       "--adapter_receiver_url", "http://10.9.9.9:8001,http://10.9.9.8:8001"])
     delivery = make_delivery(cfg)
     assert {url: r.base_url for url, r in delivery.receivers.items()} == {
         VLLM: "http://10.9.9.9:8001", "http://10.9.9.8:8000": "http://10.9.9.8:8001"}
-    assert isinstance(make_delivery(AsyncGRPOConfig(lora_adapter_path="a")), SharedFsDelivery)
+    assert isinstance(make_delivery(AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="a")), SharedFsDelivery)
 
 
 def test_staging_uploads_the_version_byte_for_byte_and_a_retry_is_idempotent(receiver, tmp_path):
@@ -170,9 +172,10 @@ def test_the_doctor_adds_a_receiver_line_only_with_http_delivery(receiver):
     from asyncgrpo.inference.checks import ServerContext, check_receiver
 
     rec, url = receiver
-    shared = AsyncGRPOConfig(lora_adapter_path="a")
+    shared = AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="a")
     assert check_receiver(ServerContext(shared, Unreachable(), "m", delivery=make_delivery(shared))) is None
-    cfg = AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=VLLM,
+    cfg = AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="a", adapter_delivery="http",
+                          vllm_server_base_url=VLLM,
                           adapter_receiver_url=url)
     ok = check_receiver(ServerContext(cfg, Unreachable(), "m", delivery=HttpDelivery({VLLM: ReceiverClient(url, KEY)})))
     assert ok.ok is True and url in ok.detail
@@ -189,7 +192,8 @@ def test_an_unreachable_server_skips_the_receiver_line_only_where_there_is_a_rec
     from asyncgrpo.inference.server import find_free_port
 
     url = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there: connection refused at once
-    cfg = AsyncGRPOConfig(lora_adapter_path=str(tmp_path), adapter_delivery=delivery, vllm_server_base_url=url,
+    cfg = AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path=str(tmp_path), adapter_delivery=delivery,
+                          vllm_server_base_url=url,
                           **({"adapter_receiver_url": "http://127.0.0.1:9"} if delivery == "http" else {}))
     with InferenceClient(url, timeout_s=5) as client:
         results = _server_results(ServerContext(cfg, client, "m", delivery=make_delivery(cfg)))

@@ -90,7 +90,8 @@ def test_make_delivery_gives_each_receiver_the_servers_api_key(receiver, monkeyp
 
     rec, url, vllm = receiver
     monkeypatch.setenv(API_KEY_ENV, KEY)
-    cfg = AsyncGRPOConfig(lora_adapter_path="a", adapter_delivery="http", vllm_server_base_url=VLLM,
+    cfg = AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="a", adapter_delivery="http",
+                          vllm_server_base_url=VLLM,
                           adapter_receiver_url=url)
     assert make_delivery(cfg).receivers[VLLM].committed() == []  # the receiver requires KEY: a 401 without it
 

@@ -43,7 +43,8 @@ class StandInProcess:
 def proxy(tmp_path, monkeypatch):
     """A RolloutProcess whose ChildPeer is connected to `proxy.theirs` (the child's end of a Pipe), already started."""
     monkeypatch.setattr(process, "POLL_S", 0.02)  # liveness is checked every 20 ms instead of every second
-    cfg = AsyncGRPOConfig(lora_adapter_path=str(tmp_path), sync_mode="versioned", vllm_request_timeout=0.1)
+    cfg = AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path=str(tmp_path), sync_mode="versioned",
+                          vllm_request_timeout=0.1)
     peer = ChildPeer()
     peer.conn, theirs = Pipe()
     peer.process = StandInProcess()

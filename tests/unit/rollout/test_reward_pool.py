@@ -203,7 +203,8 @@ def test_a_reward_module_the_worker_cannot_import_fails_the_pool_at_start(tokeni
 
 def test_reward_workers_picks_the_scorer_and_hands_it_the_rewards_config(tokenizer, template):
     ref, kwargs = "asyncgrpo.rewards:format_reward", {"format_reward": {"pattern": "^7$"}}
-    values = {"lora_adapter_path": "/tmp/adapters", "reward_funcs": [ref], "reward_weights": [2.5],
+    values = {"model_name_or_path": "toy", "lora_adapter_path": "/tmp/adapters", "reward_funcs": [ref],
+              "reward_weights": [2.5],
               "reward_fallback": -3.0, "reward_kwargs": kwargs}
     in_thread = make_group_scorer(AsyncGRPOConfig.from_dict(values), tokenizer, template)
     assert isinstance(in_thread, InThreadScoring)

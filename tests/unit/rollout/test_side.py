@@ -264,7 +264,8 @@ def test_a_side_that_never_started_halts_and_closes_without_error(rollout_on_stu
 # ---- what the side reports: its constructor's defaults, stats(), log(), each publish's timings ----------------------
 def bare_side(tmp_path, **kwargs) -> RolloutSide:
     """A side that is never started (no server, no producer): its constructor and the parts that only read counters."""
-    cfg = AsyncGRPOConfig.from_dict({"output_dir": str(tmp_path / "out"), "lora_adapter_path": str(tmp_path / "a")})
+    cfg = AsyncGRPOConfig.from_dict({"model_name_or_path": "toy", "output_dir": str(tmp_path / "out"),
+                                     "lora_adapter_path": str(tmp_path / "a")})
     return RolloutSide(cfg, tokenizer=None, model_path=str(tmp_path), peft_config=Lora(), groups_per_step=3, **kwargs)
 
 

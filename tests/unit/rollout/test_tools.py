@@ -164,3 +164,36 @@ def test_a_hung_call_among_several_of_one_turn_is_cut_at_the_timeout_and_the_oth
         agent_tools.RELEASE.set()
     assert results[0].error and "hang did not finish within tool_timeout=0.2 s" in results[0].content
     assert (results[1].content, results[1].error) == ("b", False)
+
+
+def test_an_environments_tools_are_found_as_trl_finds_them_its_public_bound_methods():
+    class Shop:
+        def reset(self, **row):
+            return None
+
+        def buy(self, item: str) -> str:
+            """Buy.
+
+            Args:
+                item: what to buy
+            """
+            return item
+
+        @classmethod
+        def catalogue(cls) -> str:
+            """The catalogue."""
+            return "all"
+
+        @staticmethod
+        def helper(x: int) -> int:
+            """Not a tool in TRL: a staticmethod is no bound method.
+
+            Args:
+                x: a number
+            """
+            return x
+
+        def _private(self) -> None:
+            return None
+
+    assert [t.__name__ for t in environment_tools(Shop())] == ["buy", "catalogue"]

@@ -177,9 +177,11 @@ def test_resume_path_that_is_not_a_directory(tmp_path):
 
 def test_save_steps_must_be_a_multiple_of_weight_sync_steps():
     with pytest.raises(ConfigError) as err:
-        AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/a", "save_steps": 3, "weight_sync_steps": 2})
+        AsyncGRPOConfig.from_dict({"model_name_or_path": "toy", "lora_adapter_path": "/tmp/a", "save_steps": 3,
+                                   "weight_sync_steps": 2})
     assert err.value.field == "save_steps"
-    cfg = AsyncGRPOConfig.load(None, ["--lora_adapter_path", "/tmp/a", "--resume_from_checkpoint", "latest",
+    cfg = AsyncGRPOConfig.load(None, ["--model_name_or_path", "toy", "--lora_adapter_path", "/tmp/a",
+                                      "--resume_from_checkpoint", "latest",
                                       "--save_steps", "4", "--save_total_limit", "2"])
     assert (cfg.resume_from_checkpoint, cfg.save_steps, cfg.save_total_limit) == ("latest", 4, 2)
 
@@ -196,7 +198,8 @@ def test_a_batch_is_in_data_order_whatever_request_finished_first():
 
 
 def test_checkpoint_restores_the_schedule_where_it_stopped(tmp_path):
-    config = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "max_steps": 10,
+    config = AsyncGRPOConfig.from_dict({"model_name_or_path": "toy", "lora_adapter_path": "/tmp/adapters",
+                                        "max_steps": 10,
                                         "lr_scheduler_type": "cosine", "warmup_steps": 2})
     model, optimizer, peft_config = make_model()
     scheduler = build_lr_scheduler(optimizer, config)

@@ -12,7 +12,8 @@ from asyncgrpo.trainer.loss import KL_BOUND, LossSpec, grpo_loss, importance_wei
 
 
 def default_spec(**values) -> LossSpec:
-    return LossSpec.from_config(AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", **values}))
+    return LossSpec.from_config(AsyncGRPOConfig.from_dict({"model_name_or_path": "toy",
+                                                           "lora_adapter_path": "/tmp/adapters", **values}))
 
 
 def extreme_batch(seed: int, b: int = 8, t: int = 6):

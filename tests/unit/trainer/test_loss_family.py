@@ -323,7 +323,8 @@ def test_grpo_divides_a_one_token_sequence_by_one():
 # ---- the spec a config gives ---------------------------------------------------------------------------------------
 def test_loss_spec_from_config_picks_up_every_field():
     cfg = AsyncGRPOConfig.from_dict({
-        "lora_adapter_path": "/tmp/adapters", "epsilon": 0.11, "epsilon_high": 0.33, "loss_type": "dr_grpo",
+        "model_name_or_path": "toy", "lora_adapter_path": "/tmp/adapters", "epsilon": 0.11, "epsilon_high": 0.33,
+        "loss_type": "dr_grpo",
         "beta": 0.05, "importance_sampling_level": "sequence", "delta": 4.5,
         "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
         "vllm_importance_sampling_cap": 2.5, "max_completion_length": 77, "vllm_importance_sampling_clip_min": 0.25,
@@ -343,7 +344,8 @@ def test_loss_spec_from_config_picks_up_every_field():
     ("luspo", "sequence", None), ("grpo", "token", None),
     ("dapo", "sequence", "sums per-token contributions"), ("grpo", "sequence", None)])
 def test_loss_spec_from_config_warns_only_on_a_mismatched_level(caplog, loss_type, level, warned):
-    cfg = AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "loss_type": loss_type,
+    cfg = AsyncGRPOConfig.from_dict({"model_name_or_path": "toy", "lora_adapter_path": "/tmp/adapters",
+                                     "loss_type": loss_type,
                                      "importance_sampling_level": level})
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.loss"):
         LossSpec.from_config(cfg)
@@ -352,7 +354,8 @@ def test_loss_spec_from_config_warns_only_on_a_mismatched_level(caplog, loss_typ
 
 
 def test_loss_spec_from_a_default_config_has_delta_3_no_correction_and_epsilon_high_falls_back_to_epsilon():
-    spec = LossSpec.from_config(AsyncGRPOConfig.from_dict({"lora_adapter_path": "/tmp/adapters", "epsilon": 0.15}))
+    spec = LossSpec.from_config(AsyncGRPOConfig.from_dict({"model_name_or_path": "toy",
+                                                           "lora_adapter_path": "/tmp/adapters", "epsilon": 0.15}))
     assert (spec.epsilon_low, spec.epsilon_high, spec.loss_type) == (0.15, 0.15, "dapo")
     assert (spec.beta, spec.delta) == (0.0, 3.0)
     assert spec.is_mode is None and not spec.importance_weighted and not spec.needs_reference

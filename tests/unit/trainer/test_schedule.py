@@ -28,7 +28,12 @@ def test_schedules_follow_transformers_formulas(kind, expected):
 def test_constant_has_no_warmup_and_refuses_one():
     assert [lr_factor(s, kind="constant", warmup=0, total=10) for s in (0, 5, 10)] == [1.0, 1.0, 1.0]
     with pytest.raises(ConfigError, match="constant_with_warmup"):
-        cfg(warmup_steps=2)
+        cfg(lr_scheduler_type="constant", warmup_steps=2)
+
+
+def test_a_warmup_without_a_scheduler_warms_up_the_default_linear_schedule_as_in_trl():
+    config = cfg(warmup_ratio=0.1, max_steps=20)
+    assert (config.lr_scheduler_type, config.num_warmup_steps) == ("linear", 2)
 
 
 def test_warmup_steps_override_warmup_ratio_which_rounds_up():
