@@ -119,6 +119,7 @@ def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupSc
     """The scorer `reward_workers` asks for. The pool's workers load the tokenizer from the directory the trainer
     loaded it from (`tokenizer.name_or_path`, a local directory: `data.local_model_dir`)."""
     scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
+    scorer.state.max_steps = cfg.max_steps  # TRL's trainer_state.max_steps
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
     if factory is not None and callable(getattr(factory, "get_reward", None)):
         # TRL: an environment's get_reward() is one more reward, named after its class, weight 1

@@ -49,6 +49,7 @@ class RolloutSide:
         self.recovery = self.store = self.publisher = self.scorer = self.queue = self.producer = self.trackers = None
         self.eval_rows: list = []  # eval_dataset's prompts, tokenised at start
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
+        self._extra: dict[str, list] = {}  # log_extra columns taken from the scorer, written at the next log()
         self._publishing: Future | None = None
 
     # ---- start ----------------------------------------------------------------------------------------
@@ -129,6 +130,7 @@ class RolloutSide:
         written = time.perf_counter()
         timing = self.publisher.publish(version, path)
         self.version = version
+        self.scorer.at_step(step, version)  # reward functions' trainer_state, from the next group scored on
         self.producer.set_policy(version, self.publisher.current_name)  # new requests go to the new version
         self.publisher.retire(in_use=self.producer.adapters_in_use())
         self.store.prune(self.cfg.keep_adapter_versions, in_use=set(self.publisher.loaded.values()))
@@ -147,7 +149,7 @@ class RolloutSide:
         producer, queue = self.producer, self.queue
         elapsed = time.monotonic() - producer.started_at
         episodes = producer.episodes.stats.values() if producer.episodes is not None else {}  # with tools only
-        return {**episodes, "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
+        return {**episodes, **self._logged_metrics(), "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
                 "rollout/lost_groups_total": producer.lost_groups,
                 "rollout/resent_groups_total": producer.resent_groups,
                 "reward/fallbacks_total": self.scorer.fallbacks,
@@ -155,10 +157,25 @@ class RolloutSide:
                 "queue/dropped_zero_std_total": queue.dropped_zero_std,
                 "queue/inflight_requests": producer.inflight}
 
+    def _logged_metrics(self) -> dict[str, float]:
+        """Reward functions' `log_metric` values since the last call, each as its mean under `train/<name>` (TRL's
+        averaging per logging step); their `log_extra` columns wait for the next `log` (they need its step)."""
+        metrics, extra = self.scorer.take_logged()
+        for column, values in extra.items():
+            self._extra.setdefault(column, []).extend(values)
+        return {f"train/{name}": sum(v) / len(v) for name, v in metrics.items() if v}
+
     def log(self, values: dict[str, float], step: int) -> None:
         """Write `values` at `step` to every tracker: every metric the side writes goes through here (the publish
-        thread's sync timings too)."""
+        thread's sync timings too). Columns reward functions logged with `log_extra` go with them as a table."""
         self.trackers.log(values, step)
+        if self._extra:
+            extra, self._extra = self._extra, {}
+            columns = sorted(extra)
+            rows = max(len(v) for v in extra.values())
+            self.trackers.log_table("reward_extra", ["step", *columns],
+                                    [[step, *(extra[c][i] if i < len(extra[c]) else None for c in columns)]
+                                     for i in range(rows)], step)
 
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
         """Write a table at `step` to every tracker that shows tables."""

@@ -31,8 +31,8 @@ from asyncgrpo.rollout.scoring import InThreadScoring
 
 HERE = str(Path(__file__).parent)
 REFS = ["reward_fns:fingerprint", "reward_fns:misbehave", "reward_fns:torch_imported",
-        "asyncgrpo.rewards:math_accuracy"]
-WEIGHTS = [1.0, 1.0, 0.0, 1.0]  # torch_imported differs between the test process and a worker: weight 0
+        "asyncgrpo.rewards:math_accuracy", "reward_fns:logs_step"]
+WEIGHTS = [1.0, 1.0, 0.0, 1.0, 0.0]  # torch_imported differs between the test process and a worker: weight 0
 TIMEOUT_S = 2.0  # reward_timeout of the pool: short, so that the hang test is quick
 # A liveness bound on every call to a pool, far above its reward_timeout: a broken deadline in RewardPool._call, or a
 # worker that is never seen as ready (each call would then wait WORKER_START_TIMEOUT_S, 120 s), fails the test here
@@ -328,3 +328,15 @@ def test_a_worker_that_never_gets_ready_fails_the_pool_at_its_start_timeout(rewa
         returns_within(lambda: RewardPool(1, RewardScorer(["reward_fns:misbehave"]), never, start_timeout_s=1.0),
                        30.0, "RewardPool(start_timeout_s=1) with a worker that never gets ready")
     assert str(error.value).startswith("a reward worker process did not start within 1 s (exit code -9). Fix:")
+
+
+def test_a_workers_functions_get_the_trainer_state_of_the_last_publish_and_what_they_log_comes_back(pool, tokenizer):
+    pool.take_logged()  # what earlier tests' scoring logged
+    pool.at_step(6, 3)
+    try:
+        _, parts = score(pool, text_row(), ids(tokenizer, "45", "7"), ["stop", "stop"])
+    finally:
+        pool.at_step(0, 0)  # the other tests compare with an in-thread scorer at step 0
+    assert parts["logs_step"] == [3.0, 3.0]  # policy_version
+    assert pool.take_logged() == ({"seen_step": [6.0]}, {"length": [2, 1]})
+    assert pool.take_logged() == ({}, {})
