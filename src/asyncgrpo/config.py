@@ -110,9 +110,10 @@ class AsyncGRPOConfig:
     """Parse chat completions with transformers' `tokenizer.parse_response` (content, thinking, tool calls) and hand
     the parsed messages to reward functions as `parsed`. Uses the tokenizer's `response_template`, else the one
     transformers ships for the model type (Qwen2/2.5/3, Gemma 4); without either there is no `parsed`."""
-    reward_funcs: list[str] = field(default_factory=lambda: ["asyncgrpo.toy:larger_reward"])
+    reward_funcs: list[str] | None = None
     """Reward functions as `package.module:function`, TRL signature `fn(prompts, completions, **columns)`
-    returning one float per completion, or None where the function does not apply. Built-ins:
+    returning one float per completion, or None where the function does not apply. Unset: the toy task's
+    `asyncgrpo.toy:larger_reward`, or none with `environment_factory` (its `get_reward()` is the reward, as TRL). Built-ins:
     `asyncgrpo.rewards:math_accuracy`, `asyncgrpo.rewards:format_reward`, `asyncgrpo.rewards:length_penalty`.
     A factory (a function without a `completions` argument, such as TRL's `trl.rewards:get_soft_overlong_punishment`
     or the built-in `asyncgrpo.rewards:get_soft_overlong_punishment`) is called with its `reward_kwargs` and the
@@ -430,6 +431,8 @@ class AsyncGRPOConfig:
             self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.lora_adapter_path is None:
             self.lora_adapter_path = str(Path(self.output_dir) / "adapters")
+        if self.reward_funcs is None:  # an environment owns its reward (TRL): no default is added beside it
+            self.reward_funcs = [] if self.environment_factory else [DEFAULT_REWARD]
         self.validate()
 
     @property
@@ -531,7 +534,7 @@ class AsyncGRPOConfig:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
                               f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
-        if not self.reward_funcs:
+        if not self.reward_funcs and not self.environment_factory:  # an environment's get_reward: checked at build
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
         for ref in self.reward_funcs:
             if ":" not in ref and "/" not in ref and not Path(ref).exists():
@@ -825,6 +828,7 @@ VALUE_RANGES: dict[str, Range] = {
 # `-` (a hidden file, a command-line flag), and room left for the run id and the version.
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
+DEFAULT_REWARD = "asyncgrpo.toy:larger_reward"  # reward_funcs when unset and no environment owns the reward
 # The secrets asyncgrpo reads from the environment; reward workers start without them (rollout/reward_pool.py).
 SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
 

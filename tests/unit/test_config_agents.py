@@ -39,3 +39,13 @@ def test_trls_max_tool_calling_iterations_is_read_as_one_more_model_turn():
 def test_agent_numbers_out_of_range_name_the_key(key, value):
     with pytest.raises(ConfigError, match=key):
         cfg(**{key: value})
+
+
+def test_no_default_reward_is_added_beside_an_environment_but_plain_runs_keep_the_toy_reward():
+    assert cfg(environment_factory="agent_tools:Counter").reward_funcs == []  # its get_reward() scores (TRL)
+    assert cfg(tools=["agent_tools:lookup"]).reward_funcs == ["asyncgrpo.toy:larger_reward"]
+    assert cfg().reward_funcs == ["asyncgrpo.toy:larger_reward"]
+    assert cfg(environment_factory="agent_tools:Counter", reward_funcs=["agent_tools:messages_reward"]).reward_funcs \
+        == ["agent_tools:messages_reward"]
+    with pytest.raises(ConfigError, match="reward_funcs.*is empty"):
+        cfg(reward_funcs=[])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from asyncgrpo.data import (PromptRow, load_eval_prompts, load_prompt_set, model_type_of, response_template_for,
                             server_max_model_len)
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rewards import RewardScorer
@@ -118,10 +119,14 @@ def end_token_ids(tokenizer, model_path: str) -> frozenset[int]:
 def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupScorer:
     """The scorer `reward_workers` asks for. The pool's workers load the tokenizer from the directory the trainer
     loaded it from (`tokenizer.name_or_path`, a local directory: `data.local_model_dir`)."""
-    scorer = RewardScorer(cfg.reward_funcs, cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
+    scorer = RewardScorer(list(cfg.reward_funcs), cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
     scorer.state.max_steps = cfg.max_steps  # TRL's trainer_state.max_steps
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
-    if factory is not None and callable(getattr(factory, "get_reward", None)):
+    owns_reward = factory is not None and callable(getattr(factory, "get_reward", None))
+    if not cfg.reward_funcs and not owns_reward:
+        raise ConfigError("reward_funcs", f"is empty and {cfg.environment_factory} has no get_reward(), so nothing "
+                          "scores the episodes", "name a reward function, or give the environment a get_reward()")
+    if owns_reward:
         # TRL: an environment's get_reward() is one more reward, named after its class, weight 1
         scorer.refs.append(f"{factory.__module__}:{factory.__name__}")
         scorer.functions.append(environment_reward)

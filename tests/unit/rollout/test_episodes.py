@@ -187,6 +187,21 @@ def test_an_environments_get_reward_is_one_more_reward_named_after_its_class_and
     assert build_episode_runner(make_cfg(), TOK, "/nonexistent", None) is None  # no tools: plain completions
 
 
+def test_an_environment_with_get_reward_and_no_reward_funcs_is_scored_by_get_reward_alone():
+    from asyncgrpo.rollout.build import make_group_scorer
+
+    config = make_cfg(environment_factory="agent_tools:Counter")
+    scoring = make_group_scorer(config, TOK, None)
+    assert (scoring.scorer.refs, scoring.scorer.weights) == (["agent_tools:Counter"], [1.0])
+    assert config.reward_funcs == []  # the config's list is left as it was
+    envs = [agent_tools.Counter(), agent_tools.Counter()]
+    envs[0].count, envs[1].count = 2, 0
+    rewards, parts = scoring.score_episodes(ROW, [ROW.prompt] * 2, [[], []], [[1], [2]], ["stop", "stop"], envs)
+    assert parts == {"Counter": [2.0, 0.0]} and rewards == [2.0, 0.0]
+    with pytest.raises(ConfigError, match="reward_funcs.*LookupEnv has no get_reward"):
+        make_group_scorer(make_cfg(environment_factory="asyncgrpo.toy.agent_task:LookupEnv"), TOK, None)
+
+
 def test_an_environment_without_get_reward_adds_no_reward():
     from asyncgrpo.rollout.build import make_group_scorer
     from asyncgrpo.toy.agent_task import LookupEnv
