@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 import threading
 import time
 
@@ -98,3 +99,45 @@ def slow(seconds: float) -> str:
 def messages_reward(prompts, completions, environments=None, **kwargs) -> list[float]:
     """A reward function for episodes: the number of messages after the prompt."""
     return [float(len(c)) for c in completions]
+
+
+class Workshop:
+    """An environment whose tools are found on the instance (TRL's rule): a method, a classmethod and one bound at
+    run time are tools; a staticmethod, a plain function attribute, reset, get_reward and close are not."""
+
+    closed = 0
+
+    def __init__(self):
+        self.measure = types.MethodType(measure, self)  # bound to this instance at run time
+
+    def reset(self, **row) -> None:
+        return None
+
+    def saw(self, length: int) -> str:
+        """Saw a plank.
+
+        Args:
+            length: how long
+        """
+        return f"sawn {length}"
+
+    @classmethod
+    def catalogue(cls) -> str:
+        """List what the workshop makes."""
+        return "chairs"
+
+    @staticmethod
+    def helper() -> str:
+        return "not a tool"
+
+    def close(self) -> None:
+        Workshop.closed += 1
+
+
+def measure(self, what: str) -> str:
+    """Measure something.
+
+    Args:
+        what: the thing
+    """
+    return f"{what}: 3"

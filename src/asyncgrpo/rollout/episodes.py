@@ -187,18 +187,80 @@ Latest = Callable[[], ContextManager[tuple[int, str]]]
 """`episode_version: latest`: gives the (version, adapter) served now, held in use while its turn runs."""
 
 
+class EnvironmentPool:
+    """`environment_factory`'s instances, built once and reused (TRL: "construct once, reset often"): an episode takes
+    an idle one (a new one only when every instance is in use, so there are as many as episodes ever ran at once)
+    and gives it back once its group is scored. `close()` calls each instance's `close()`, when it has one, at the
+    end of the run; an instance given back after that is closed at once."""
+
+    def __init__(self, factory: Callable, ref: str | None):
+        self.factory, self.ref = factory, ref
+        self._lock = threading.Lock()
+        self._idle: list = []
+        self.built = 0  # instances made so far
+        self._closed = False
+
+    def take(self):
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            self.built += 1
+        try:
+            return self.factory()
+        except Exception as exc:  # noqa: BLE001 - a user's class: name it
+            raise ToolError(f"environment_factory {self.ref} could not be built: {type(exc).__name__}: {exc}") from exc
+
+    def give_back(self, environment) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(environment)
+                return
+        close_environment(environment)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for environment in idle:
+            close_environment(environment)
+
+
+def close_environment(environment) -> None:
+    """`environment.close()` when it has one; a failure is logged, not raised (the run is ending)."""
+    close = getattr(environment, "close", None)
+    if not callable(close):
+        return
+    try:
+        _called(close())
+    except Exception as exc:  # noqa: BLE001 - a user's close: report it and go on closing the others
+        log.warning("%s.close() raised %s: %s", type(environment).__name__, type(exc).__name__, exc)
+
+
 class EpisodeRunner:
     """Runs a group's episodes against one server: each episode on a thread of its own, its turns one request each,
     every turn on the adapter the group was sent with (`episode_version: pinned`) or on the newest served one
-    (`latest`): docs/agents.md, "Versions inside an episode"."""
+    (`latest`): docs/agents.md, "Versions inside an episode". Environments come from one pool: `release` the
+    episodes once scored, `close` at the end of the run."""
 
     def __init__(self, fmt: ChatFormat, cfg, *, tools: list[Callable], factory: Callable | None,
                  max_model_len: int | None):
         self.fmt, self.cfg, self.factory, self.max_model_len = fmt, cfg, factory, max_model_len
+        self.environments = EnvironmentPool(factory, cfg.environment_factory) if factory is not None else None
         self.tools = list(tools)
         self.tool_schemas = [tool_schema(t) for t in self.tools]
         self.max_episode_tokens = cfg.max_episode_tokens  # None: the server's context is the only bound
         self.stats = EpisodeStats()
+
+    def release(self, episodes: list[Episode]) -> None:
+        """The episodes' environments go back to the pool (after their rewards are computed)."""
+        for e in episodes:
+            if e.environment is not None and self.environments is not None:
+                self.environments.give_back(e.environment)
+                e.environment = None
+
+    def close(self) -> None:
+        """Close every pooled environment (`close()` where defined): the run is over."""
+        if self.environments is not None:
+            self.environments.close()
 
     # ---- starting -------------------------------------------------------------------------------------------
     def start(self, row: PromptRow) -> Episode:
@@ -209,13 +271,13 @@ class EpisodeRunner:
         messages = [dict(m) for m in row.prompt]
         tools = list(self.tools)
         environment = None
-        if self.factory is not None:
+        if self.environments is not None:
+            environment = self.environments.take()
             try:
-                environment = self.factory()
-            except Exception as exc:  # noqa: BLE001 - a user's class: name it
-                raise ToolError(f"environment_factory {self.cfg.environment_factory} could not be built: "
-                                f"{type(exc).__name__}: {exc}") from exc
-            observation = reset_environment(environment, row)
+                observation = reset_environment(environment, row)
+            except BaseException:
+                self.environments.give_back(environment)
+                raise
             if observation is not None:
                 last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
                 messages[last]["content"] = f"{messages[last]['content']}{observation}"
@@ -230,7 +292,18 @@ class EpisodeRunner:
                   seed: int | None, latest: Latest | None = None) -> list[Episode]:
         """`n` episodes of `row`, all turns on `adapter`, or each on what `latest()` gives. Raises what a turn's
         request raised (the producer loses and resends the group on a server fault) or TurnAborted."""
-        episodes = [self.start(row) for _ in range(n)]
+        episodes: list[Episode] = []
+        try:
+            for _ in range(n):
+                episodes.append(self.start(row))
+            return self._run_all(client, row, episodes, adapter=adapter, version=version, seed=seed, latest=latest)
+        except BaseException:
+            self.release(episodes)  # the group is lost: its environments are reset before their next use
+            raise
+
+    def _run_all(self, client, row: PromptRow, episodes: list[Episode], *, adapter: str, version: int,
+                 seed: int | None, latest: Latest | None) -> list[Episode]:
+        n = len(episodes)
         errors: list[BaseException] = []
 
         def one(j: int) -> None:

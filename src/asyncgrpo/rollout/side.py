@@ -206,6 +206,8 @@ class RolloutSide:
         self._publish_thread.shutdown(wait=True)
         if self.producer is not None:
             self.producer.stop()  # also stops the reward workers
+            if self.producer.episodes is not None:
+                self.producer.episodes.close()  # every pooled environment's close(), where it has one
         elif self.scorer is not None:
             self.scorer.close()
         if self.publisher is not None:  # free the servers' adapter slots this run held

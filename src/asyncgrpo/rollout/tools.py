@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from asyncgrpo.errors import ConfigError, ToolError
 
-NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that the model never calls (TRL)
+NOT_TOOLS = ("reset", "get_reward", "close")  # an environment's methods that the model never calls
 
 
 def load_ref(ref: str, key: str) -> Any:
@@ -55,11 +55,11 @@ def load_environment_factory(ref: str) -> type:
 
 
 def environment_tools(environment) -> list[Callable]:
-    """The tools of one environment instance: the public methods of its class other than reset and get_reward,
-    bound to the instance (TRL: `inspect.isfunction` members of the type, no leading underscore)."""
-    names = [name for name, member in inspect.getmembers(type(environment), inspect.isfunction)
-             if not name.startswith("_") and name not in NOT_TOOLS]
-    return [getattr(environment, name) for name in names]
+    """The tools of one environment instance: its public bound methods (TRL: `inspect.ismethod` members of the
+    instance, no leading underscore), other than reset, get_reward and close. So a classmethod or a method bound to
+    the instance at run time is a tool, and a staticmethod, a plain function attribute or a property is not."""
+    return [member for name, member in inspect.getmembers(environment, inspect.ismethod)
+            if not name.startswith("_") and name not in NOT_TOOLS]
 
 
 def tool_schema(fn: Callable, key: str = "tools") -> dict:

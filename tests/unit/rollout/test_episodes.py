@@ -626,3 +626,34 @@ def test_episodes_need_chat_prompts_and_an_environment_that_can_be_built_with_do
         runner(tools=(agent_tools.no_docstring,))
     assert error.value.field == "tools"
     assert runner().start(ROW).environment is None  # tools alone: no environment
+
+
+def test_environments_are_reused_across_groups_and_closed_at_the_end_never_one_per_episode():
+    agent_tools.Counter.instances = 0
+    r = runner(tools=(), factory=agent_tools.Counter, max_turns=2, max_completion_length=20)
+    first = r.run_group(ScriptedClient(["45", ""]), ROW, n=2, adapter="a", version=0, seed=None)
+    envs = {id(e.environment) for e in first}
+    for e in first:
+        e.environment.count = 99  # state left by the first episodes
+    r.release(first)
+    assert all(e.environment is None for e in first)
+    second = r.run_group(ScriptedClient(["45", ""]), ROW, n=2, adapter="a", version=0, seed=None)
+    assert {id(e.environment) for e in second} == envs and agent_tools.Counter.instances == 2  # reset, not rebuilt
+    assert [e.environment.count for e in second] == [1, 1]  # reset with the row (`start`) before reuse
+    r.release(second)
+    with pytest.raises(TurnAborted):  # a lost group gives its environments back too
+        r.run_group(ScriptedClient(["45"], finish={1: "abort"}), ROW, n=2, adapter="a", version=0, seed=None)
+    r.run_group(ScriptedClient(["45", ""]), ROW, n=2, adapter="a", version=0, seed=None)
+    assert agent_tools.Counter.instances == 2
+
+
+def test_closing_the_runner_closes_every_pooled_environment_and_one_given_back_later():
+    agent_tools.Workshop.closed = 0
+    r = runner(tools=(), factory=agent_tools.Workshop, max_turns=1, max_completion_length=20)
+    done = r.run_group(ScriptedClient([""]), ROW, n=2, adapter="a", version=0, seed=None)
+    late = r.run_group(ScriptedClient([""]), ROW, n=1, adapter="a", version=0, seed=None)
+    r.release(done)
+    r.close()
+    assert agent_tools.Workshop.closed == 2
+    r.release(late)  # a group still being scored when the run ended
+    assert agent_tools.Workshop.closed == 3

@@ -87,6 +87,14 @@ def test_an_environments_tools_are_its_public_methods_but_reset_and_get_reward()
         load_environment_factory("agent_tools:lookup")
 
 
+def test_an_environments_tools_are_the_public_methods_of_the_instance_as_trl_finds_them():
+    env = agent_tools.Workshop()
+    tools = {t.__name__: t for t in environment_tools(env)}
+    assert sorted(tools) == ["catalogue", "measure", "saw"]  # not helper (static), reset, get_reward or close
+    assert tools["measure"]("door") == "door: 3" and tools["catalogue"]() == "chairs"  # bound: no self to pass
+    assert [tool_schema(t)["function"]["name"] for t in environment_tools(env)] == ["catalogue", "measure", "saw"]
+
+
 def test_an_unknown_tool_and_arguments_that_are_not_an_object_answer_at_once_naming_what_is_wrong():
     tools = {"lookup": agent_tools.lookup, "add": agent_tools.add}
     assert call_tool(tools, "search", {}, 1.0) == ToolResult(
