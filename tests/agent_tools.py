@@ -141,3 +141,23 @@ def measure(self, what: str) -> str:
         what: the thing
     """
     return f"{what}: 3"
+
+
+class Riddles:
+    """A TRL environment that owns its data (no dataset): reset() returns the prompt, get_reward() scores."""
+
+    def reset(self, **kwargs) -> str:
+        self.kwargs, self.said = kwargs, []
+        return "Say 45."
+
+    def lookup(self, key: str) -> str:
+        """Say something.
+
+        Args:
+            key: what to say
+        """
+        self.said.append(key)
+        return "heard"
+
+    def get_reward(self) -> float:
+        return float(self.said[:1] == ["45"])

@@ -81,7 +81,7 @@ class AsyncGRPOConfig:
     """Prompt source: `toy` (the toy world's training split); a local data file (`.json`, `.jsonl`, `.parquet`,
     `.csv`, `.arrow`) or a directory written by `Dataset.save_to_disk`; a `datasets` format (`json`, `parquet`,
     `csv`, `arrow`) together with `data_files`; or a Hugging Face hub dataset such as `openai/gsm8k` (needs hub
-    access)."""
+    access); or `environment`: no dataset, `environment_factory`'s `reset()` returns each episode's prompt (TRL)."""
     dataset_config: str | None = None
     """Configuration (subset) of a hub dataset, e.g. `main` for `openai/gsm8k` (`datasets.load_dataset`'s `name`)."""
     dataset_train_split: str = "train"
@@ -593,6 +593,12 @@ class AsyncGRPOConfig:
             raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
                               "are scored in the rollout process, where their environments live",
                               "set `reward_workers: 0`")
+        if self.dataset_name == "environment" and not self.environment_factory:
+            raise ConfigError("dataset_name", "is `environment` (reset() gives the prompts), but no "
+                              "environment_factory is set", "set environment_factory, or name a dataset")
+        if self.dataset_name == "environment" and self.num_train_epochs is not None:
+            raise ConfigError("num_train_epochs", "is set, but with `dataset_name: environment` there are no rows to "
+                              "pass over", "set max_steps instead")
         if self.uses_tools and self.prompt_format == "raw":
             raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
                               "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
@@ -693,7 +699,12 @@ class AsyncGRPOConfig:
         values, problems = trl_compat.translate(values)
         kwargs = {}
         for key, value in values.items():
-            if key == "max_tool_calling_iterations" and value is not None:  # TRL's name: tool rounds, not turns
+            if key == "max_tool_calling_iterations":  # TRL's name: tool rounds, not turns
+                problem = trl_tool_rounds(value, values.get("max_turns"))
+                if problem is not None:
+                    problems.append(problem)
+                if problem is not None or value is None:  # None: TRL's "no cap"; max_turns' default stands
+                    continue
                 key, value = "max_turns", int(value) + 1
             try:
                 if key not in known:
@@ -831,6 +842,20 @@ URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
 DEFAULT_REWARD = "asyncgrpo.toy:larger_reward"  # reward_funcs when unset and no environment owns the reward
 # The secrets asyncgrpo reads from the environment; reward workers start without them (rollout/reward_pool.py).
 SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
+
+
+def trl_tool_rounds(rounds, max_turns) -> ConfigError | None:
+    """What is wrong with TRL's `max_tool_calling_iterations` (tool rounds; we cap model turns, one more), if
+    anything: not a whole number >= 0, or a `max_turns` beside it that says something else."""
+    if rounds is None:
+        return None
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        return ConfigError("max_tool_calling_iterations", f"is {rounds!r}, not a whole number >= 0",
+                           "give the most tool rounds per episode (TRL's meaning), or use max_turns")
+    if max_turns is not None and max_turns != rounds + 1:
+        return ConfigError("max_tool_calling_iterations", f"is {rounds} (at most {rounds + 1} model turns) but "
+                           f"max_turns is {max_turns}", "set only one of them")
+    return None
 
 
 def raise_all(problems: list[ConfigError]) -> None:

@@ -657,3 +657,23 @@ def test_closing_the_runner_closes_every_pooled_environment_and_one_given_back_l
     assert agent_tools.Workshop.closed == 2
     r.release(late)  # a group still being scored when the run ended
     assert agent_tools.Workshop.closed == 3
+
+
+def test_an_environment_that_owns_its_data_runs_without_a_dataset_its_reset_giving_the_prompt():
+    from asyncgrpo.data import load_prompt_set
+    from asyncgrpo.rollout.build import make_group_scorer
+
+    config = make_cfg(dataset_name="environment", environment_factory="agent_tools:Riddles", num_generations=2,
+                      max_turns=2, max_completion_length=20)
+    (row,) = load_prompt_set(config, TOK).rows  # one placeholder row: every group is its episodes
+    assert row.prompt == [{"role": "user", "content": ""}] and row.columns == {}
+    r = EpisodeRunner(ChatFormat(TOK, TOK.response_template, stop_ids={EOS}), config, tools=[],
+                      factory=agent_tools.Riddles, max_model_len=None)
+    episodes = r.run_group(ScriptedClient(["45", ""]), row, n=2, adapter="a", version=0, seed=None)
+    assert [e.prompt for e in episodes] == [[{"role": "user", "content": "Say 45."}]] * 2
+    assert TOK.decode(episodes[0].prompt_ids).endswith("user\nSay 45.<|im_end|>\n<|im_start|>assistant\n")
+    assert episodes[0].environment.kwargs == {"prompt": [{"role": "user", "content": ""}]}  # TRL: the row
+    rewards, parts = make_group_scorer(config, TOK, None).score_episodes(
+        row, [e.prompt for e in episodes], [e.messages for e in episodes], [e.ids for e in episodes],
+        [e.finish_reason for e in episodes], [e.environment for e in episodes])
+    assert parts == {"Riddles": [1.0, 1.0]} and rewards == [1.0, 1.0]  # get_reward alone: no default reward
