@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import types
 import threading
 import time
@@ -161,3 +162,54 @@ class Riddles:
 
     def get_reward(self) -> float:
         return float(self.said[:1] == ["45"])
+
+
+STARTED: list[int] = []  # pids of the processes `run_child` started
+
+
+def spin(seconds: float) -> str:
+    """Loop in Python far longer than any tool_timeout (a hang a raised exception can end).
+
+    Args:
+        seconds: how long to loop
+    """
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    return "spun"
+
+
+def run_child(seconds: float) -> str:
+    """Start a process and wait for it (a hang only killing the process ends).
+
+    Args:
+        seconds: how long the process sleeps
+    """
+    child = subprocess.Popen(["sleep", str(seconds)])
+    STARTED.append(child.pid)
+    child.wait()
+    return "child done"
+
+
+def loud(length: int) -> str:
+    """Answer at length.
+
+    Args:
+        length: how many characters
+    """
+    return "ab" * (length // 2)
+
+
+class Loud:
+    """An environment whose one tool takes an int, so that a turn that is not a number breaks its schema."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def lookup(self, key: int) -> str:
+        """Answer with 2 x key characters.
+
+        Args:
+            key: half the length of the answer
+        """
+        return "ab" * key

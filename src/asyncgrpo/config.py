@@ -155,7 +155,16 @@ class AsyncGRPOConfig:
     is truncated (`mask_truncated_completions` applies). Unset: only the server's `max_model_len` bounds it. Each
     model turn samples at most `max_completion_length` tokens."""
     tool_timeout: float = 30.0
-    """Seconds one tool call may take; past it the call is abandoned and the model reads an error saying so."""
+    """Seconds one tool call may take; past it the call is stopped (the processes it started are killed, an exception
+    is raised in its thread) and the model reads an error saying so."""
+    max_tool_calls_per_turn: int = 8
+    """Most tool calls run for one model turn; the model reads an error for each call past it (not run)."""
+    tool_output_max_chars: int | None = 16384
+    """Longest tool result in characters, cut before it is tokenized; the model reads a line saying how much was
+    cut. Unset: no cap."""
+    tool_output_max_tokens: int | None = 2048
+    """Longest tool result in tokens (after the character cap), cut the same visible way. Unset: no cap (the
+    episode's token budgets still hold)."""
     episode_version: str = "pinned"
     """Which adapter an episode's later turns are sent to. `pinned` (default): every turn on the version its group
     was sent with, so each episode is sampled by one policy. `latest`: each turn on the newest served version (the
@@ -790,6 +799,9 @@ VALUE_RANGES: dict[str, Range] = {
     "max_turns": Range(1, fix="use the most model turns an episode may take, e.g. 8"),
     "max_episode_tokens": Range(1, fix="use the most tokens an episode may have after its prompt, or unset it"),
     "tool_timeout": Range(0, low_open=True, fix="give the seconds one tool call may take, e.g. 30"),
+    "max_tool_calls_per_turn": Range(1, fix="use the most tool calls one turn may run, e.g. 8"),
+    "tool_output_max_chars": Range(1, fix="use the longest tool result in characters, e.g. 16384, or unset it"),
+    "tool_output_max_tokens": Range(1, fix="use the longest tool result in tokens, e.g. 2048, or unset it"),
     "num_generations": Range(2, fix="use 2 or more for group-relative advantages (8 is typical)"),
     "max_completion_length": Range(1, fix="use the most tokens a completion may have, e.g. 256"),
     "temperature": Range(0, low_open=True, fix="sample with temperature 1.0 (the policy's own distribution)"),

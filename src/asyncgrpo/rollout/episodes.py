@@ -20,6 +20,7 @@ from asyncgrpo.contracts import Group, centred_advantages
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.scoring import decode_completion
+from asyncgrpo.rollout.tool_guard import HUNG, cut_tokens
 from asyncgrpo.rollout.tools import ToolResult, environment_tools, run_tool_calls, tool_schema
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,12 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0  # calls stopped at tool_timeout
     tool_seconds: float = 0.0
+
+    @property
+    def schemas_by_name(self) -> dict[str, dict]:
+        return {s["function"]["name"]: s for s in self.schemas}
 
     def append(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
         """Sampled ids (with their logprobs) or, with None, context ids: logprob 0.0 and no loss."""
@@ -145,6 +151,7 @@ class EpisodeStats:
     def __init__(self):
         self._lock = threading.Lock()
         self.episodes = self.turns = self.tool_calls = self.tool_errors = self.truncated = self.tokens = 0
+        self.tool_timeouts = 0
         self.tool_seconds = 0.0
 
     def add(self, episodes: list[Episode]) -> None:
@@ -154,6 +161,7 @@ class EpisodeStats:
                 self.turns += e.turns
                 self.tool_calls += e.tool_calls
                 self.tool_errors += e.tool_errors
+                self.tool_timeouts += e.tool_timeouts
                 self.tool_seconds += e.tool_seconds
                 self.tokens += len(e.ids)
                 self.truncated += e.finish_reason == "length"
@@ -163,6 +171,8 @@ class EpisodeStats:
             n = max(self.episodes, 1)
             return {"episodes/total": self.episodes, "episodes/turns_mean": self.turns / n,
                     "episodes/tool_calls_total": self.tool_calls, "episodes/tool_errors_total": self.tool_errors,
+                    "episodes/tool_timeouts_total": self.tool_timeouts,
+                    "episodes/tool_threads_hung": HUNG.hung(),  # stopped calls still blocked in C (tool_guard.py)
                     "episodes/tool_seconds_total": self.tool_seconds, "episodes/tokens_mean": self.tokens / n,
                     "episodes/truncated_total": self.truncated}
 
@@ -254,7 +264,10 @@ class EpisodeRunner:
         """The episodes' environments go back to the pool (after their rewards are computed)."""
         for e in episodes:
             if e.environment is not None and self.environments is not None:
-                self.environments.give_back(e.environment)
+                if e.tool_timeouts:  # a stopped call's thread may still be in it: not reused, closed
+                    close_environment(e.environment)
+                else:
+                    self.environments.give_back(e.environment)
                 e.environment = None
 
     def close(self) -> None:
@@ -364,9 +377,12 @@ class EpisodeRunner:
             calls = tool_calls_of(message)
             if not calls or e.turns >= cfg.max_turns:
                 return
-            results = run_tool_calls(e.tools, calls, cfg.tool_timeout)
+            results = run_tool_calls(e.tools, calls, cfg.tool_timeout, schemas=e.schemas_by_name,
+                                     max_chars=cfg.tool_output_max_chars, max_calls=cfg.max_tool_calls_per_turn)
             self._count(e, results)
-            tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+            tool_messages = [{"role": "tool", "name": r.name,
+                              "content": cut_tokens(r.content, self.fmt.tokenizer, cfg.tool_output_max_tokens)}
+                             for r in results]
             e.messages += tool_messages
             if e.environment is not None and getattr(e.environment, "done", False):
                 return  # the environment says the episode is over
@@ -381,6 +397,7 @@ class EpisodeRunner:
     def _count(e: Episode, results: list[ToolResult]) -> None:
         e.tool_calls += len(results)
         e.tool_errors += sum(r.error for r in results)
+        e.tool_timeouts += sum(r.timed_out for r in results)
         e.tool_seconds += sum(r.seconds for r in results)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from asyncgrpo.errors import ConfigError, ToolError
+from asyncgrpo.rollout.tool_guard import HUNG, ToolStopped, arguments_problem, cut_text
 
 NOT_TOOLS = ("reset", "get_reward", "close")  # an environment's methods that the model never calls
 
@@ -83,6 +84,7 @@ class ToolResult:
     content: str  # the tool message's content
     error: bool  # the tool raised, hung, or was not found
     seconds: float
+    timed_out: bool = False  # stopped at tool_timeout: its environment may still be in use by its thread
 
 
 def render_result(value: Any) -> str:
@@ -107,53 +109,86 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def call_tool(tools: dict[str, Callable], name: str, arguments: Any, timeout_s: float) -> ToolResult:
-    """Run one call on a thread of its own, waiting at most `timeout_s` (a hung call is left behind, as a daemon)."""
+def _error(name: str, message: str, seconds: float = 0.0) -> ToolResult:
+    return ToolResult(name, render_result({"error": message}), True, seconds)
+
+
+def call_tool(tools: dict[str, Callable], name: str, arguments: Any, timeout_s: float, *,
+              schemas: dict[str, dict] | None = None, max_chars: int | None = None) -> ToolResult:
+    """Run one call on a thread of its own, waiting at most `timeout_s`; past it the call is stopped
+    (tool_guard.HungTools). Arguments that do not match the tool's schema (`schemas`, by name) are an error the
+    model reads, the tool is not called; a result longer than `max_chars` is cut, visibly."""
     start = time.monotonic()
     if name not in tools:
-        return ToolResult(name, render_result({"error": f"no tool named {name!r}; tools: {sorted(tools)}"}), True, 0.0)
+        return _error(name, f"no tool named {name!r}; tools: {sorted(tools)}")
     if not isinstance(arguments, dict):
-        return ToolResult(name, render_result({"error": f"arguments of {name} must be an object, got "
-                                                        f"{arguments!r:.200}"}), True, 0.0)
+        return _error(name, f"arguments of {name} must be an object, got {arguments!r:.200}")
+    problem = arguments_problem((schemas or {}).get(name), arguments)
+    if problem is not None:
+        return _error(name, f"{name} was not called: {problem}")
+    if HUNG.hung() >= HUNG.limit:
+        raise ToolError(f"{HUNG.hung()} tool calls are still running after tool_timeout in threads that could not be "
+                        f"stopped (blocked in C code: a sleep, a lock, a socket read without a timeout); the last "
+                        f"call was {name}({arguments!r:.200}). Fix the tool: give its blocking calls a timeout")
     outcome: list = []  # ["ok", value] | ["raised", exception] | ["crashed", BaseException]
     done = threading.Event()
+    lock = threading.Lock()  # taken by the worker to say it finished, and by the stopper before raising in it
+    finished = [False]
 
     def work() -> None:
         try:
-            outcome.extend(["ok", _invoke(tools[name], arguments)])
-        except Exception as exc:  # noqa: BLE001 - the model reads it as the tool's answer
-            outcome.extend(["raised", exc])
-        except BaseException as exc:  # noqa: BLE001 - SystemExit and the like: the worker thread ends
-            outcome.extend(["crashed", exc])
-        finally:
+            try:
+                result = ["ok", _invoke(tools[name], arguments)]
+            except Exception as exc:  # noqa: BLE001 - the model reads it as the tool's answer
+                result = ["raised", exc]
+            except ToolStopped:
+                return  # stopped past tool_timeout: the caller has answered already
+            except BaseException as exc:  # noqa: BLE001 - SystemExit and the like: the worker thread ends
+                result = ["crashed", exc]
+            with lock:
+                finished[0] = True
+            outcome.extend(result)
             done.set()
+        except ToolStopped:  # raised between the tool's return and `finished`: nothing to report
+            return
 
-    threading.Thread(target=work, name=f"tool-{name}", daemon=True).start()  # daemon: a hung tool may never end
-    finished = done.wait(timeout_s)
+    thread = threading.Thread(target=work, name=f"tool-{name}", daemon=True)  # daemon: one blocked in C may not end
+    thread.start()
+    if not done.wait(timeout_s):
+        ended = HUNG.stop(thread, lock, lambda: finished[0])
+        seconds = time.monotonic() - start
+        what = "was stopped" if ended else "was stopped but its thread is blocked and goes on"
+        result = _error(name, f"tool {name} did not finish within tool_timeout={timeout_s:g} s and {what}", seconds)
+        result.timed_out = True
+        return result
     seconds = time.monotonic() - start
-    if not finished:
-        message = f"tool {name} did not finish within tool_timeout={timeout_s:g} s and was abandoned"
-        return ToolResult(name, render_result({"error": message}), True, seconds)
     kind, value = outcome
     if kind == "ok":
-        return ToolResult(name, render_result(value), False, seconds)
+        return ToolResult(name, cut_text(render_result(value), max_chars), False, seconds)
     if kind == "raised":
-        return ToolResult(name, render_result({"error": f"{type(value).__name__}: {value}"}), True, seconds)
+        return _error(name, cut_text(f"{type(value).__name__}: {value}", max_chars), seconds)
     raise ToolError(f"tool {name} ended its worker thread with {type(value).__name__}: {value!r} (called with "
                     f"{arguments!r:.200}). Fix the tool: raise an Exception for an error the model should read "
                     f"instead of exiting") from value
 
 
-def run_tool_calls(tools: dict[str, Callable], calls: list[tuple[str, Any]], timeout_s: float) -> list[ToolResult]:
-    """One turn's calls, all at once (each on its own thread), results in call order."""
-    if len(calls) == 1:
-        return [call_tool(tools, *calls[0], timeout_s)]
+def run_tool_calls(tools: dict[str, Callable], calls: list[tuple[str, Any]], timeout_s: float, *,
+                   schemas: dict[str, dict] | None = None, max_chars: int | None = None,
+                   max_calls: int | None = None) -> list[ToolResult]:
+    """One turn's calls, all at once (each on its own thread), results in call order. Calls past the first
+    `max_calls` are not run: each gets an error saying so."""
+    over = calls[max_calls:] if max_calls is not None else []
+    calls = calls[:len(calls) - len(over)]
+    skipped = [_error(name, f"{name} was not called: at most {max_calls} tool calls are run per turn "
+                            f"(max_tool_calls_per_turn)") for name, _ in over]
+    if len(calls) <= 1:
+        return [call_tool(tools, *c, timeout_s, schemas=schemas, max_chars=max_chars) for c in calls] + skipped
     results: list = [None] * len(calls)
     errors: list[BaseException] = []
 
     def one(i: int, name: str, arguments: Any) -> None:
         try:
-            results[i] = call_tool(tools, name, arguments, timeout_s)
+            results[i] = call_tool(tools, name, arguments, timeout_s, schemas=schemas, max_chars=max_chars)
         except BaseException as exc:  # noqa: BLE001 - raised again below
             errors.append(exc)
 
@@ -161,7 +196,7 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[tuple[str, Any]], tim
     for t in threads:
         t.start()
     for t in threads:
-        t.join()  # each call_tool returns within timeout_s
+        t.join()  # each call_tool returns within timeout_s and the stop's grace
     if errors:
         raise errors[0]
-    return results
+    return results + skipped

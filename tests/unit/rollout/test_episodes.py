@@ -345,24 +345,34 @@ def test_append_adds_sampled_ids_with_their_logprobs_and_context_ids_with_none_a
     assert e.versions == [3, 3, 4, 4, 4, 4]
 
 
-def finished(turns: int, calls: int, errors: int, seconds: float, tokens: int, reason: str) -> Episode:
+def finished(turns: int, calls: int, errors: int, seconds: float, tokens: int, reason: str,
+             timeouts: int = 0) -> Episode:
     e = Episode(prompt=[], prompt_ids=[], tools={}, schemas=[], ids=[0] * tokens, finish_reason=reason, turns=turns)
-    e.tool_calls, e.tool_errors, e.tool_seconds = calls, errors, seconds
+    e.tool_calls, e.tool_errors, e.tool_seconds, e.tool_timeouts = calls, errors, seconds, timeouts
     return e
+
+
+def counters(stats: EpisodeStats) -> dict:
+    """The counters, without the gauge of hung tool threads (the process's, which other tests move)."""
+    values = stats.values()
+    assert values.pop("episodes/tool_threads_hung") >= 0
+    return values
 
 
 def test_episode_stats_add_up_every_episode_so_far_and_average_over_episodes():
     stats = EpisodeStats()
     assert stats.values()["episodes/turns_mean"] == 0.0  # none yet: no division by zero
-    stats.add([finished(turns=2, calls=1, errors=1, seconds=0.5, tokens=4, reason="length")])
-    assert stats.values() == {"episodes/total": 1, "episodes/turns_mean": 2.0, "episodes/tool_calls_total": 1,
-                              "episodes/tool_errors_total": 1, "episodes/tool_seconds_total": 0.5,
-                              "episodes/tokens_mean": 4.0, "episodes/truncated_total": 1}
+    stats.add([finished(turns=2, calls=1, errors=1, seconds=0.5, tokens=4, reason="length", timeouts=1)])
+    assert counters(stats) == {"episodes/total": 1, "episodes/turns_mean": 2.0, "episodes/tool_calls_total": 1,
+                               "episodes/tool_errors_total": 1, "episodes/tool_timeouts_total": 1,
+                               "episodes/tool_seconds_total": 0.5, "episodes/tokens_mean": 4.0,
+                               "episodes/truncated_total": 1}
     stats.add([finished(turns=1, calls=0, errors=0, seconds=0.25, tokens=2, reason="stop"),
-               finished(turns=6, calls=2, errors=1, seconds=1.0, tokens=9, reason="length")])
-    assert stats.values() == {"episodes/total": 3, "episodes/turns_mean": 3.0, "episodes/tool_calls_total": 3,
-                              "episodes/tool_errors_total": 2, "episodes/tool_seconds_total": 1.75,
-                              "episodes/tokens_mean": 5.0, "episodes/truncated_total": 2}
+               finished(turns=6, calls=2, errors=1, seconds=1.0, tokens=9, reason="length", timeouts=1)])
+    assert counters(stats) == {"episodes/total": 3, "episodes/turns_mean": 3.0, "episodes/tool_calls_total": 3,
+                               "episodes/tool_errors_total": 2, "episodes/tool_timeouts_total": 2,
+                               "episodes/tool_seconds_total": 1.75, "episodes/tokens_mean": 5.0,
+                               "episodes/truncated_total": 2}
 
 
 class Observer:
@@ -677,3 +687,21 @@ def test_an_environment_that_owns_its_data_runs_without_a_dataset_its_reset_givi
         row, [e.prompt for e in episodes], [e.messages for e in episodes], [e.ids for e in episodes],
         [e.finish_reason for e in episodes], [e.environment for e in episodes])
     assert parts == {"Riddles": [1.0, 1.0]} and rewards == [1.0, 1.0]  # get_reward alone: no default reward
+
+
+def test_a_tool_result_is_capped_in_characters_then_in_tokens_and_a_call_its_schema_refuses_is_an_error_to_read():
+    r = runner(tools=(), factory=agent_tools.Loud, max_turns=3, max_completion_length=20, tool_output_max_chars=120,
+               tool_output_max_tokens=100)
+    e = r.start(ROW)
+    r.run(ScriptedClient(["100", "ab", ""]), e, adapter="a", version=0, seed=None)  # key 100: 200 characters
+    # 120 characters and the line saying they were cut: 170 one-character tokens, cut to 100
+    assert e.messages[1]["content"] == "ab" * 50 + "\n[output cut: 170 tokens, the first 100 shown]"
+    assert e.messages[3] == {"role": "tool", "name": "lookup",
+                             "content": '{"error": "lookup was not called: key must be integer, got str \'ab\'"}'}
+    assert (e.tool_calls, e.tool_errors) == (2, 1)
+    assert "ab" * 50 + "\n[output cut: 170 tokens" in TOK.decode(e.ids)  # what the model reads next
+    uncut = runner(tools=(), factory=agent_tools.Loud, max_turns=2, max_completion_length=20,
+                   tool_output_max_chars=120, tool_output_max_tokens=None)
+    e = uncut.start(ROW)
+    uncut.run(ScriptedClient(["100", ""]), e, adapter="a", version=0, seed=None)
+    assert e.messages[1]["content"] == "ab" * 60 + "\n[output cut: 200 characters, the first 120 shown]"

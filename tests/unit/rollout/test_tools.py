@@ -16,7 +16,22 @@ from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.tools import (ToolResult, call_tool, environment_tools, load_environment_factory, load_tools,
                                      render_result, run_tool_calls, tool_schema)
 
-TOOLS = {"lookup": agent_tools.lookup, "add": agent_tools.add, "hang": agent_tools.hang, "leave": agent_tools.leave}
+TOOLS = {"lookup": agent_tools.lookup, "add": agent_tools.add, "hang": agent_tools.hang, "leave": agent_tools.leave,
+         "spin": agent_tools.spin, "run_child": agent_tools.run_child, "loud": agent_tools.loud}
+
+
+def tool_threads(name: str) -> list[threading.Thread]:
+    """The threads of calls of tool `name` still alive (other tests leave `hang` calls blocked for a while)."""
+    return [t for t in threading.enumerate() if t.name == f"tool-{name}" and t.is_alive()]
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_tool_result_is_its_text_and_a_non_text_result_is_json():
@@ -172,3 +187,48 @@ def test_a_hung_call_among_several_of_one_turn_is_cut_at_the_timeout_and_the_oth
         agent_tools.RELEASE.set()
     assert results[0].error and "hang did not finish within tool_timeout=0.2 s" in results[0].content
     assert (results[1].content, results[1].error) == ("b", False)
+
+
+def test_hung_calls_are_stopped_at_the_timeout_and_leave_no_thread_behind():
+    for _ in range(20):
+        result = call_tool(TOOLS, "spin", {"seconds": 60}, 0.05)
+        assert result.timed_out and "spin did not finish within tool_timeout=0.05 s and was stopped" in result.content
+    assert tool_threads("spin") == []  # today's code left 20 threads looping
+
+
+def test_a_hung_call_is_stopped_with_the_process_it_started():
+    agent_tools.STARTED.clear()
+    result = call_tool(TOOLS, "run_child", {"seconds": 300}, 0.3)
+    assert result.timed_out and "was stopped" in result.content
+    (pid,) = agent_tools.STARTED
+    assert not running(pid) and tool_threads("run_child") == []
+
+
+def test_arguments_that_do_not_match_the_schema_are_an_error_the_model_reads_and_the_tool_is_not_called():
+    env = agent_tools.Workshop()
+    tools = {t.__name__: t for t in environment_tools(env)}
+    schemas = {name: tool_schema(t) for name, t in tools.items()}
+    assert call_tool(tools, "saw", {"length": 3}, 5.0, schemas=schemas).content == "sawn 3"
+    for arguments, problem in [({"length": "long"}, "length must be integer, got str 'long'"),
+                               ({"length": True}, "length must be integer, got bool True"),
+                               ({}, "arguments misses 'length' (required)"),
+                               ({"length": 3, "width": 2}, "'width' is not an argument; the arguments are ['length']")]:
+        result = call_tool(tools, "saw", arguments, 5.0, schemas=schemas)
+        assert result.error and json.loads(result.content) == {"error": f"saw was not called: {problem}"}
+    assert call_tool(tools, "saw", {"length": 3.0}, 5.0, schemas=schemas).content == "sawn 3.0"  # JSON's integer
+
+
+def test_a_long_result_is_cut_at_max_chars_and_the_cut_says_so():
+    result = call_tool(TOOLS, "loud", {"length": 1000}, 5.0, max_chars=100)
+    assert result.content == "ab" * 50 + "\n[output cut: 1000 characters, the first 100 shown]" and not result.error
+    assert call_tool(TOOLS, "loud", {"length": 100}, 5.0, max_chars=100).content == "ab" * 50  # at the cap: whole
+
+
+def test_calls_past_max_calls_of_one_turn_are_not_run_and_each_says_why():
+    agent_tools.STARTED.clear()
+    calls = [("lookup", {"key": "a"}), ("lookup", {"key": "b"}), ("run_child", {"seconds": 0})]
+    results = run_tool_calls(TOOLS, calls, 5.0, max_calls=2)
+    assert [r.content for r in results[:2]] == ["b", "c"]
+    assert results[2].error and json.loads(results[2].content) == {
+        "error": "run_child was not called: at most 2 tool calls are run per turn (max_tool_calls_per_turn)"}
+    assert agent_tools.STARTED == []
