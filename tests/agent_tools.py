@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import types
@@ -213,3 +214,21 @@ class Loud:
             key: half the length of the answer
         """
         return "ab" * key
+
+
+def find_secret(value: str) -> str:
+    """Look for a value in this process's environment and in every process's environment that /proc shows (what a
+    tool running code the model wrote could do).
+
+    Args:
+        value: the secret to look for
+    """
+    found = [name for name, v in os.environ.items() if v == value]
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if value.encode() in f.read():
+                    found.append(f"/proc/{pid}/environ")
+        except OSError:
+            pass
+    return json.dumps({"found": found, "processes": sum(p.isdigit() for p in os.listdir("/proc"))})

@@ -165,6 +165,11 @@ class AsyncGRPOConfig:
     tool_output_max_tokens: int | None = 2048
     """Longest tool result in tokens (after the character cap), cut the same visible way. Unset: no cap (the
     episode's token budgets still hold)."""
+    tool_process: bool = False
+    """Run each call of a `tools` function in a fresh process of its own: started without the run's keys
+    (`ASYNCGRPO_VLLM_API_KEY`, `ASYNCGRPO_ROLLOUT_KEY`) in a new user and PID namespace (`unshare`), so that it
+    cannot read them from any other process either, and killed whole at `tool_timeout`. For tools that run code the
+    model wrote. Costs a Python start per call; environment methods still run in the rollout process."""
     episode_version: str = "pinned"
     """Which adapter an episode's later turns are sent to. `pinned` (default): every turn on the version its group
     was sent with, so each episode is sampled by one policy. `latest`: each turn on the newest served version (the
@@ -602,6 +607,10 @@ class AsyncGRPOConfig:
             raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
                               "are scored in the rollout process, where their environments live",
                               "set `reward_workers: 0`")
+        if self.tool_process and not self.tools:
+            raise ConfigError("tool_process", "is true, but no `tools` are named (an environment's methods run in the "
+                              "rollout process, where their instance lives)", "name the tools to isolate under "
+                              "`tools`, or set `tool_process: false`")
         if self.dataset_name == "environment" and not self.environment_factory:
             raise ConfigError("dataset_name", "is `environment` (reset() gives the prompts), but no "
                               "environment_factory is set", "set environment_factory, or name a dataset")

@@ -67,3 +67,9 @@ def test_a_run_without_a_dataset_needs_an_environment_and_max_steps_rather_than_
         cfg(dataset_name="environment")
     with pytest.raises(ConfigError, match="num_train_epochs.*max_steps"):
         cfg(dataset_name="environment", environment_factory="agent_tools:Counter", num_train_epochs=1)
+
+
+def test_tool_process_needs_tools_to_isolate():
+    assert cfg(tools=["agent_tools:lookup"], tool_process=True).tool_process
+    with pytest.raises(ConfigError, match="tool_process.*no `tools`"):
+        cfg(environment_factory="agent_tools:Counter", tool_process=True)

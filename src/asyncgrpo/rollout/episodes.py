@@ -20,6 +20,7 @@ from asyncgrpo.contracts import Group, centred_advantages
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.scoring import decode_completion
+from asyncgrpo.rollout import tool_process
 from asyncgrpo.rollout.tool_guard import HUNG, cut_tokens
 from asyncgrpo.rollout.tools import ToolResult, environment_tools, run_tool_calls, tool_schema
 
@@ -245,6 +246,20 @@ def close_environment(environment) -> None:
         log.warning("%s.close() raised %s: %s", type(environment).__name__, type(exc).__name__, exc)
 
 
+def process_refs(cfg, names: list[str]) -> dict[str, str]:
+    """{tool name: `module:function`} of the tools that run in a process of their own (`tool_process: true`),
+    after checking such processes can start here; empty otherwise."""
+    if not cfg.tool_process:
+        return {}
+    problem = tool_process.probe()
+    if problem is not None:
+        raise ConfigError("tool_process", f"is true, but tool processes cannot start in a namespace of their own "
+                          f"here: {problem}", "allow unprivileged user namespaces (sysctl "
+                          "kernel.unprivileged_userns_clone=1, or on Ubuntu "
+                          "kernel.apparmor_restrict_unprivileged_userns=0), or set `tool_process: false`")
+    return dict(zip(names, cfg.tools))
+
+
 class EpisodeRunner:
     """Runs a group's episodes against one server: each episode on a thread of its own, its turns one request each,
     every turn on the adapter the group was sent with (`episode_version: pinned`) or on the newest served one
@@ -257,6 +272,8 @@ class EpisodeRunner:
         self.environments = EnvironmentPool(factory, cfg.environment_factory) if factory is not None else None
         self.tools = list(tools)
         self.tool_schemas = [tool_schema(t) for t in self.tools]
+        # tool_process: each `tools` function (not an environment's method) runs in a process without the keys
+        self.process_refs = process_refs(cfg, [s["function"]["name"] for s in self.tool_schemas])
         self.max_episode_tokens = cfg.max_episode_tokens  # None: the server's context is the only bound
         self.stats = EpisodeStats()
 
@@ -378,7 +395,8 @@ class EpisodeRunner:
             if not calls or e.turns >= cfg.max_turns:
                 return
             results = run_tool_calls(e.tools, calls, cfg.tool_timeout, schemas=e.schemas_by_name,
-                                     max_chars=cfg.tool_output_max_chars, max_calls=cfg.max_tool_calls_per_turn)
+                                     max_chars=cfg.tool_output_max_chars, max_calls=cfg.max_tool_calls_per_turn,
+                                     process_refs=self.process_refs)
             self._count(e, results)
             tool_messages = [{"role": "tool", "name": r.name,
                               "content": cut_tokens(r.content, self.fmt.tokenizer, cfg.tool_output_max_tokens)}

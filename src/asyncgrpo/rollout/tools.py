@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from asyncgrpo.errors import ConfigError, ToolError
+from asyncgrpo.rollout import tool_process
 from asyncgrpo.rollout.tool_guard import HUNG, ToolStopped, arguments_problem, cut_text
 
 NOT_TOOLS = ("reset", "get_reward", "close")  # an environment's methods that the model never calls
@@ -114,10 +115,12 @@ def _error(name: str, message: str, seconds: float = 0.0) -> ToolResult:
 
 
 def call_tool(tools: dict[str, Callable], name: str, arguments: Any, timeout_s: float, *,
-              schemas: dict[str, dict] | None = None, max_chars: int | None = None) -> ToolResult:
+              schemas: dict[str, dict] | None = None, max_chars: int | None = None,
+              process_refs: dict[str, str] | None = None) -> ToolResult:
     """Run one call on a thread of its own, waiting at most `timeout_s`; past it the call is stopped
     (tool_guard.HungTools). Arguments that do not match the tool's schema (`schemas`, by name) are an error the
-    model reads, the tool is not called; a result longer than `max_chars` is cut, visibly."""
+    model reads, the tool is not called; a result longer than `max_chars` is cut, visibly. A tool named in
+    `process_refs` (name -> `module:function`) runs in a process of its own (tool_process.py), from that thread."""
     start = time.monotonic()
     if name not in tools:
         return _error(name, f"no tool named {name!r}; tools: {sorted(tools)}")
@@ -130,7 +133,8 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: Any, timeout_s: 
         raise ToolError(f"{HUNG.hung()} tool calls are still running after tool_timeout in threads that could not be "
                         f"stopped (blocked in C code: a sleep, a lock, a socket read without a timeout); the last "
                         f"call was {name}({arguments!r:.200}). Fix the tool: give its blocking calls a timeout")
-    outcome: list = []  # ["ok", value] | ["raised", exception] | ["crashed", BaseException]
+    outcome: list = []  # ["ok", text] | ["raised", "Type: message"] | ["crashed", BaseException]
+    ref = (process_refs or {}).get(name)
     done = threading.Event()
     lock = threading.Lock()  # taken by the worker to say it finished, and by the stopper before raising in it
     finished = [False]
@@ -138,9 +142,10 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: Any, timeout_s: 
     def work() -> None:
         try:
             try:
-                result = ["ok", _invoke(tools[name], arguments)]
+                result = list(tool_process.call(ref, arguments)) if ref else \
+                    ["ok", render_result(_invoke(tools[name], arguments))]
             except Exception as exc:  # noqa: BLE001 - the model reads it as the tool's answer
-                result = ["raised", exc]
+                result = ["raised", f"{type(exc).__name__}: {exc}"]
             except ToolStopped:
                 return  # stopped past tool_timeout: the caller has answered already
             except BaseException as exc:  # noqa: BLE001 - SystemExit and the like: the worker thread ends
@@ -164,9 +169,9 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: Any, timeout_s: 
     seconds = time.monotonic() - start
     kind, value = outcome
     if kind == "ok":
-        return ToolResult(name, cut_text(render_result(value), max_chars), False, seconds)
+        return ToolResult(name, cut_text(value, max_chars), False, seconds)
     if kind == "raised":
-        return _error(name, cut_text(f"{type(value).__name__}: {value}", max_chars), seconds)
+        return _error(name, cut_text(value, max_chars), seconds)
     raise ToolError(f"tool {name} ended its worker thread with {type(value).__name__}: {value!r} (called with "
                     f"{arguments!r:.200}). Fix the tool: raise an Exception for an error the model should read "
                     f"instead of exiting") from value
@@ -174,7 +179,7 @@ def call_tool(tools: dict[str, Callable], name: str, arguments: Any, timeout_s: 
 
 def run_tool_calls(tools: dict[str, Callable], calls: list[tuple[str, Any]], timeout_s: float, *,
                    schemas: dict[str, dict] | None = None, max_chars: int | None = None,
-                   max_calls: int | None = None) -> list[ToolResult]:
+                   max_calls: int | None = None, process_refs: dict[str, str] | None = None) -> list[ToolResult]:
     """One turn's calls, all at once (each on its own thread), results in call order. Calls past the first
     `max_calls` are not run: each gets an error saying so."""
     over = calls[max_calls:] if max_calls is not None else []
@@ -182,13 +187,15 @@ def run_tool_calls(tools: dict[str, Callable], calls: list[tuple[str, Any]], tim
     skipped = [_error(name, f"{name} was not called: at most {max_calls} tool calls are run per turn "
                             f"(max_tool_calls_per_turn)") for name, _ in over]
     if len(calls) <= 1:
-        return [call_tool(tools, *c, timeout_s, schemas=schemas, max_chars=max_chars) for c in calls] + skipped
+        return [call_tool(tools, *c, timeout_s, schemas=schemas, max_chars=max_chars, process_refs=process_refs)
+                for c in calls] + skipped
     results: list = [None] * len(calls)
     errors: list[BaseException] = []
 
     def one(i: int, name: str, arguments: Any) -> None:
         try:
-            results[i] = call_tool(tools, name, arguments, timeout_s, schemas=schemas, max_chars=max_chars)
+            results[i] = call_tool(tools, name, arguments, timeout_s, schemas=schemas, max_chars=max_chars,
+                                   process_refs=process_refs)
         except BaseException as exc:  # noqa: BLE001 - raised again below
             errors.append(exc)
 

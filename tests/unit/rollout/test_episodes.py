@@ -705,3 +705,15 @@ def test_a_tool_result_is_capped_in_characters_then_in_tokens_and_a_call_its_sch
     e = uncut.start(ROW)
     uncut.run(ScriptedClient(["100", ""]), e, adapter="a", version=0, seed=None)
     assert e.messages[1]["content"] == "ab" * 60 + "\n[output cut: 200 characters, the first 120 shown]"
+
+
+def test_tool_process_runs_the_tools_by_reference_and_is_refused_where_namespaces_cannot_start(monkeypatch):
+    from asyncgrpo.rollout import tool_process
+
+    monkeypatch.setattr(tool_process, "probe", lambda: None)
+    assert runner(tool_process=True).process_refs == {"lookup": "agent_format:lookup"}
+    assert runner().process_refs == {}
+    monkeypatch.setattr(tool_process, "probe", lambda: "unshare: write failed /proc/self/uid_map: Operation not "
+                                                       "permitted")
+    with pytest.raises(ConfigError, match="tool_process.*uid_map.*set `tool_process: false`"):
+        runner(tool_process=True)
