@@ -8,9 +8,7 @@ that is 1 only on sampled ids, and per token its behaviour logprob and policy ve
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import inspect
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -21,6 +19,8 @@ from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.scoring import decode_completion
 from asyncgrpo.rollout import tool_process
+from asyncgrpo.rollout.environments import EnvironmentPool, close_environment
+from asyncgrpo.rollout.environments import called as _called
 from asyncgrpo.rollout.tool_guard import HUNG, cut_tokens
 from asyncgrpo.rollout.tools import ToolResult, environment_tools, run_tool_calls, tool_schema
 
@@ -178,11 +178,6 @@ class EpisodeStats:
                     "episodes/truncated_total": self.truncated}
 
 
-def _called(value):
-    """A sync or async method's result."""
-    return asyncio.run(value) if inspect.isawaitable(value) else value
-
-
 def reset_environment(environment, row: PromptRow) -> str | None:
     """TRL's `reset(**row)`: the whole dataset row (the prompt under its column name too); text it returns is
     appended to the last user message."""
@@ -196,54 +191,6 @@ def reset_environment(environment, row: PromptRow) -> str | None:
 
 Latest = Callable[[], ContextManager[tuple[int, str]]]
 """`episode_version: latest`: gives the (version, adapter) served now, held in use while its turn runs."""
-
-
-class EnvironmentPool:
-    """`environment_factory`'s instances, built once and reused (TRL: "construct once, reset often"): an episode takes
-    an idle one (a new one only when every instance is in use, so there are as many as episodes ever ran at once)
-    and gives it back once its group is scored. `close()` calls each instance's `close()`, when it has one, at the
-    end of the run; an instance given back after that is closed at once."""
-
-    def __init__(self, factory: Callable, ref: str | None):
-        self.factory, self.ref = factory, ref
-        self._lock = threading.Lock()
-        self._idle: list = []
-        self.built = 0  # instances made so far
-        self._closed = False
-
-    def take(self):
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-            self.built += 1
-        try:
-            return self.factory()
-        except Exception as exc:  # noqa: BLE001 - a user's class: name it
-            raise ToolError(f"environment_factory {self.ref} could not be built: {type(exc).__name__}: {exc}") from exc
-
-    def give_back(self, environment) -> None:
-        with self._lock:
-            if not self._closed:
-                self._idle.append(environment)
-                return
-        close_environment(environment)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed, idle, self._idle = True, self._idle, []
-        for environment in idle:
-            close_environment(environment)
-
-
-def close_environment(environment) -> None:
-    """`environment.close()` when it has one; a failure is logged, not raised (the run is ending)."""
-    close = getattr(environment, "close", None)
-    if not callable(close):
-        return
-    try:
-        _called(close())
-    except Exception as exc:  # noqa: BLE001 - a user's close: report it and go on closing the others
-        log.warning("%s.close() raised %s: %s", type(environment).__name__, type(exc).__name__, exc)
 
 
 def process_refs(cfg, names: list[str]) -> dict[str, str]:
