@@ -232,3 +232,11 @@ def find_secret(value: str) -> str:
         except OSError:
             pass
     return json.dumps({"found": found, "processes": sum(p.isdigit() for p in os.listdir("/proc"))})
+
+
+def said_reward(prompts, completions, environments, log_metric, log_extra, trainer_state, **kwargs) -> list[float]:
+    """A TRL reward function using what TRL passes: the environments, log_metric, log_extra and trainer_state."""
+    said = [float(len(e.said)) for e in environments]
+    log_metric("said_mean", sum(said) / len(said))
+    log_extra("step", [trainer_state.global_step] * len(said))
+    return said
