@@ -240,3 +240,17 @@ def said_reward(prompts, completions, environments, log_metric, log_extra, train
     log_metric("said_mean", sum(said) / len(said))
     log_extra("step", [trainer_state.global_step] * len(said))
     return said
+
+
+def make_counter() -> Counter:
+    """An environment factory that is a function (TRL takes any callable returning an instance)."""
+    return Counter()
+
+
+def make_nothing() -> object:
+    """A factory whose instances have no reset."""
+    return object()
+
+
+class NoReset:
+    """A class that is no environment: it has no reset."""

@@ -145,9 +145,11 @@ class AsyncGRPOConfig:
     episode: model turn, tool calls, tool results, next turn. Empty with no `environment_factory`: one completion
     per prompt, as always."""
     environment_factory: str | None = None
-    """A class as `package.module:Class`, one instance per episode (TRL's contract): `reset(**row)` gets the whole
-    dataset row and may return text appended to the last user message; its public methods other than
-    reset/get_reward are tools; an optional `get_reward()` is an extra reward named after the class."""
+    """A class, or a function taking no argument that returns an instance, as `package.module:name` (TRL's
+    contract). Each episode has an instance of its own while it runs; instances are reused (`reset(**row)` first:
+    it gets the whole dataset row and may return text appended to the last user message) and `close()`d at the end.
+    The instance's public methods other than reset/get_reward/close are tools; an optional `get_reward()` is an extra
+    reward named after the class."""
     max_turns: int = 8
     """Most model turns in one episode; an episode that still calls a tool then ends there (not truncated)."""
     max_episode_tokens: int | None = None

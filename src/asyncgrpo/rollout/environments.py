@@ -9,7 +9,7 @@ import logging
 import threading
 from typing import Callable
 
-from asyncgrpo.errors import ToolError
+from asyncgrpo.errors import ConfigError, ToolError
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,13 @@ class EnvironmentPool:
                 return self._idle.pop()
             self.built += 1
         try:
-            return self.factory()
+            environment = self.factory()
         except Exception as exc:  # noqa: BLE001 - a user's class: name it
             raise ToolError(f"environment_factory {self.ref} could not be built: {type(exc).__name__}: {exc}") from exc
+        if not callable(getattr(environment, "reset", None)):
+            raise ConfigError("environment_factory", f"{self.ref} returned a {type(environment).__name__}, which has "
+                              f"no reset(**row) method", "return an instance with reset(**row) and public tool methods")
+        return environment
 
     def give_back(self, environment) -> None:
         with self._lock:

@@ -47,13 +47,29 @@ def load_tools(refs: list[str]) -> list[Callable]:
     return tools
 
 
-def load_environment_factory(ref: str) -> type:
-    """The class `environment_factory` names; it must have `reset` (TRL's contract)."""
+def load_environment_factory(ref: str) -> Callable:
+    """What `environment_factory` names: a class with `reset`, or any callable taking no argument that returns an
+    instance (TRL's contract; its instances are checked for `reset` as they are built)."""
     factory = load_ref(ref, "environment_factory")
-    if not callable(factory) or not callable(getattr(factory, "reset", None)):
-        raise ConfigError("environment_factory", f"{ref} is not a class with a reset(**row) method",
-                          "name a class whose instances have reset(**row) and public tool methods")
+    if not callable(factory) or (inspect.isclass(factory) and not callable(getattr(factory, "reset", None))):
+        raise ConfigError("environment_factory", f"{ref} is neither a class with a reset(**row) method nor a "
+                          f"function returning an instance", "name a class whose instances have reset(**row) and "
+                          "public tool methods, or a function taking no argument that returns one")
     return factory
+
+
+def environment_class(factory: Callable, ref: str) -> type:
+    """The class of `factory`'s instances: the factory itself when it is a class, else the type of one instance
+    built to see (and closed again), as TRL probes one at start."""
+    if inspect.isclass(factory):
+        return factory
+    from asyncgrpo.rollout.environments import EnvironmentPool  # the pool checks what the factory returns
+
+    pool = EnvironmentPool(factory, ref)
+    probe = pool.take()
+    pool.give_back(probe)
+    pool.close()
+    return type(probe)
 
 
 def environment_tools(environment) -> list[Callable]:

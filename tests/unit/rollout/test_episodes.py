@@ -717,3 +717,18 @@ def test_tool_process_runs_the_tools_by_reference_and_is_refused_where_namespace
                                                        "permitted")
     with pytest.raises(ConfigError, match="tool_process.*uid_map.*set `tool_process: false`"):
         runner(tool_process=True)
+
+
+def test_an_environment_factory_may_be_any_callable_and_its_reward_is_named_after_the_instances_class():
+    from asyncgrpo.rollout.build import make_group_scorer
+    from asyncgrpo.rollout.tools import load_environment_factory
+
+    factory = load_environment_factory("agent_tools:make_counter")
+    scoring = make_group_scorer(make_cfg(environment_factory="agent_tools:make_counter"), TOK, None)
+    assert scoring.scorer.refs == ["agent_tools:Counter"]  # TRL: the class's name, not the factory's
+    e = runner(tools=(), factory=factory, environment_factory="agent_tools:make_counter").start(ROW)
+    assert isinstance(e.environment, agent_tools.Counter) and list(e.tools) == ["increment"]
+    broken = runner(tools=(), factory=load_environment_factory("agent_tools:make_nothing"),
+                    environment_factory="agent_tools:make_nothing")
+    with pytest.raises(ConfigError, match="agent_tools:make_nothing returned a object, which has no reset"):
+        broken.start(ROW)

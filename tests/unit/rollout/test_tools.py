@@ -105,7 +105,8 @@ def test_an_environments_tools_are_its_public_methods_but_reset_and_get_reward()
     assert [t.__name__ for t in tools] == ["increment"]
     assert tools[0](2) == 2 and env.count == 2  # bound to that instance
     with pytest.raises(ConfigError, match="reset"):
-        load_environment_factory("agent_tools:lookup")
+        load_environment_factory("agent_tools:NoReset")
+    assert load_environment_factory("agent_tools:make_counter") is agent_tools.make_counter  # any callable (TRL)
 
 
 def test_an_environments_tools_are_the_public_methods_of_the_instance_as_trl_finds_them():
@@ -175,13 +176,14 @@ def test_a_tool_without_a_qualified_name_whose_schema_fails_is_named_by_its_repr
 
 
 def test_an_environment_factory_without_reset_is_refused_naming_the_contract():
-    for ref in ("agent_tools:lookup", "agent_tools:TABLE"):
+    for ref in ("agent_tools:NoReset", "agent_tools:TABLE"):
         with pytest.raises(ConfigError) as error:
             load_environment_factory(ref)
         assert error.value.field == "environment_factory"
-        assert f"{ref} is not a class with a reset(**row) method" in str(error.value)
-        assert str(error.value).endswith(
-            ". Fix: name a class whose instances have reset(**row) and public tool methods")
+        assert f"{ref} is neither a class with a reset(**row) method nor a function returning an instance" in \
+            str(error.value)
+        assert str(error.value).endswith(". Fix: name a class whose instances have reset(**row) and public tool "
+                                         "methods, or a function taking no argument that returns one")
 
 
 def test_a_hung_call_among_several_of_one_turn_is_cut_at_the_timeout_and_the_others_answer():
