@@ -10,6 +10,7 @@ wait_published, close.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,8 @@ from asyncgrpo.rollout.evaluation import evaluate_served
 from asyncgrpo.trackers import Trackers, resolve_report_to
 
 log = logging.getLogger(__name__)
+
+EXTRA_ROWS = 64  # rows of the reward_extra table per step (the completions table's default too)
 
 EVAL_CONCURRENCY = 16  # held-out requests in flight at once, beside the producer's (evaluation waits for them all)
 
@@ -50,6 +53,7 @@ class RolloutSide:
         self.eval_rows: list = []  # eval_dataset's prompts, tokenised at start
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
         self._extra: dict[str, list] = {}  # log_extra columns taken from the scorer, written at the next log()
+        self._extra_lock = threading.Lock()  # log() runs on the publish thread too
         self._publishing: Future | None = None
 
     # ---- start ----------------------------------------------------------------------------------------
@@ -161,18 +165,20 @@ class RolloutSide:
         """Reward functions' `log_metric` values since the last call, each as its mean under `train/<name>` (TRL's
         averaging per logging step); their `log_extra` columns wait for the next `log` (they need its step)."""
         metrics, extra = self.scorer.take_logged()
-        for column, values in extra.items():
-            self._extra.setdefault(column, []).extend(values)
+        with self._extra_lock:
+            for column, values in extra.items():
+                self._extra.setdefault(column, []).extend(values)
         return {f"train/{name}": sum(v) / len(v) for name, v in metrics.items() if v}
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Write `values` at `step` to every tracker: every metric the side writes goes through here (the publish
         thread's sync timings too). Columns reward functions logged with `log_extra` go with them as a table."""
         self.trackers.log(values, step)
-        if self._extra:
+        with self._extra_lock:
             extra, self._extra = self._extra, {}
+        if extra:
             columns = sorted(extra)
-            rows = max(len(v) for v in extra.values())
+            rows = min(max(len(v) for v in extra.values()), EXTRA_ROWS)
             self.trackers.log_table("reward_extra", ["step", *columns],
                                     [[step, *(extra[c][i] if i < len(extra[c]) else None for c in columns)]
                                      for i in range(rows)], step)

@@ -357,6 +357,10 @@ def test_what_reward_functions_log_reaches_the_trackers_metrics_as_means_and_ext
     assert tables == [("reward_extra", ["step", "judge"], [[4, "ok"], [4, "bad"]], 4)]
     side.log({}, step=5)
     assert len(tables) == 1  # written once
+    side.scorer.scorer.logged.log_extra("judge", list(range(100)))
+    side.stats()
+    side.log({}, step=6)
+    assert tables[1][2] == [[6, i] for i in range(side_module.EXTRA_ROWS)]  # the first 64 of a step's rows
 
 
 def test_log_writes_each_value_under_its_name_at_the_given_step(tmp_path):
