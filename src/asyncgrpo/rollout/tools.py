@@ -99,7 +99,7 @@ class ToolResult:
 
     name: str
     content: str  # the tool message's content
-    error: bool  # the tool raised, hung, or was not found
+    error: bool  # the tool raised, hung or was not found, its arguments were refused, or it was not run
     seconds: float
     timed_out: bool = False  # stopped at tool_timeout: its environment may still be in use by its thread
 
