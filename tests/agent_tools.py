@@ -254,3 +254,18 @@ def make_nothing() -> object:
 
 class NoReset:
     """A class that is no environment: it has no reset."""
+
+
+def spawn_and_wait(seconds: str, path: str) -> str:
+    """Start `sleep SECONDS` in a new session (as a tool escaping its process group would), say so in `path`, and
+    wait for it.
+
+    Args:
+        seconds: how long to sleep, written as the command line will show it
+        path: a file to write `started` to
+    """
+    child = subprocess.Popen(["sleep", seconds], start_new_session=True)
+    with open(path, "w") as f:
+        f.write("started")
+    child.wait()
+    return "done"

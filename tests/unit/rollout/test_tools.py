@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import threading
 import time
@@ -21,9 +20,6 @@ from asyncgrpo.rollout.tools import (ToolResult, call_tool, environment_tools, l
 
 TOOLS = {"lookup": agent_tools.lookup, "add": agent_tools.add, "hang": agent_tools.hang, "leave": agent_tools.leave,
          "spin": agent_tools.spin, "run_child": agent_tools.run_child, "loud": agent_tools.loud}
-
-
-TOOLS_WITH_FIND = {**TOOLS, "find_secret": agent_tools.find_secret}
 
 
 def tool_threads(name: str) -> list[threading.Thread]:
@@ -240,39 +236,6 @@ def test_calls_past_max_calls_of_one_turn_are_not_run_and_each_says_why():
     assert results[2].error and json.loads(results[2].content) == {
         "error": "run_child was not called: at most 2 tool calls are run per turn (max_tool_calls_per_turn)"}
     assert agent_tools.STARTED == []
-
-
-@pytest.fixture
-def secret_holder(monkeypatch):
-    """The key in this process's environment, and a process that got it in its initial environment (as a trainer
-    launched with it has: /proc/PID/environ shows it to any process of the same user)."""
-    secret = "s3cret-for-the-tool-test"
-    monkeypatch.setenv("ASYNCGRPO_VLLM_API_KEY", secret)
-    holder = subprocess.Popen(["sleep", "60"], env={**os.environ, "ASYNCGRPO_VLLM_API_KEY": secret})
-    yield secret
-    holder.kill()
-    holder.wait()
-
-
-def test_a_tool_in_the_rollout_process_can_read_the_key_which_is_why_tool_process_exists(secret_holder):
-    found = json.loads(call_tool(TOOLS_WITH_FIND, "find_secret", {"value": secret_holder}, 10.0).content)["found"]
-    assert "ASYNCGRPO_VLLM_API_KEY" in found and any(f.startswith("/proc/") for f in found)
-
-
-def test_a_tool_in_its_own_process_cannot_read_the_key_from_its_environment_or_any_other_process(secret_holder):
-    if tool_process.probe() is not None:
-        pytest.skip(f"no user namespaces here: {tool_process.probe()}")
-    result = call_tool(TOOLS_WITH_FIND, "find_secret", {"value": secret_holder}, 30.0,
-                       process_refs={"find_secret": "agent_tools:find_secret"})
-    answer = json.loads(result.content)
-    assert answer["found"] == [] and answer["processes"] == 1  # its PID namespace holds itself alone
-
-
-def test_a_hung_tool_process_is_killed_at_the_timeout_with_what_it_started():
-    if tool_process.probe() is not None:
-        pytest.skip(f"no user namespaces here: {tool_process.probe()}")
-    result = call_tool(TOOLS, "spin", {"seconds": 300}, 1.0, process_refs={"spin": "agent_tools:spin"})
-    assert result.timed_out and "was stopped" in result.content and tool_threads("spin") == []
 
 
 def test_a_tool_process_answers_like_the_tool_and_an_exception_is_an_error_the_model_reads():
