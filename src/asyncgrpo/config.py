@@ -84,7 +84,7 @@ class AsyncGRPOConfig:
     then becomes the default of `reward_funcs`); a local data file (`.json`, `.jsonl`, `.parquet`,
     `.csv`, `.arrow`) or a directory written by `Dataset.save_to_disk`; a `datasets` format (`json`, `parquet`,
     `csv`, `arrow`) together with `data_files`; or a Hugging Face hub dataset such as `openai/gsm8k` (needs hub
-    access)."""
+    access); or `environment`: no dataset, `environment_factory`'s `reset()` returns each episode's prompt (TRL)."""
     dataset_config: str | None = None
     """Configuration (subset) of a hub dataset, e.g. `main` for `openai/gsm8k` (`datasets.load_dataset`'s `name`)."""
     dataset_train_split: str = "train"
@@ -148,9 +148,11 @@ class AsyncGRPOConfig:
     episode: model turn, tool calls, tool results, next turn. Empty with no `environment_factory`: one completion
     per prompt, as always."""
     environment_factory: str | None = None
-    """A class as `package.module:Class`, one instance per episode (TRL's contract): `reset(**row)` gets the whole
-    dataset row and may return text appended to the last user message; its public methods other than
-    reset/get_reward are tools; an optional `get_reward()` is an extra reward named after the class."""
+    """A class, or a function taking no argument that returns an instance, as `package.module:name` (TRL's
+    contract). Each episode has an instance of its own while it runs; instances are reused (`reset(**row)` first:
+    it gets the whole dataset row and may return text appended to the last user message) and `close()`d at the end.
+    The instance's public methods other than reset/get_reward/close are tools; an optional `get_reward()` is an extra
+    reward named after the class."""
     max_turns: int = 8
     """Most model turns in one episode; an episode that still calls a tool then ends there (not truncated)."""
     max_episode_tokens: int | None = None
@@ -158,7 +160,21 @@ class AsyncGRPOConfig:
     is truncated (`mask_truncated_completions` applies). Unset: only the server's `max_model_len` bounds it. Each
     model turn samples at most `max_completion_length` tokens."""
     tool_timeout: float = 30.0
-    """Seconds one tool call may take; past it the call is abandoned and the model reads an error saying so."""
+    """Seconds one tool call may take; past it the call is stopped (the processes it started are killed, an exception
+    is raised in its thread) and the model reads an error saying so."""
+    max_tool_calls_per_turn: int = 8
+    """Most tool calls run for one model turn; the model reads an error for each call past it (not run)."""
+    tool_output_max_chars: int | None = 16384
+    """Longest tool result in characters, cut before it is tokenized; the model reads a line saying how much was
+    cut. Unset: no cap."""
+    tool_output_max_tokens: int | None = 2048
+    """Longest tool result in tokens (after the character cap), cut the same visible way. Unset: no cap (the
+    episode's token budgets still hold)."""
+    tool_process: bool = False
+    """Run each call of a `tools` function in a fresh process of its own: started without the run's keys
+    (`ASYNCGRPO_VLLM_API_KEY`, `ASYNCGRPO_ROLLOUT_KEY`) in a new user and PID namespace (`unshare`), so that it
+    cannot read them from any other process either, and killed whole at `tool_timeout`. For tools that run code the
+    model wrote. Costs a Python start per call; environment methods still run in the rollout process."""
     episode_version: str = "pinned"
     """Which adapter an episode's later turns are sent to. `pinned` (default): every turn on the version its group
     was sent with, so each episode is sampled by one policy. `latest`: each turn on the newest served version (the
@@ -439,10 +455,10 @@ class AsyncGRPOConfig:
         # The toy world only when chosen: `model_name_or_path: toy` brings its prompts, `dataset_name: toy` its reward.
         if self.model_name_or_path == "toy" and self.dataset_name is None:
             self.dataset_name = "toy"
+        if self.environment_factory is not None and self.reward_funcs is None:
+            self.reward_funcs = []  # the environment's get_reward() (TRL): no default beside it, checked at build
         if self.dataset_name == "toy" and self.reward_funcs is None:
             self.reward_funcs = [TOY_REWARD]
-        if self.environment_factory is not None and self.reward_funcs is None:
-            self.reward_funcs = []  # the environment's get_reward(), checked where the class is loaded
         if isinstance(self.scale_rewards, bool):  # TRL's booleans
             self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.lora_adapter_path is None:
@@ -555,7 +571,7 @@ class AsyncGRPOConfig:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
                               f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
-        if not self.reward_funcs and self.environment_factory is None:
+        if not self.reward_funcs and not self.environment_factory:  # an environment's get_reward: checked at build
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
         for ref in self.reward_funcs:
             if not (_is_function_ref(ref) if ":" in ref else "/" in ref or Path(ref).exists()):
@@ -615,6 +631,16 @@ class AsyncGRPOConfig:
             raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
                               "are scored in the rollout process, where their environments live",
                               "set `reward_workers: 0`")
+        if self.tool_process and not self.tools:
+            raise ConfigError("tool_process", "is true, but no `tools` are named (an environment's methods run in the "
+                              "rollout process, where their instance lives)", "name the tools to isolate under "
+                              "`tools`, or set `tool_process: false`")
+        if self.dataset_name == "environment" and not self.environment_factory:
+            raise ConfigError("dataset_name", "is `environment` (reset() gives the prompts), but no "
+                              "environment_factory is set", "set environment_factory, or name a dataset")
+        if self.dataset_name == "environment" and self.num_train_epochs is not None:
+            raise ConfigError("num_train_epochs", "is set, but with `dataset_name: environment` there are no rows to "
+                              "pass over", "set max_steps instead")
         if self.uses_tools and self.prompt_format == "raw":
             raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
                               "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
@@ -818,6 +844,9 @@ VALUE_RANGES: dict[str, Range] = {
     "max_turns": Range(1, fix="use the most model turns an episode may take, e.g. 8"),
     "max_episode_tokens": Range(1, fix="use the most tokens an episode may have after its prompt, or unset it"),
     "tool_timeout": Range(0, low_open=True, fix="give the seconds one tool call may take, e.g. 30"),
+    "max_tool_calls_per_turn": Range(1, fix="use the most tool calls one turn may run, e.g. 8"),
+    "tool_output_max_chars": Range(1, fix="use the longest tool result in characters, e.g. 16384, or unset it"),
+    "tool_output_max_tokens": Range(1, fix="use the longest tool result in tokens, e.g. 2048, or unset it"),
     "num_generations": Range(2, fix="use 2 or more for group-relative advantages (8 is typical)"),
     "max_completion_length": Range(1, fix="use the most tokens a completion may have, e.g. 256"),
     "temperature": Range(0, low_open=True, fix="sample with temperature 1.0 (the policy's own distribution)"),

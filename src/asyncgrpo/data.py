@@ -146,8 +146,16 @@ def count_training_rows(cfg) -> int:
     return len(read_records(cfg)[0])
 
 
+ENVIRONMENT_DATA = "environment"  # dataset_name: no dataset; environment_factory's reset() gives each prompt (TRL)
+
+
 def read_records(cfg) -> tuple[list[dict], str]:
-    """The training split as (rows, a description of where they came from, for messages)."""
+    """The training split as (rows, a description of where they came from, for messages). `dataset_name:
+    environment` is TRL's run without a dataset: one row holding an empty user message, to which each episode's
+    `reset()` text is appended (every group is then that row's `num_generations` episodes)."""
+    if cfg.dataset_name == ENVIRONMENT_DATA:
+        return [{PromptFormat.from_config(cfg).column: [{"role": "user", "content": ""}]}], \
+            f"{cfg.environment_factory}'s reset() (dataset_name: {ENVIRONMENT_DATA})"
     if cfg.dataset_name == "toy":
         path = toy_world(cfg).train_file  # the toy split is small: read it directly, without `datasets`
         return read_jsonl(path), str(path)

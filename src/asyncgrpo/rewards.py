@@ -2,7 +2,8 @@
 clear failures, and built-ins.
 
 A reward function has TRL's signature `fn(prompts, completions, **columns) -> list[float | None]`, one value per
-completion, and may be `async def`; None means "does not apply to this completion". A completion's total is the
+completion, and may be `async def`; None means "does not apply to this completion". One that accepts TRL's
+`trainer_state`, `log_metric` or `log_extra` (by name or **kwargs) gets them. A completion's total is the
 weighted sum over the functions that returned a number, else `reward_fallback`. What each argument holds, reward
 models (reward_model.py) and the built-ins: docs/data.md.
 """
@@ -19,6 +20,7 @@ import math
 import numbers
 import re
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -94,6 +96,65 @@ def reward_means(parts: list[dict[str, list]]) -> dict[str, float | None]:
     return {name: (sum(v) / len(v) if v else None) for name, v in values.items()}
 
 
+TRL_KWARGS = ("trainer_state", "log_metric", "log_extra")  # what TRL hands every reward function besides columns
+
+
+def accepted_kwargs(fn, names=TRL_KWARGS) -> frozenset[str]:
+    """Which of `names` `fn` takes: by name, or all of them through **kwargs (TRL passes them to every function)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: give it none
+        return frozenset()
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return frozenset(names)
+    return frozenset(n for n in names if n in params and params[n].kind != params[n].POSITIONAL_ONLY)
+
+
+@dataclass
+class RewardState:
+    """TRL's `trainer_state` as reward functions read it (the fields of transformers' TrainerState that rewards use
+    for shaping): the optimizer step the newest published policy was trained to, the run's `max_steps`, and that
+    policy's version. A group is scored with the state current when it is scored, as TRL does."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    policy_version: int = 0
+
+
+class RewardLog:
+    """What reward functions logged through TRL's `log_metric(name, value)` and `log_extra(column, values)` since it
+    was last taken; the rollout side hands it to the trackers once per optimizer step (metrics as their mean under
+    `train/<name>`, extra columns as a table). Any thread may log."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.extra: dict[str, list] = defaultdict(list)
+
+    def log_metric(self, name: str, value: float) -> None:
+        with self._lock:
+            self.metrics[str(name)].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        with self._lock:
+            self.extra[str(column)].extend(values)
+
+    def merge(self, metrics: dict[str, list[float]], extra: dict[str, list]) -> None:
+        """Add what another scorer (a reward worker's) logged."""
+        with self._lock:
+            for name, values in metrics.items():
+                self.metrics[name].extend(values)
+            for column, values in extra.items():
+                self.extra[column].extend(values)
+
+    def take(self) -> tuple[dict[str, list[float]], dict[str, list]]:
+        """Everything logged so far (raw values), leaving the log empty."""
+        with self._lock:
+            metrics, extra = dict(self.metrics), dict(self.extra)
+            self.metrics, self.extra = defaultdict(list), defaultdict(list)
+        return metrics, extra
+
+
 @dataclass
 class RewardScorer:
     """Scores completions with several weighted reward functions; counts fallbacks when configured."""
@@ -105,12 +166,15 @@ class RewardScorer:
     fallbacks: int = 0
     functions: list[RewardFn] = field(init=False)
     on_call: Callable[[str], None] | None = field(default=None, repr=False)  # told each function's ref before it runs
+    state: RewardState = field(default_factory=RewardState)  # TRL's `trainer_state`, kept current by the side
+    logged: RewardLog = field(default_factory=RewardLog, repr=False)  # TRL's `log_metric` / `log_extra`
 
     def __post_init__(self) -> None:
         kwargs = self.kwargs or {}
         self.functions = [load_reward_function(r, kwargs.get(r, kwargs.get(reward_name(r)))) for r in self.refs]
         if self.weights is None:
             self.weights = [1.0] * len(self.refs)
+        self._trl_kwargs = [accepted_kwargs(fn) for fn in self.functions]
         for fn in self.functions:  # heavy imports now (a worker: before it says ready), not inside reward_timeout
             warm_up = getattr(getattr(fn, "func", fn), "warm_up", None)  # `func`: a partial with reward_kwargs
             if callable(warm_up):
@@ -133,10 +197,13 @@ class RewardScorer:
             extra["parsed"] = parsed
         parts: dict[str, list[float | None]] = {}
         total: list[float | None] = [None] * len(completions)
-        for ref, name, fn, weight in zip(self.refs, self.names, self.functions, self.weights):
+        trl = {"trainer_state": self.state, "log_metric": self.logged.log_metric, "log_extra": self.logged.log_extra}
+        for i, (ref, name, fn, weight) in enumerate(zip(self.refs, self.names, self.functions, self.weights)):
             if self.on_call is not None:
                 self.on_call(ref)
-            values = self._call(ref, fn, prompts, completions, extra)
+            # functions appended after construction (an environment's get_reward) take **kwargs
+            wanted = self._trl_kwargs[i] if i < len(self._trl_kwargs) else accepted_kwargs(fn)
+            values = self._call(ref, fn, prompts, completions, {**extra, **{k: trl[k] for k in wanted}})
             parts[name] = values
             total = [t if v is None else (t or 0.0) + weight * v for t, v in zip(total, values)]
         return self._fill_inapplicable(total, prompts, completions), parts
@@ -310,7 +377,8 @@ def math_accuracy(prompts, completions, *, answer_column: str = "answer", grader
     (the number comparison costs ~0.1 ms per completion, math-verify ~10 ms).
     """
     if answer_column not in columns:
-        raise ValueError(f"math_accuracy needs the reference column {answer_column!r}; columns: {sorted(columns)} "
+        raise ValueError(f"math_accuracy needs the reference column {answer_column!r}; columns: "
+                         f"{sorted(set(columns) - set(TRL_KWARGS))} "
                          f"(set `reward_kwargs: {{math_accuracy: {{answer_column: NAME}}}}`)")
     if grader not in ("auto", "math-verify", "numbers"):
         raise ValueError(f"math_accuracy's grader is auto, math-verify or numbers, not {grader!r}")

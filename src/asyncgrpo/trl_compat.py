@@ -198,7 +198,10 @@ def _tool_iterations(values: dict) -> None:
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
         raise ConfigError("max_tool_calling_iterations", f"is {rounds!r}, not a whole number >= 0",
                           "give the most tool rounds an episode may take, e.g. 7 (or max_turns: 8)")
-    values.setdefault("max_turns", rounds + 1)
+    if values.get("max_turns", rounds + 1) != rounds + 1:
+        raise ConfigError("max_tool_calling_iterations", f"is {rounds} (at most {rounds + 1} model turns) but "
+                          f"max_turns is {values['max_turns']}", "set only one of them")
+    values["max_turns"] = rounds + 1
 
 
 def _environment(values: dict) -> None:

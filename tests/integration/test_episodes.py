@@ -216,36 +216,48 @@ def test_with_latest_the_turns_after_a_publish_are_sampled_by_the_new_version_an
         unload_all(client, names)
 
 
-def test_a_tool_calling_run_trains_on_exactly_the_tokens_the_server_sampled(world, vllm_server, tmp_path, tb_scalars):
-    """A whole run (in this process, one rank, staleness 0) with `tools`: the model directory is the toy model with
-    this format's tokenizer saved beside it (vLLM gets ids only, so it serves the toy model as it is)."""
-    import json
+def agent_model(world, tmp_path):
+    """The toy model with this format's tokenizer saved beside it (vLLM gets ids only, so it serves the toy model as
+    it is)."""
     import shutil
-
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     model_dir = tmp_path / "model"
     shutil.copytree(world.model_dir, model_dir)
     agent_tokenizer().save_pretrained(model_dir)  # the chat template and the response template go with it
-    data = tmp_path / "agent.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a:02d},{b:02d}>"}]}) + "\n"
-                            for a, b in [(7, 45), (81, 3), (12, 60), (44, 9)]))
-    cfg = AsyncGRPOConfig.from_dict({
-        "model_name_or_path": str(model_dir), "dataset_name": str(data), "reward_funcs": ["agent_tools:messages_reward"],
-        "tools": ["agent_format:lookup"], "max_turns": 3, "max_completion_length": 12, "num_generations": 4,
-        "per_device_train_batch_size": 8, "max_steps": 2, "max_staleness": 0, "weight_sync_steps": 1,
-        "lora_r": 8, "lora_alpha": 16, "lora_target_modules": ["q_proj", "v_proj"], "learning_rate": 1e-3,
-        "lr_scheduler_type": "constant",
-        "lora_name": "agent", "output_dir": str(tmp_path / "run"), "lora_adapter_path": str(tmp_path / "adapters"),
-        "vllm_server_base_url": vllm_server.base_url, "vllm_server_timeout": 30, "vllm_request_timeout": 60,
-        "torch_num_threads": 0})
-    trainer = AsyncGRPOTrainer(cfg)
+    return model_dir
+
+
+RUN = {"max_turns": 3, "max_completion_length": 12, "num_generations": 4, "per_device_train_batch_size": 8,
+       "max_steps": 2, "max_staleness": 0, "weight_sync_steps": 1, "lora_r": 8, "lora_alpha": 16,
+       "lora_target_modules": ["q_proj", "v_proj"], "learning_rate": 1e-3, "vllm_server_timeout": 30,
+       "vllm_request_timeout": 60, "torch_num_threads": 0, "lr_scheduler_type": "constant"}  # two steps, one rank
+
+
+def train(values: dict) -> None:
+    """A whole run in this process."""
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+
+    trainer = AsyncGRPOTrainer(AsyncGRPOConfig.from_dict(values))
     try:
         trainer.setup()
         trainer.train()
     finally:
         trainer.cleanup()
+
+
+def test_a_tool_calling_run_trains_on_exactly_the_tokens_the_server_sampled(world, vllm_server, tmp_path, tb_scalars):
+    """A whole run (in this process, one rank, staleness 0) with `tools`."""
+    import json
+
+    model_dir = agent_model(world, tmp_path)
+    data = tmp_path / "agent.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a:02d},{b:02d}>"}]}) + "\n"
+                            for a, b in [(7, 45), (81, 3), (12, 60), (44, 9)]))
+    train({"model_name_or_path": str(model_dir), "dataset_name": str(data),
+           "reward_funcs": ["agent_tools:messages_reward"], "tools": ["agent_format:lookup"], **RUN,
+           "lora_name": "agent", "output_dir": str(tmp_path / "run"), "lora_adapter_path": str(tmp_path / "adapters"),
+           "vllm_server_base_url": vllm_server.base_url})
     tb = tmp_path / "run" / "tensorboard"
     ratios = [v for _, v in tb_scalars(tb, "train/max_abs_log_ratio")]
     assert len(ratios) == 2 and max(ratios) < 1e-3, ratios  # every sampled token of every turn, both steps
@@ -253,3 +265,20 @@ def test_a_tool_calling_run_trains_on_exactly_the_tokens_the_server_sampled(worl
     assert len(turns) == 2 and max(turns) > 1.0, turns  # episodes of several turns were trained on
     calls = [v for _, v in tb_scalars(tb, "episodes/tool_calls_total")]
     assert calls[-1] > 0
+
+
+def test_a_trl_environment_without_a_dataset_trains_scored_by_its_get_reward_and_a_function_that_logs(
+        world, vllm_server, tmp_path, tb_scalars):
+    """TRL's contract, unchanged: no dataset (reset() returns the prompt), get_reward() as a reward, and a reward
+    function taking environments, log_metric, log_extra and trainer_state, whose metric reaches TensorBoard."""
+    train({"model_name_or_path": str(agent_model(world, tmp_path)), "dataset_name": "environment",
+           "environment_factory": "agent_tools:Riddles", "reward_funcs": ["agent_tools:said_reward"], **RUN,
+           "lora_name": "riddles", "output_dir": str(tmp_path / "run"), "lora_adapter_path": str(tmp_path / "adapters"),
+           "vllm_server_base_url": vllm_server.base_url})
+    tb = tmp_path / "run" / "tensorboard"
+    said = tb_scalars(tb, "train/said_mean")  # log_metric: the mean since the step before, at each step
+    assert said and {step for step, _ in said} <= {1, 2} and all(v >= 0 for _, v in said), said
+    assert len(tb_scalars(tb, "train/rewards/Riddles/mean")) == 2  # get_reward scored every step
+    assert len(tb_scalars(tb, "train/rewards/said_reward/mean")) == 2
+    ratios = [v for _, v in tb_scalars(tb, "train/max_abs_log_ratio")]
+    assert len(ratios) == 2 and max(ratios) < 1e-3, ratios

@@ -88,7 +88,7 @@ def test_check_reports_every_problem_at_once_and_exits_nonzero(tmp_path, capsys)
 
 def test_check_imports_what_the_config_names(tmp_path, capsys):
     code = main(["check", "--model_name_or_path", "toy", "--reward_funcs", "no_such_module_xyz:fn",
-                 "--environment_factory", "agent_tools:lookup"])
+                 "--environment_factory", "agent_tools:no_such_environment"])
     assert code == 2
     err = capsys.readouterr().err
     assert "no_such_module_xyz" in err and "config `environment_factory`" in err and "2 problems" in err

@@ -39,3 +39,37 @@ def test_trls_max_tool_calling_iterations_is_read_as_one_more_model_turn():
 def test_agent_numbers_out_of_range_name_the_key(key, value):
     with pytest.raises(ConfigError, match=key):
         cfg(**{key: value})
+
+
+def test_no_default_reward_is_added_beside_an_environment_but_plain_runs_keep_the_toy_reward():
+    assert cfg(environment_factory="agent_tools:Counter").reward_funcs == []  # its get_reward() scores (TRL)
+    assert cfg(tools=["agent_tools:lookup"]).reward_funcs == ["asyncgrpo.toy:larger_reward"]
+    assert cfg().reward_funcs == ["asyncgrpo.toy:larger_reward"]
+    assert cfg(environment_factory="agent_tools:Counter", reward_funcs=["agent_tools:messages_reward"]).reward_funcs \
+        == ["agent_tools:messages_reward"]
+    with pytest.raises(ConfigError, match="reward_funcs.*is empty"):
+        cfg(reward_funcs=[])
+
+
+def test_trls_max_tool_calling_iterations_unset_means_no_cap_of_its_own_and_a_contradicting_max_turns_is_refused():
+    assert cfg(tools=["agent_tools:lookup"], max_tool_calling_iterations=None).max_turns == 8  # max_turns' default
+    assert cfg(tools=["agent_tools:lookup"], max_tool_calling_iterations=0).max_turns == 1  # answer, no tool round
+    assert cfg(tools=["agent_tools:lookup"], max_tool_calling_iterations=2, max_turns=3).max_turns == 3
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations.*max_turns is 5.*set only one"):
+        cfg(tools=["agent_tools:lookup"], max_tool_calling_iterations=2, max_turns=5)
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations.*-1"):
+        cfg(tools=["agent_tools:lookup"], max_tool_calling_iterations=-1)
+
+
+def test_a_run_without_a_dataset_needs_an_environment_and_max_steps_rather_than_epochs():
+    assert cfg(dataset_name="environment", environment_factory="agent_tools:Counter").dataset_name == "environment"
+    with pytest.raises(ConfigError, match="dataset_name.*environment_factory"):
+        cfg(dataset_name="environment")
+    with pytest.raises(ConfigError, match="num_train_epochs.*max_steps"):
+        cfg(dataset_name="environment", environment_factory="agent_tools:Counter", num_train_epochs=1)
+
+
+def test_tool_process_needs_tools_to_isolate():
+    assert cfg(tools=["agent_tools:lookup"], tool_process=True).tool_process
+    with pytest.raises(ConfigError, match="tool_process.*no `tools`"):
+        cfg(environment_factory="agent_tools:Counter", tool_process=True)

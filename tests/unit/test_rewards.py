@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from asyncgrpo.errors import ConfigError, RewardFunctionError
-from asyncgrpo.rewards import RewardScorer, reward_means
+from asyncgrpo.rewards import RewardScorer, accepted_kwargs, reward_means
 
 
 def length_reward(prompts, completions, **kw):
@@ -145,3 +145,31 @@ def test_an_async_reward_function_is_awaited_in_the_scoring_thread():
     thread.start()
     thread.join()
     assert results == [[6.0]]
+
+
+def trl_logging_reward(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
+    """A TRL reward function: shapes by the step, logs a metric and an extra column."""
+    log_metric("mean_length", sum(len(c) for c in completions) / len(completions))
+    log_extra("doubled", [c * 2 for c in completions])
+    return [float(trainer_state.global_step)] * len(completions)
+
+
+def state_only_reward(prompts, completions, trainer_state):
+    return [trainer_state.max_steps / 10] * len(completions)
+
+
+def test_trl_reward_kwargs_reach_the_functions_that_take_them_and_what_they_log_is_kept_until_taken():
+    s = RewardScorer([f"{__name__}:trl_logging_reward", f"{__name__}:state_only_reward", f"{__name__}:length_reward"])
+    s.state.global_step, s.state.max_steps = 12, 30
+    total, parts = s.score(["p", "p"], ["ab", "abcd"], {})
+    assert parts == {"trl_logging_reward": [12.0, 12.0], "state_only_reward": [3.0, 3.0], "length_reward": [2.0, 4.0]}
+    s.score(["p"], ["abcdef"], {})
+    metrics, extra = s.logged.take()
+    assert metrics == {"mean_length": [3.0, 6.0]} and extra == {"doubled": ["abab", "abcdabcd", "abcdefabcdef"]}
+    assert s.logged.take() == ({}, {})  # taken once
+
+
+def test_only_the_trl_arguments_a_function_names_or_takes_through_kwargs_are_passed():
+    assert accepted_kwargs(state_only_reward) == {"trainer_state"}
+    assert accepted_kwargs(length_reward) == {"trainer_state", "log_metric", "log_extra"}
+    assert accepted_kwargs(lambda prompts, completions, answer: None) == set()

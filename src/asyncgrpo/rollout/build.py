@@ -22,7 +22,7 @@ from asyncgrpo.rollout.publish import AdapterPublisher, run_prefix
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
 from asyncgrpo.rollout.scoring import GroupScorer, InThreadScoring
-from asyncgrpo.rollout.tools import load_environment_factory, load_tools
+from asyncgrpo.rollout.tools import environment_class, load_environment_factory, load_tools
 from asyncgrpo.store import AdapterStore, clean_stale_temporaries
 
 
@@ -117,10 +117,16 @@ def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupSc
     """The scorer `reward_workers` asks for. The pool's workers load the tokenizer from the directory the trainer
     loaded it from (`tokenizer.name_or_path`, a local directory: `data.local_model_dir`)."""
     scorer = RewardScorer(list(cfg.reward_funcs or []), cfg.reward_weights, cfg.reward_fallback, cfg.reward_kwargs)
+    scorer.state.max_steps = cfg.max_steps  # TRL's trainer_state.max_steps
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
-    if factory is not None and callable(getattr(factory, "get_reward", None)):
+    kind = environment_class(factory, cfg.environment_factory) if factory is not None else None
+    owns_reward = kind is not None and callable(getattr(kind, "get_reward", None))
+    if not cfg.reward_funcs and not owns_reward:
+        raise ConfigError("reward_funcs", f"is empty and {cfg.environment_factory} has no get_reward(), so nothing "
+                          "scores the episodes", "name a reward function, or give the environment a get_reward()")
+    if owns_reward:
         # TRL: an environment's get_reward() is one more reward, named after its class, weight 1
-        scorer.refs.append(f"{factory.__module__}:{factory.__name__}")
+        scorer.refs.append(f"{kind.__module__}:{kind.__name__}")
         scorer.functions.append(environment_reward)
         scorer.weights = [*scorer.weights, 1.0]
     if not scorer.functions:

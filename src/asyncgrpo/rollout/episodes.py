@@ -8,9 +8,7 @@ that is 1 only on sampled ids, and per token its behaviour logprob and policy ve
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import inspect
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -20,6 +18,10 @@ from asyncgrpo.contracts import Group, scored_advantages
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout.scoring import decode_completion
+from asyncgrpo.rollout import tool_process
+from asyncgrpo.rollout.environments import EnvironmentPool, close_environment
+from asyncgrpo.rollout.environments import called as _called
+from asyncgrpo.rollout.tool_guard import HUNG, cut_tokens
 from asyncgrpo.rollout.tools import ToolResult, environment_tools, run_tool_calls, tool_schema
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,12 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0  # calls stopped at tool_timeout
     tool_seconds: float = 0.0
+
+    @property
+    def schemas_by_name(self) -> dict[str, dict]:
+        return {s["function"]["name"]: s for s in self.schemas}
 
     def append(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
         """Sampled ids (with their logprobs) or, with None, context ids: logprob 0.0 and no loss."""
@@ -145,6 +152,7 @@ class EpisodeStats:
     def __init__(self):
         self._lock = threading.Lock()
         self.episodes = self.turns = self.tool_calls = self.tool_errors = self.truncated = self.tokens = 0
+        self.tool_timeouts = 0
         self.tool_seconds = 0.0
 
     def add(self, episodes: list[Episode]) -> None:
@@ -154,6 +162,7 @@ class EpisodeStats:
                 self.turns += e.turns
                 self.tool_calls += e.tool_calls
                 self.tool_errors += e.tool_errors
+                self.tool_timeouts += e.tool_timeouts
                 self.tool_seconds += e.tool_seconds
                 self.tokens += len(e.ids)
                 self.truncated += e.finish_reason == "length"
@@ -163,13 +172,10 @@ class EpisodeStats:
             n = max(self.episodes, 1)
             return {"episodes/total": self.episodes, "episodes/turns_mean": self.turns / n,
                     "episodes/tool_calls_total": self.tool_calls, "episodes/tool_errors_total": self.tool_errors,
+                    "episodes/tool_timeouts_total": self.tool_timeouts,
+                    "episodes/tool_threads_hung": HUNG.hung(),  # stopped calls still blocked in C (tool_guard.py)
                     "episodes/tool_seconds_total": self.tool_seconds, "episodes/tokens_mean": self.tokens / n,
                     "episodes/truncated_total": self.truncated}
-
-
-def _called(value):
-    """A sync or async method's result."""
-    return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
 def reset_environment(environment, row: PromptRow) -> str | None:
@@ -187,18 +193,51 @@ Latest = Callable[[], ContextManager[tuple[int, str]]]
 """`episode_version: latest`: gives the (version, adapter) served now, held in use while its turn runs."""
 
 
+def process_refs(cfg, names: list[str]) -> dict[str, str]:
+    """{tool name: `module:function`} of the tools that run in a process of their own (`tool_process: true`),
+    after checking such processes can start here; empty otherwise."""
+    if not cfg.tool_process:
+        return {}
+    problem = tool_process.probe()
+    if problem is not None:
+        raise ConfigError("tool_process", f"is true, but tool processes cannot start in a namespace of their own "
+                          f"here: {problem}", "allow unprivileged user namespaces (sysctl "
+                          "kernel.unprivileged_userns_clone=1, or on Ubuntu "
+                          "kernel.apparmor_restrict_unprivileged_userns=0), or set `tool_process: false`")
+    return dict(zip(names, cfg.tools))
+
+
 class EpisodeRunner:
     """Runs a group's episodes against one server: each episode on a thread of its own, its turns one request each,
     every turn on the adapter the group was sent with (`episode_version: pinned`) or on the newest served one
-    (`latest`): docs/agents.md, "Versions inside an episode"."""
+    (`latest`): docs/agents.md, "Versions inside an episode". Environments come from one pool: `release` the
+    episodes once scored, `close` at the end of the run."""
 
     def __init__(self, fmt: ChatFormat, cfg, *, tools: list[Callable], factory: Callable | None,
                  max_model_len: int | None):
         self.fmt, self.cfg, self.factory, self.max_model_len = fmt, cfg, factory, max_model_len
+        self.environments = EnvironmentPool(factory, cfg.environment_factory) if factory is not None else None
         self.tools = list(tools)
         self.tool_schemas = [tool_schema(t) for t in self.tools]
+        # tool_process: each `tools` function (not an environment's method) runs in a process without the keys
+        self.process_refs = process_refs(cfg, [s["function"]["name"] for s in self.tool_schemas])
         self.max_episode_tokens = cfg.max_episode_tokens  # None: the server's context is the only bound
         self.stats = EpisodeStats()
+
+    def release(self, episodes: list[Episode]) -> None:
+        """The episodes' environments go back to the pool (after their rewards are computed)."""
+        for e in episodes:
+            if e.environment is not None and self.environments is not None:
+                if e.tool_timeouts:  # a stopped call's thread may still be in it: not reused, closed
+                    close_environment(e.environment)
+                else:
+                    self.environments.give_back(e.environment)
+                e.environment = None
+
+    def close(self) -> None:
+        """Close every pooled environment (`close()` where defined): the run is over."""
+        if self.environments is not None:
+            self.environments.close()
 
     # ---- starting -------------------------------------------------------------------------------------------
     def start(self, row: PromptRow) -> Episode:
@@ -209,13 +248,13 @@ class EpisodeRunner:
         messages = [dict(m) for m in row.prompt]
         tools = list(self.tools)
         environment = None
-        if self.factory is not None:
+        if self.environments is not None:
+            environment = self.environments.take()
             try:
-                environment = self.factory()
-            except Exception as exc:  # noqa: BLE001 - a user's class: name it
-                raise ToolError(f"environment_factory {self.cfg.environment_factory} could not be built: "
-                                f"{type(exc).__name__}: {exc}") from exc
-            observation = reset_environment(environment, row)
+                observation = reset_environment(environment, row)
+            except BaseException:
+                self.environments.give_back(environment)
+                raise
             if observation is not None:
                 last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
                 messages[last]["content"] = f"{messages[last]['content']}{observation}"
@@ -230,7 +269,18 @@ class EpisodeRunner:
                   seed: int | None, latest: Latest | None = None) -> list[Episode]:
         """`n` episodes of `row`, all turns on `adapter`, or each on what `latest()` gives. Raises what a turn's
         request raised (the producer loses and resends the group on a server fault) or TurnAborted."""
-        episodes = [self.start(row) for _ in range(n)]
+        episodes: list[Episode] = []
+        try:
+            for _ in range(n):
+                episodes.append(self.start(row))
+            return self._run_all(client, row, episodes, adapter=adapter, version=version, seed=seed, latest=latest)
+        except BaseException:
+            self.release(episodes)  # the group is lost: its environments are reset before their next use
+            raise
+
+    def _run_all(self, client, row: PromptRow, episodes: list[Episode], *, adapter: str, version: int,
+                 seed: int | None, latest: Latest | None) -> list[Episode]:
+        n = len(episodes)
         errors: list[BaseException] = []
 
         def one(j: int) -> None:
@@ -291,9 +341,13 @@ class EpisodeRunner:
             calls = tool_calls_of(message)
             if not calls or e.turns >= cfg.max_turns:
                 return
-            results = run_tool_calls(e.tools, calls, cfg.tool_timeout)
+            results = run_tool_calls(e.tools, calls, cfg.tool_timeout, schemas=e.schemas_by_name,
+                                     max_chars=cfg.tool_output_max_chars, max_calls=cfg.max_tool_calls_per_turn,
+                                     process_refs=self.process_refs)
             self._count(e, results)
-            tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+            tool_messages = [{"role": "tool", "name": r.name,
+                              "content": cut_tokens(r.content, self.fmt.tokenizer, cfg.tool_output_max_tokens)}
+                             for r in results]
             e.messages += tool_messages
             if e.environment is not None and getattr(e.environment, "done", False):
                 return  # the environment says the episode is over
@@ -308,6 +362,7 @@ class EpisodeRunner:
     def _count(e: Episode, results: list[ToolResult]) -> None:
         e.tool_calls += len(results)
         e.tool_errors += sum(r.error for r in results)
+        e.tool_timeouts += sum(r.timed_out for r in results)
         e.tool_seconds += sum(r.seconds for r in results)
 
 

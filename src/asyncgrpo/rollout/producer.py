@@ -306,17 +306,20 @@ class RolloutProducer:
             episodes = None
         finally:
             self.server_busy.exit()
-        if not self._begin_processing():
-            return None
-        if episodes is None:
-            self._lose_group(row, index)  # a turn was aborted by a sync with sync_pause_mode: abort
-            return None
-        check_behaviour_logprobs([SimpleNamespace(token_ids=e.ids, logprobs=e.logprobs) for e in episodes],
-                                 server=client.base_url, prompt_index=index, adapter=adapter)
-        self.generated_tokens += sum(sum(e.loss_mask) for e in episodes)
-        environments = [e.environment for e in episodes] if self.cfg.environment_factory else None
-        rewards, parts = self.scorer.score_episodes(row, [e.prompt for e in episodes], [e.messages for e in episodes],
-                                                    [e.ids for e in episodes], [e.finish_reason for e in episodes],
-                                                    environments)
-        return episode_group(row, episodes, rewards, parts, index=index, version=version, adapter=adapter,
-                             cfg=self.cfg)
+        try:
+            if not self._begin_processing():
+                return None
+            if episodes is None:
+                self._lose_group(row, index)  # a turn was aborted by a sync with sync_pause_mode: abort
+                return None
+            check_behaviour_logprobs([SimpleNamespace(token_ids=e.ids, logprobs=e.logprobs) for e in episodes],
+                                     server=client.base_url, prompt_index=index, adapter=adapter)
+            self.generated_tokens += sum(sum(e.loss_mask) for e in episodes)
+            environments = [e.environment for e in episodes] if self.cfg.environment_factory else None
+            rewards, parts = self.scorer.score_episodes(row, [e.prompt for e in episodes],
+                                                        [e.messages for e in episodes], [e.ids for e in episodes],
+                                                        [e.finish_reason for e in episodes], environments)
+            return episode_group(row, episodes, rewards, parts, index=index, version=version, adapter=adapter,
+                                 cfg=self.cfg)
+        finally:
+            self.episodes.release(episodes or [])  # scored (or dropped): the environments are reused

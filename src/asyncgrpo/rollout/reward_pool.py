@@ -28,7 +28,7 @@ import asyncgrpo
 from asyncgrpo.config import SECRET_ENV_VARS
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import RewardFunctionError
-from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rewards import RewardLog, RewardScorer, RewardState
 from asyncgrpo.rollout.scoring import DECODING, reward_timeout_error, running_what, score_group
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
             return
         if request is None:
             return
-        row, completion_ids, finish_reasons = request
+        row, completion_ids, finish_reasons, scorer.state = request
         before = scorer.fallbacks
         try:
             conn.send(("running", DECODING))
@@ -144,7 +144,7 @@ def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
             text = str(exc) if isinstance(exc, RewardFunctionError) else f"{type(exc).__name__}: {exc}"
             conn.send(("error", text, traceback.format_exc()))
             continue
-        conn.send(("done", rewards, parts, scorer.fallbacks - before))
+        conn.send(("done", rewards, parts, scorer.fallbacks - before, scorer.logged.take()))
 
 
 # ---- the parent's side -------------------------------------------------------------------------------------------
@@ -260,6 +260,8 @@ class RewardPool:
                                response_template)
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.fallbacks = 0
+        self.logged = RewardLog()  # what the workers' reward functions logged, merged as their answers come
+        self.state = RewardState(max_steps=scorer.state.max_steps)  # each request carries it as `trainer_state`
         self.replaced = 0  # workers killed or found dead and started anew
         self._lock = threading.Lock()  # fallbacks, and the list of workers (for close)
         self._closed = False
@@ -280,6 +282,12 @@ class RewardPool:
     def workers(self) -> int:
         return len(self._workers)
 
+    def at_step(self, step: int, version: int) -> None:
+        self.state = RewardState(global_step=step, max_steps=self.state.max_steps, policy_version=version)
+
+    def take_logged(self) -> tuple[dict[str, list[float]], dict[str, list]]:
+        return self.logged.take()
+
     def score_group(self, row: PromptRow, completion_ids: list[list[int]],
                     finish_reasons: list[str]) -> tuple[list[float], dict[str, list]]:
         worker = self._idle.get()
@@ -287,7 +295,7 @@ class RewardPool:
             if self._closed:
                 raise RewardFunctionError("the reward pool was closed (the run is stopping)")
             worker.wait_ready(self.start_timeout_s)  # a replacement is awaited on its first use
-            rewards, parts, fallbacks = self._call(worker, row, completion_ids, finish_reasons)
+            rewards, parts, fallbacks, logged = self._call(worker, row, completion_ids, finish_reasons)
         except _WorkerLost as lost:
             worker = self._replace(worker)
             raise lost.error from None
@@ -295,6 +303,7 @@ class RewardPool:
             self._idle.put(worker)
         with self._lock:
             self.fallbacks += fallbacks
+        self.logged.merge(*logged)
         return rewards, parts
 
     def _call(self, worker: _Worker, row: PromptRow, completion_ids, finish_reasons):
@@ -303,7 +312,7 @@ class RewardPool:
         running = "(none yet: the request was being sent)"
         with worker.io:
             try:
-                worker.conn.send((row, completion_ids, finish_reasons))
+                worker.conn.send((row, completion_ids, finish_reasons, self.state))
                 while True:
                     left = deadline - time.monotonic()
                     if left <= 0 or not worker.conn.poll(left):
@@ -312,7 +321,7 @@ class RewardPool:
                     if message[0] == "running":
                         running = message[1]
                     elif message[0] == "done":
-                        return message[1], message[2], message[3]
+                        return message[1], message[2], message[3], message[4]
                     else:
                         assert message[0] == "error", message
                         raise RewardFunctionError(message[1]) from _RemoteTraceback(message[2])

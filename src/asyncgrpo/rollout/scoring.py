@@ -85,6 +85,12 @@ class GroupScorer(Protocol):
                     finish_reasons: list[str]) -> tuple[list[float], dict[str, list]]:
         """(total reward per completion, {function name: its rewards, None where it does not apply})."""
 
+    def at_step(self, step: int, version: int) -> None:
+        """The trainer published `version` at optimizer `step`: reward functions' `trainer_state` says so from now."""
+
+    def take_logged(self) -> tuple[dict[str, list[float]], dict[str, list]]:
+        """What reward functions logged (`log_metric`, `log_extra`) since the last call, wherever they ran."""
+
     def close(self) -> None:
         """Release what scoring holds (worker processes); safe to call twice."""
 
@@ -143,6 +149,12 @@ class InThreadScoring:
         if len(outcome) == 2:
             raise outcome[1]
         return outcome[0]
+
+    def at_step(self, step: int, version: int) -> None:
+        self.scorer.state.global_step, self.scorer.state.policy_version = step, version
+
+    def take_logged(self) -> tuple[dict[str, list[float]], dict[str, list]]:
+        return self.scorer.logged.take()
 
     def _timeout_error(self, running: str, row: PromptRow, n: int) -> RewardFunctionError:
         return reward_timeout_error(

@@ -10,6 +10,7 @@ wait_published, close.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,8 @@ from asyncgrpo.rollout.publish import is_version_of, run_prefix
 from asyncgrpo.trackers import Trackers, resolve_report_to
 
 log = logging.getLogger(__name__)
+
+EXTRA_ROWS = 64  # rows of the reward_extra table per step (the completions table's default too)
 
 EVAL_CONCURRENCY = 16  # held-out requests in flight at once, beside the producer's (evaluation waits for them all)
 
@@ -50,6 +53,8 @@ class RolloutSide:
         self.parts: RolloutParts | None = None  # clients, store, publisher, queue, producer, ... (rollout/build.py)
         self.trackers: Trackers | None = None
         self._publish_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")  # one: in order
+        self._extra: dict[str, list] = {}  # log_extra columns taken from the scorer, written at the next log()
+        self._extra_lock = threading.Lock()  # log() runs on the publish thread too
         self._publishing: Future | None = None
 
     # ---- start ----------------------------------------------------------------------------------------
@@ -126,6 +131,7 @@ class RolloutSide:
         written = time.perf_counter()
         timing = publisher.publish(version, path)
         self.version = version
+        self.parts.scorer.at_step(step, version)  # reward functions' trainer_state, from the next group scored on
         producer.set_policy(version, publisher.current_name)  # new requests go to the new version
         publisher.retire(in_use=producer.adapters_in_use())
         store.prune(self.cfg.keep_adapter_versions, in_use=set(publisher.loaded.values()))
@@ -144,7 +150,7 @@ class RolloutSide:
         producer, queue = self.parts.producer, self.parts.queue
         elapsed = time.monotonic() - producer.started_at
         episodes = producer.episodes.stats.values() if producer.episodes is not None else {}  # with tools only
-        return {**episodes, "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
+        return {**episodes, **self._logged_metrics(), "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
                 "rollout/lost_groups_total": producer.lost_groups,
                 "rollout/resent_groups_total": producer.resent_groups,
                 "reward/fallbacks_total": self.parts.scorer.fallbacks,
@@ -152,10 +158,27 @@ class RolloutSide:
                 "queue/dropped_zero_std_total": queue.dropped_zero_std,
                 "queue/inflight_requests": producer.inflight}
 
+    def _logged_metrics(self) -> dict[str, float]:
+        """Reward functions' `log_metric` values since the last call, each as its mean under `train/<name>` (TRL's
+        averaging per logging step); their `log_extra` columns wait for the next `log` (they need its step)."""
+        metrics, extra = self.parts.scorer.take_logged()
+        with self._extra_lock:
+            for column, values in extra.items():
+                self._extra.setdefault(column, []).extend(values)
+        return {f"train/{name}": sum(v) / len(v) for name, v in metrics.items() if v}
+
     def log(self, values: dict[str, float], step: int) -> None:
         """Write `values` at `step` to every tracker: every metric the side writes goes through here (the publish
-        thread's sync timings too)."""
+        thread's sync timings too). Columns reward functions logged with `log_extra` go with them as a table."""
         self.trackers.log(values, step)
+        with self._extra_lock:
+            extra, self._extra = self._extra, {}
+        if extra:
+            columns = sorted(extra)
+            rows = min(max(len(v) for v in extra.values()), EXTRA_ROWS)
+            self.trackers.log_table("reward_extra", ["step", *columns],
+                                    [[step, *(extra[c][i] if i < len(extra[c]) else None for c in columns)]
+                                     for i in range(rows)], step)
 
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
         """Write a table at `step` to every tracker that shows tables."""
@@ -189,7 +212,10 @@ class RolloutSide:
         the log. Safe after a start that failed part-way."""
         self._publish_thread.shutdown(wait=True)
         if self.parts is not None:
-            self.parts.producer.stop()  # also stops the reward workers
+            producer = self.parts.producer
+            producer.stop()  # also stops the reward workers
+            if producer.episodes is not None:
+                producer.episodes.close()  # every pooled environment's close(), where it has one
             publisher = self.parts.publisher  # free the servers' adapter slots this run held
             publisher.unload_all(keep=publisher.current_name if keep_final else None)
         if self.trackers is not None:

@@ -39,7 +39,10 @@ class CompletionLog:
 
     def table(self, groups: list[Group], step: int) -> list[list]:
         """The first `limit` completions of `groups` (data order), one row each; a reward function that does not
-        apply to a completion has None there."""
+        apply to a completion has None there. A reward the config does not name (an environment's get_reward) gets a
+        column from the first batch that carries it on."""
+        self.reward_names += list(dict.fromkeys(n for g in groups for n in g.reward_parts
+                                                if n not in self.reward_names))
         rows = []
         for g in groups:
             for j, ids in enumerate(g.completion_ids):

@@ -7,9 +7,10 @@ import threading
 import zlib
 
 
-def fingerprint(prompts, completions, **columns):
+def fingerprint(prompts, completions, trainer_state=None, log_metric=None, log_extra=None, **columns):
     """A value per completion that changes with anything the function receives (the prompt, the completion, every
-    column including completion_ids, truncated and parsed): equal results mean equal inputs."""
+    column including completion_ids, truncated and parsed): equal results mean equal inputs. TRL's trainer_state,
+    log_metric and log_extra are not columns (not one value per completion)."""
     out = []
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         seen = (prompt, completion, sorted((k, v[i]) for k, v in columns.items()))
@@ -76,3 +77,10 @@ class MisbehavingTokenizer:
             open(os.path.join(self.directory, "hanging"), "w").close()
             threading.Event().wait()
         return "x"
+
+
+def logs_step(prompts, completions, trainer_state, log_metric, log_extra, **columns):
+    """TRL's logging and shaping arguments, from a worker: logs the step it was scored at and one column."""
+    log_metric("seen_step", float(trainer_state.global_step))
+    log_extra("length", [len(c) for c in completions])
+    return [float(trainer_state.policy_version)] * len(completions)

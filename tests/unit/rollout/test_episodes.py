@@ -187,6 +187,21 @@ def test_an_environments_get_reward_is_one_more_reward_named_after_its_class_and
     assert build_episode_runner(make_cfg(), TOK, "/nonexistent", None) is None  # no tools: plain completions
 
 
+def test_an_environment_with_get_reward_and_no_reward_funcs_is_scored_by_get_reward_alone():
+    from asyncgrpo.rollout.build import make_group_scorer
+
+    config = make_cfg(environment_factory="agent_tools:Counter")
+    scoring = make_group_scorer(config, TOK, None)
+    assert (scoring.scorer.refs, scoring.scorer.weights) == (["agent_tools:Counter"], [1.0])
+    assert config.reward_funcs == []  # the config's list is left as it was
+    envs = [agent_tools.Counter(), agent_tools.Counter()]
+    envs[0].count, envs[1].count = 2, 0
+    rewards, parts = scoring.score_episodes(ROW, [ROW.prompt] * 2, [[], []], [[1], [2]], ["stop", "stop"], envs)
+    assert parts == {"Counter": [2.0, 0.0]} and rewards == [2.0, 0.0]
+    with pytest.raises(ConfigError, match="reward_funcs.*LookupEnv has no get_reward"):
+        make_group_scorer(make_cfg(environment_factory="asyncgrpo.toy.agent_task:LookupEnv"), TOK, None)
+
+
 def test_an_environment_without_get_reward_adds_no_reward():
     from asyncgrpo.rollout.build import make_group_scorer
     from asyncgrpo.toy.agent_task import LookupEnv
@@ -330,24 +345,34 @@ def test_append_adds_sampled_ids_with_their_logprobs_and_context_ids_with_none_a
     assert e.versions == [3, 3, 4, 4, 4, 4]
 
 
-def finished(turns: int, calls: int, errors: int, seconds: float, tokens: int, reason: str) -> Episode:
+def finished(turns: int, calls: int, errors: int, seconds: float, tokens: int, reason: str,
+             timeouts: int = 0) -> Episode:
     e = Episode(prompt=[], prompt_ids=[], tools={}, schemas=[], ids=[0] * tokens, finish_reason=reason, turns=turns)
-    e.tool_calls, e.tool_errors, e.tool_seconds = calls, errors, seconds
+    e.tool_calls, e.tool_errors, e.tool_seconds, e.tool_timeouts = calls, errors, seconds, timeouts
     return e
+
+
+def counters(stats: EpisodeStats) -> dict:
+    """The counters, without the gauge of hung tool threads (the process's, which other tests move)."""
+    values = stats.values()
+    assert values.pop("episodes/tool_threads_hung") >= 0
+    return values
 
 
 def test_episode_stats_add_up_every_episode_so_far_and_average_over_episodes():
     stats = EpisodeStats()
     assert stats.values()["episodes/turns_mean"] == 0.0  # none yet: no division by zero
-    stats.add([finished(turns=2, calls=1, errors=1, seconds=0.5, tokens=4, reason="length")])
-    assert stats.values() == {"episodes/total": 1, "episodes/turns_mean": 2.0, "episodes/tool_calls_total": 1,
-                              "episodes/tool_errors_total": 1, "episodes/tool_seconds_total": 0.5,
-                              "episodes/tokens_mean": 4.0, "episodes/truncated_total": 1}
+    stats.add([finished(turns=2, calls=1, errors=1, seconds=0.5, tokens=4, reason="length", timeouts=1)])
+    assert counters(stats) == {"episodes/total": 1, "episodes/turns_mean": 2.0, "episodes/tool_calls_total": 1,
+                               "episodes/tool_errors_total": 1, "episodes/tool_timeouts_total": 1,
+                               "episodes/tool_seconds_total": 0.5, "episodes/tokens_mean": 4.0,
+                               "episodes/truncated_total": 1}
     stats.add([finished(turns=1, calls=0, errors=0, seconds=0.25, tokens=2, reason="stop"),
-               finished(turns=6, calls=2, errors=1, seconds=1.0, tokens=9, reason="length")])
-    assert stats.values() == {"episodes/total": 3, "episodes/turns_mean": 3.0, "episodes/tool_calls_total": 3,
-                              "episodes/tool_errors_total": 2, "episodes/tool_seconds_total": 1.75,
-                              "episodes/tokens_mean": 5.0, "episodes/truncated_total": 2}
+               finished(turns=6, calls=2, errors=1, seconds=1.0, tokens=9, reason="length", timeouts=1)])
+    assert counters(stats) == {"episodes/total": 3, "episodes/turns_mean": 3.0, "episodes/tool_calls_total": 3,
+                               "episodes/tool_errors_total": 2, "episodes/tool_timeouts_total": 2,
+                               "episodes/tool_seconds_total": 1.75, "episodes/tokens_mean": 5.0,
+                               "episodes/truncated_total": 2}
 
 
 class Observer:
@@ -611,3 +636,99 @@ def test_episodes_need_chat_prompts_and_an_environment_that_can_be_built_with_do
         runner(tools=(agent_tools.no_docstring,))
     assert error.value.field == "tools"
     assert runner().start(ROW).environment is None  # tools alone: no environment
+
+
+def test_environments_are_reused_across_groups_and_closed_at_the_end_never_one_per_episode():
+    agent_tools.Counter.instances = 0
+    r = runner(tools=(), factory=agent_tools.Counter, max_turns=2, max_completion_length=20)
+    first = r.run_group(ScriptedClient(["45", ""]), ROW, n=2, adapter="a", version=0, seed=None)
+    envs = {id(e.environment) for e in first}
+    for e in first:
+        e.environment.count = 99  # state left by the first episodes
+    r.release(first)
+    assert all(e.environment is None for e in first)
+    second = r.run_group(ScriptedClient(["45", ""]), ROW, n=2, adapter="a", version=0, seed=None)
+    assert {id(e.environment) for e in second} == envs and agent_tools.Counter.instances == 2  # reset, not rebuilt
+    assert [e.environment.count for e in second] == [1, 1]  # reset with the row (`start`) before reuse
+    r.release(second)
+    with pytest.raises(TurnAborted):  # a lost group gives its environments back too
+        r.run_group(ScriptedClient(["45"], finish={1: "abort"}), ROW, n=2, adapter="a", version=0, seed=None)
+    r.run_group(ScriptedClient(["45", ""]), ROW, n=2, adapter="a", version=0, seed=None)
+    assert agent_tools.Counter.instances == 2
+
+
+def test_closing_the_runner_closes_every_pooled_environment_and_one_given_back_later():
+    agent_tools.Workshop.closed = 0
+    r = runner(tools=(), factory=agent_tools.Workshop, max_turns=1, max_completion_length=20)
+    done = r.run_group(ScriptedClient([""]), ROW, n=2, adapter="a", version=0, seed=None)
+    late = r.run_group(ScriptedClient([""]), ROW, n=1, adapter="a", version=0, seed=None)
+    r.release(done)
+    r.close()
+    assert agent_tools.Workshop.closed == 2
+    r.release(late)  # a group still being scored when the run ended
+    assert agent_tools.Workshop.closed == 3
+
+
+def test_an_environment_that_owns_its_data_runs_without_a_dataset_its_reset_giving_the_prompt():
+    from asyncgrpo.data import load_prompt_set
+    from asyncgrpo.rollout.build import make_group_scorer
+
+    config = make_cfg(dataset_name="environment", environment_factory="agent_tools:Riddles", num_generations=2,
+                      max_turns=2, max_completion_length=20)
+    (row,) = load_prompt_set(config, TOK).rows  # one placeholder row: every group is its episodes
+    assert row.prompt == [{"role": "user", "content": ""}] and row.columns == {}
+    r = EpisodeRunner(ChatFormat(TOK, TOK.response_template, stop_ids={EOS}), config, tools=[],
+                      factory=agent_tools.Riddles, max_model_len=None)
+    episodes = r.run_group(ScriptedClient(["45", ""]), row, n=2, adapter="a", version=0, seed=None)
+    assert [e.prompt for e in episodes] == [[{"role": "user", "content": "Say 45."}]] * 2
+    assert TOK.decode(episodes[0].prompt_ids).endswith("user\nSay 45.<|im_end|>\n<|im_start|>assistant\n")
+    assert episodes[0].environment.kwargs == {"prompt": [{"role": "user", "content": ""}]}  # TRL: the row
+    rewards, parts = make_group_scorer(config, TOK, None).score_episodes(
+        row, [e.prompt for e in episodes], [e.messages for e in episodes], [e.ids for e in episodes],
+        [e.finish_reason for e in episodes], [e.environment for e in episodes])
+    assert parts == {"Riddles": [1.0, 1.0]} and rewards == [1.0, 1.0]  # get_reward alone: no default reward
+
+
+def test_a_tool_result_is_capped_in_characters_then_in_tokens_and_a_call_its_schema_refuses_is_an_error_to_read():
+    r = runner(tools=(), factory=agent_tools.Loud, max_turns=3, max_completion_length=20, tool_output_max_chars=120,
+               tool_output_max_tokens=100)
+    e = r.start(ROW)
+    r.run(ScriptedClient(["100", "ab", ""]), e, adapter="a", version=0, seed=None)  # key 100: 200 characters
+    # 120 characters and the line saying they were cut: 170 one-character tokens, cut to 100
+    assert e.messages[1]["content"] == "ab" * 50 + "\n[output cut: 170 tokens, the first 100 shown]"
+    assert e.messages[3] == {"role": "tool", "name": "lookup",
+                             "content": '{"error": "lookup was not called: key must be integer, got str \'ab\'"}'}
+    assert (e.tool_calls, e.tool_errors) == (2, 1)
+    assert "ab" * 50 + "\n[output cut: 170 tokens" in TOK.decode(e.ids)  # what the model reads next
+    uncut = runner(tools=(), factory=agent_tools.Loud, max_turns=2, max_completion_length=20,
+                   tool_output_max_chars=120, tool_output_max_tokens=None)
+    e = uncut.start(ROW)
+    uncut.run(ScriptedClient(["100", ""]), e, adapter="a", version=0, seed=None)
+    assert e.messages[1]["content"] == "ab" * 60 + "\n[output cut: 200 characters, the first 120 shown]"
+
+
+def test_tool_process_runs_the_tools_by_reference_and_is_refused_where_namespaces_cannot_start(monkeypatch):
+    from asyncgrpo.rollout import tool_process
+
+    monkeypatch.setattr(tool_process, "probe", lambda: None)
+    assert runner(tool_process=True).process_refs == {"lookup": "agent_format:lookup"}
+    assert runner().process_refs == {}
+    monkeypatch.setattr(tool_process, "probe", lambda: "unshare: write failed /proc/self/uid_map: Operation not "
+                                                       "permitted")
+    with pytest.raises(ConfigError, match="tool_process.*uid_map.*set `tool_process: false`"):
+        runner(tool_process=True)
+
+
+def test_an_environment_factory_may_be_any_callable_and_its_reward_is_named_after_the_instances_class():
+    from asyncgrpo.rollout.build import make_group_scorer
+    from asyncgrpo.rollout.tools import load_environment_factory
+
+    factory = load_environment_factory("agent_tools:make_counter")
+    scoring = make_group_scorer(make_cfg(environment_factory="agent_tools:make_counter"), TOK, None)
+    assert scoring.scorer.refs == ["agent_tools:Counter"]  # TRL: the class's name, not the factory's
+    e = runner(tools=(), factory=factory, environment_factory="agent_tools:make_counter").start(ROW)
+    assert isinstance(e.environment, agent_tools.Counter) and list(e.tools) == ["increment"]
+    broken = runner(tools=(), factory=load_environment_factory("agent_tools:make_nothing"),
+                    environment_factory="agent_tools:make_nothing")
+    with pytest.raises(ConfigError, match="agent_tools:make_nothing returned a object, which has no reset"):
+        broken.start(ROW)

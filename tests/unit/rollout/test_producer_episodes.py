@@ -122,6 +122,8 @@ def test_episodes_are_scored_on_what_they_said_with_their_environments_and_each_
             envs = call["environments"]
             assert all(isinstance(e, agent_tools.Counter) for e in envs) and envs[0] is not envs[1]
             assert call["prompts"][0][-1]["content"] == f"0{i},45> (start 0)"
+    if factory is not None:  # one request in flight (max_inflight_requests 1): two instances serve every group
+        assert len(seen) >= 2 and rollout.producer.episodes.environments.built == 2
     # every sampled token is counted (a group: two episodes of "7", eos then eos), also of groups not taken yet
     assert rollout.producer.generated_tokens >= 6 * len(groups) and rollout.producer.generated_tokens % 6 == 0
     first_turns = {b["seed"] for b in rollout.generation_bodies() if turn_of(b) == 0}

@@ -65,7 +65,7 @@ def test_a_group_carries_finish_reasons_reward_parts_and_the_token_count(rollout
         assert call["completion_ids"] == [[4, 2], [7, 7, 7]]
         assert call["truncated"] == [False, True]
         assert call["answer"] == ["42", "42"]  # each dataset column, once per completion
-        assert call["rest"] == []  # a text prompt: no `parsed`
+        assert call["rest"] == ["log_extra", "log_metric", "trainer_state"]  # TRL's; a text prompt: no `parsed`
 
 
 def test_a_group_aborted_by_a_sync_is_lost_and_its_prompt_sent_again_first(rollout_on_stub):

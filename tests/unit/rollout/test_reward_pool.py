@@ -33,8 +33,8 @@ from asyncgrpo.rollout.scoring import InThreadScoring
 
 HERE = str(Path(__file__).parent)
 REFS = ["reward_fns:fingerprint", "reward_fns:misbehave", "reward_fns:torch_imported",
-        "asyncgrpo.rewards:math_accuracy"]
-WEIGHTS = [1.0, 1.0, 0.0, 1.0]  # torch_imported differs between the test process and a worker: weight 0
+        "asyncgrpo.rewards:math_accuracy", "reward_fns:logs_step"]
+WEIGHTS = [1.0, 1.0, 0.0, 1.0, 0.0]  # torch_imported differs between the test process and a worker: weight 0
 TIMEOUT_S = 2.0  # reward_timeout of the pool: short, so that the hang test is quick
 # A liveness bound on every call to a pool, far above its reward_timeout: a broken deadline in RewardPool._call, or a
 # worker that is never seen as ready (each call would then wait WORKER_START_TIMEOUT_S, 120 s), fails the test here
@@ -361,3 +361,15 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_workers_functions_get_the_trainer_state_of_the_last_publish_and_what_they_log_comes_back(pool, tokenizer):
+    pool.take_logged()  # what earlier tests' scoring logged
+    pool.at_step(6, 3)
+    try:
+        _, parts = score(pool, text_row(), ids(tokenizer, "45", "7"), ["stop", "stop"])
+    finally:
+        pool.at_step(0, 0)  # the other tests compare with an in-thread scorer at step 0
+    assert parts["logs_step"] == [3.0, 3.0]  # policy_version
+    assert pool.take_logged() == ({"seen_step": [6.0]}, {"length": [2, 1]})
+    assert pool.take_logged() == ({}, {})

@@ -125,10 +125,12 @@ def test_make_group_scorer_applies_reward_timeout_in_thread(rewards):
 def test_episodes_are_scored_on_their_messages_with_the_rows_columns_the_last_answer_and_the_environments(rewards):
     seen = []
 
-    def record(prompts, completions, **columns):
+    def record(prompts, completions, trainer_state, log_metric, log_extra, **columns):  # TRL's, apart from columns
         seen.append({"prompts": prompts, "completions": completions, **columns})
+        states.append(trainer_state)
         return [float(len(c)) for c in completions]
 
+    states = []
     rewards.record = record
     scoring = InThreadScoring(RewardScorer(["scoring_fns:record"]), DigitTokenizer(), timeout_s=BOUND_S)
     row = PromptRow(prompt=[{"role": "user", "content": "07,45>"}], prompt_ids=[1], columns={"start": 3},
@@ -144,6 +146,7 @@ def test_episodes_are_scored_on_their_messages_with_the_rows_columns_the_last_an
                        "completion_ids": [[4, 5], [6]], "truncated": [False, True], "parsed": [answer, None]}
     scoring.score_episodes(row, prompts, messages, [[4, 5], [6]], ["stop", "stop"], None)
     assert "environments" not in seen[1]  # no environment_factory: no such column
+    assert states == [scoring.scorer.state] * 2
 
 
 def test_a_hung_reward_function_on_episodes_is_named_with_the_prompt_within_reward_timeout(rewards):

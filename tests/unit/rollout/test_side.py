@@ -22,10 +22,12 @@ from liveness import returns_within
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import SyncError
+from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout import side as side_module
 from asyncgrpo.rollout.build import RolloutParts
 from asyncgrpo.rollout.episodes import EpisodeStats
 from asyncgrpo.rollout.publish import AdapterPublisher
+from asyncgrpo.rollout.scoring import InThreadScoring
 from asyncgrpo.rollout.side import RolloutSide
 from asyncgrpo.store import CONFIG_NAME, AdapterStore
 from asyncgrpo.trackers import Trackers
@@ -91,7 +93,7 @@ def side_on_stub(rollout_on_stub, tmp_path):
         server = adapter_server()
         publisher = AdapterPublisher([server], f"demo-{side.run_id}", sync_mode, adapter_root=tmp_path / "adapters")
         side.parts = RolloutParts(clients=rollout.clients, store=AdapterStore(tmp_path / "adapters" / side.run_id),
-                                  recovery=None, publisher=publisher, queue=rollout.queue, scorer=rollout.scorer,
+                                  recovery=None, publisher=publisher, queue=rollout.queue, scorer=rollout.producer.scorer,
                                   producer=rollout.producer, prompts_skipped_too_long=0, eval_rows=[])
         side.recorder = recording(side)
         side.parts.producer.start()
@@ -300,7 +302,8 @@ def side_with_counters(tmp_path, started_at: float) -> RolloutSide:
     side.parts = SimpleNamespace(  # the parts stats() reads
         producer=Counted(started_at=started_at, generated_tokens=600, lost_groups=2, resent_groups=3, inflight=4,
                          episodes=None),  # no tools: no episode counters
-        queue=Counted(depth=5, dropped_stale=6, dropped_zero_std=7), scorer=Counted(fallbacks=8))
+        queue=Counted(depth=5, dropped_stale=6, dropped_zero_std=7),
+        scorer=Counted(fallbacks=8, take_logged=lambda: ({}, {})))  # no reward function logged anything
     return side
 
 
@@ -321,9 +324,11 @@ def test_stats_with_tools_adds_the_episode_counters(tmp_path, monkeypatch):
     side.parts.producer.episodes = SimpleNamespace(stats=counters)  # its EpisodeRunner, as far as stats reads it
     clock(monkeypatch, monotonic=104.0)
     stats = side.stats()
+    assert stats.pop("episodes/tool_threads_hung") >= 0  # the process's gauge, which tool tests move
     assert {k: v for k, v in stats.items() if k.startswith("episodes/")} == {
         "episodes/total": 4, "episodes/turns_mean": 2.5, "episodes/tool_calls_total": 6,
-        "episodes/tool_errors_total": 0, "episodes/tool_seconds_total": 0.0, "episodes/tokens_mean": 10.0,
+        "episodes/tool_errors_total": 0, "episodes/tool_timeouts_total": 0, "episodes/tool_seconds_total": 0.0,
+        "episodes/tokens_mean": 10.0,
         "episodes/truncated_total": 0}
     assert stats["rollout/generated_tokens_per_s"] == 150.0 and stats["queue/depth"] == 5  # and the rest, as without
 
@@ -334,6 +339,30 @@ def test_the_token_rate_over_less_than_a_second_is_not_capped_and_at_time_zero_i
     assert side.stats()["rollout/generated_tokens_per_s"] == 1200.0  # 600 tokens / 0.5 s
     clock(monkeypatch, monotonic=100.0)  # no time has passed: divided by 1e-9 s, not by zero
     assert side.stats()["rollout/generated_tokens_per_s"] == pytest.approx(600 / 1e-9)
+
+
+def test_what_reward_functions_log_reaches_the_trackers_metrics_as_means_and_extra_columns_as_a_table(
+        tmp_path, monkeypatch):
+    side = side_with_counters(tmp_path, started_at=100.0)
+    side.parts.scorer = InThreadScoring(RewardScorer(["asyncgrpo.toy:larger_reward"]), tokenizer=None)
+    side.parts.scorer.scorer.logged.log_metric("solved", 1.0)
+    side.parts.scorer.scorer.logged.log_metric("solved", 0.0)
+    side.parts.scorer.scorer.logged.log_extra("judge", ["ok", "bad"])
+    side.recorder = recording(side)
+    tables = []
+    monkeypatch.setattr(side.trackers, "log_table", lambda *args: tables.append(args))
+    clock(monkeypatch, monotonic=104.0)
+    stats = side.stats()
+    assert stats["train/solved"] == 0.5 and side.stats().get("train/solved") is None  # the step's mean, once
+    side.log(stats, step=4)
+    assert ("train/solved", 0.5, 4) in side.recorder.scalars
+    assert tables == [("reward_extra", ["step", "judge"], [[4, "ok"], [4, "bad"]], 4)]
+    side.log({}, step=5)
+    assert len(tables) == 1  # written once
+    side.parts.scorer.scorer.logged.log_extra("judge", list(range(100)))
+    side.stats()
+    side.log({}, step=6)
+    assert tables[1][2] == [[6, i] for i in range(side_module.EXTRA_ROWS)]  # the first 64 of a step's rows
 
 
 def test_log_writes_each_value_under_its_name_at_the_given_step(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
 import threading
 import time
 
@@ -13,10 +14,26 @@ import pytest
 from liveness import returns_within
 
 from asyncgrpo.errors import ConfigError, ToolError
+from asyncgrpo.rollout import tool_process
 from asyncgrpo.rollout.tools import (ToolResult, call_tool, environment_tools, load_environment_factory, load_tools,
                                      render_result, run_tool_calls, tool_schema)
 
-TOOLS = {"lookup": agent_tools.lookup, "add": agent_tools.add, "hang": agent_tools.hang, "leave": agent_tools.leave}
+TOOLS = {"lookup": agent_tools.lookup, "add": agent_tools.add, "hang": agent_tools.hang, "leave": agent_tools.leave,
+         "spin": agent_tools.spin, "run_child": agent_tools.run_child, "loud": agent_tools.loud}
+
+
+def tool_threads(name: str) -> list[threading.Thread]:
+    """The threads of calls of tool `name` still alive (other tests leave `hang` calls blocked for a while)."""
+    return [t for t in threading.enumerate() if t.name == f"tool-{name}" and t.is_alive()]
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_tool_result_is_its_text_and_a_non_text_result_is_json():
@@ -84,7 +101,16 @@ def test_an_environments_tools_are_its_public_methods_but_reset_and_get_reward()
     assert [t.__name__ for t in tools] == ["increment"]
     assert tools[0](2) == 2 and env.count == 2  # bound to that instance
     with pytest.raises(ConfigError, match="reset"):
-        load_environment_factory("agent_tools:lookup")
+        load_environment_factory("agent_tools:NoReset")
+    assert load_environment_factory("agent_tools:make_counter") is agent_tools.make_counter  # any callable (TRL)
+
+
+def test_an_environments_tools_are_the_public_methods_of_the_instance_as_trl_finds_them():
+    env = agent_tools.Workshop()
+    tools = {t.__name__: t for t in environment_tools(env)}
+    assert sorted(tools) == ["catalogue", "measure", "saw"]  # not helper (static), reset, get_reward or close
+    assert tools["measure"]("door") == "door: 3" and tools["catalogue"]() == "chairs"  # bound: no self to pass
+    assert [tool_schema(t)["function"]["name"] for t in environment_tools(env)] == ["catalogue", "measure", "saw"]
 
 
 def test_an_unknown_tool_and_arguments_that_are_not_an_object_answer_at_once_naming_what_is_wrong():
@@ -146,13 +172,14 @@ def test_a_tool_without_a_qualified_name_whose_schema_fails_is_named_by_its_repr
 
 
 def test_an_environment_factory_without_reset_is_refused_naming_the_contract():
-    for ref in ("agent_tools:lookup", "agent_tools:TABLE"):
+    for ref in ("agent_tools:NoReset", "agent_tools:TABLE"):
         with pytest.raises(ConfigError) as error:
             load_environment_factory(ref)
         assert error.value.field == "environment_factory"
-        assert f"{ref} is not a class with a reset(**row) method" in str(error.value)
-        assert str(error.value).endswith(
-            ". Fix: name a class whose instances have reset(**row) and public tool methods")
+        assert f"{ref} is neither a class with a reset(**row) method nor a function returning an instance" in \
+            str(error.value)
+        assert str(error.value).endswith(". Fix: name a class whose instances have reset(**row) and public tool "
+                                         "methods, or a function taking no argument that returns one")
 
 
 def test_a_hung_call_among_several_of_one_turn_is_cut_at_the_timeout_and_the_others_answer():
@@ -197,3 +224,58 @@ def test_an_environments_tools_are_found_as_trl_finds_them_its_public_bound_meth
             return None
 
     assert [t.__name__ for t in environment_tools(Shop())] == ["buy", "catalogue"]
+
+
+def test_hung_calls_are_stopped_at_the_timeout_and_leave_no_thread_behind():
+    for _ in range(20):
+        result = call_tool(TOOLS, "spin", {"seconds": 60}, 0.05)
+        assert result.timed_out and "spin did not finish within tool_timeout=0.05 s and was stopped" in result.content
+    assert tool_threads("spin") == []  # today's code left 20 threads looping
+
+
+def test_a_hung_call_is_stopped_with_the_process_it_started():
+    agent_tools.STARTED.clear()
+    result = call_tool(TOOLS, "run_child", {"seconds": 300}, 0.3)
+    assert result.timed_out and "was stopped" in result.content
+    (pid,) = agent_tools.STARTED
+    assert not running(pid) and tool_threads("run_child") == []
+
+
+def test_arguments_that_do_not_match_the_schema_are_an_error_the_model_reads_and_the_tool_is_not_called():
+    env = agent_tools.Workshop()
+    tools = {t.__name__: t for t in environment_tools(env)}
+    schemas = {name: tool_schema(t) for name, t in tools.items()}
+    assert call_tool(tools, "saw", {"length": 3}, 5.0, schemas=schemas).content == "sawn 3"
+    for arguments, problem in [({"length": "long"}, "length must be integer, got str 'long'"),
+                               ({"length": True}, "length must be integer, got bool True"),
+                               ({}, "arguments misses 'length' (required)"),
+                               ({"length": 3, "width": 2}, "'width' is not an argument; the arguments are ['length']")]:
+        result = call_tool(tools, "saw", arguments, 5.0, schemas=schemas)
+        assert result.error and json.loads(result.content) == {"error": f"saw was not called: {problem}"}
+    assert call_tool(tools, "saw", {"length": 3.0}, 5.0, schemas=schemas).content == "sawn 3.0"  # JSON's integer
+
+
+def test_a_long_result_is_cut_at_max_chars_and_the_cut_says_so():
+    result = call_tool(TOOLS, "loud", {"length": 1000}, 5.0, max_chars=100)
+    assert result.content == "ab" * 50 + "\n[output cut: 1000 characters, the first 100 shown]" and not result.error
+    assert call_tool(TOOLS, "loud", {"length": 100}, 5.0, max_chars=100).content == "ab" * 50  # at the cap: whole
+
+
+def test_calls_past_max_calls_of_one_turn_are_not_run_and_each_says_why():
+    agent_tools.STARTED.clear()
+    calls = [("lookup", {"key": "a"}), ("lookup", {"key": "b"}), ("run_child", {"seconds": 0})]
+    results = run_tool_calls(TOOLS, calls, 5.0, max_calls=2)
+    assert [r.content for r in results[:2]] == ["b", "c"]
+    assert results[2].error and json.loads(results[2].content) == {
+        "error": "run_child was not called: at most 2 tool calls are run per turn (max_tool_calls_per_turn)"}
+    assert agent_tools.STARTED == []
+
+
+def test_a_tool_process_answers_like_the_tool_and_an_exception_is_an_error_the_model_reads():
+    if tool_process.probe() is not None:
+        pytest.skip(f"no user namespaces here: {tool_process.probe()}")
+    refs = {"lookup": "agent_tools:lookup", "add": "agent_tools:add"}
+    assert call_tool(TOOLS, "lookup", {"key": "a"}, 30.0, process_refs=refs).content == "b"
+    assert json.loads(call_tool(TOOLS, "add", {"x": 2, "y": 3}, 30.0, process_refs=refs).content) == {"sum": 5}
+    raised = call_tool(TOOLS, "lookup", {"key": "zz"}, 30.0, process_refs=refs)
+    assert raised.error and json.loads(raised.content) == {"error": "KeyError: 'zz'"}

@@ -146,6 +146,15 @@ def test_with_log_completions_each_logged_step_writes_its_table_to_the_trackers_
     assert lines == [dict(zip(columns, row)) for row in rows]
 
 
+def test_a_reward_no_function_of_the_config_gave_gets_a_column_of_its_own_in_the_completions_table(tmp_path):
+    log = CompletionLog(tmp_path, CharTokenizer(), [], limit=None)  # reward_funcs left out beside an environment
+    group = _group([1.0, 0.0], lengths=[1, 1])
+    group.reward_parts = {"Riddles": [1.0, 0.0]}  # its get_reward, named after its class
+    assert log.table([group], 4) == [[4, "p", "d", 1.0, 1.0, 0.0], [4, "p", "d", 0.0, 0.0, 0.0]]
+    assert log.columns == ["step", "prompt", "completion", "Riddles", "reward", "advantage"]
+    assert log.table([group], 5)[0][3] == 1.0 and log.columns.count("Riddles") == 1
+
+
 def test_evaluation_runs_every_eval_steps_and_at_the_last_step_only_with_eval_strategy_steps():
     def evaluates(strategy, interval=2, max_steps=5):
         cfg = SimpleNamespace(eval_strategy=strategy, evaluation_interval=interval, max_steps=max_steps)
