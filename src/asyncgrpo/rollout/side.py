@@ -153,7 +153,11 @@ class RolloutSide:
                 "reward/fallbacks_total": self.scorer.fallbacks,
                 "queue/dropped_stale_total": queue.dropped_stale, "queue/depth": len(queue),
                 "queue/dropped_zero_std_total": queue.dropped_zero_std,
-                "queue/inflight_requests": producer.inflight}
+                "queue/inflight_requests": producer.inflight,
+                **({"rollout/inflight_continuations_total": producer.inflight_stats.continuations,
+                    "rollout/inflight_completions_moved_total": producer.inflight_stats.completions_moved,
+                    "rollout/inflight_tokens_cut_total": producer.inflight_stats.tokens_cut}
+                   if self.cfg.inflight_weight_updates else {})}
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Write `values` at `step` to every tracker: every metric the side writes goes through here (the publish
