@@ -330,8 +330,8 @@ class AsyncGRPOConfig:
     live, a completion in flight is stopped and continued from its tokens on the new adapter; every token keeps the
     version and behaviour logprob it was sampled with, and a group is as old as its oldest token for `max_staleness`.
     False (default): a completion finishes on the version it started on. Single-turn completions only (episodes move
-    between turns with `episode_version: latest`). What it costs and measured: docs/rollout-internals.md, "Weights
-    updated in flight"."""
+    between turns with `episode_version: latest`). What vLLM does to requests in flight and what this costs:
+    docs/rollout-internals.md, "Weights updated in flight"."""
     sync_pause_mode: str = "keep"
     """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
     `wait` (drain first), `abort` (end them; their generations are lost and counted, their prompts sent again)."""
