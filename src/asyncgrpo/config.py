@@ -344,6 +344,13 @@ class AsyncGRPOConfig:
     """How a new adapter version goes live: `pause` (pause -> load -> reset prefix cache -> resume) or `versioned`
     (load the new version beside the old one with no pause; requests in flight finish on the old version). Either
     way each version has its own adapter name, so the server needs `--max-loras` >= max_staleness + 2."""
+    inflight_weight_updates: bool = False
+    """Move completions still being sampled onto each new policy version (partial rollouts): when a version goes
+    live, a completion in flight is stopped and continued from its tokens on the new adapter; every token keeps the
+    version and behaviour logprob it was sampled with, and a group is as old as its oldest token for `max_staleness`.
+    False (default): a completion finishes on the version it started on. Single-turn completions only (episodes move
+    between turns with `episode_version: latest`). What vLLM does to requests in flight and what this costs:
+    docs/rollout-internals.md, "Weights updated in flight"."""
     sync_pause_mode: str = "keep"
     """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
     `wait` (drain first), `abort` (end them; their generations are lost and counted, their prompts sent again)."""
@@ -627,6 +634,10 @@ class AsyncGRPOConfig:
                 if not isinstance(ref, str) or ":" not in ref:
                     raise ConfigError(key, f"{ref!r} is not of the form package.module:name",
                                       "write e.g. `my_agent.tools:lookup` (a function) or `my_agent.env:MyEnv` (a class)")
+        if self.uses_tools and self.inflight_weight_updates:
+            raise ConfigError("inflight_weight_updates", "moves single-turn completions only; episodes (tools/"
+                              "environment_factory) move onto new versions between turns",
+                              "set `episode_version: latest` instead, and `inflight_weight_updates: false`")
         if self.uses_tools and self.reward_workers:
             raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
                               "are scored in the rollout process, where their environments live",

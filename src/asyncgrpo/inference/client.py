@@ -8,12 +8,14 @@ the flags of `launch/vllm/serve.sh` (or `VLLMServer`); docs/publish-internals.md
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +264,75 @@ class InferenceClient:
         return [self._completion(choice, data.get("model", model), resp.url) for choice in
                 sorted(data["choices"], key=lambda c: c["index"])]  # fmt: skip
 
+    def complete_until(
+        self,
+        model: str,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        interrupted: Callable[[], bool],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[Completion]:
+        """`complete` for one or more tokenized prompts, streamed, reading until every choice ends or `interrupted()`
+        turns true (asked after each chunk); then it closes the stream, and vLLM aborts what it was still sampling.
+
+        Returns len(prompts) x n completions in order (prompt p's i-th at p * n + i), each with every token read so
+        far and its logprob; one cut off here has finish_reason "" (one the server aborted, "abort": a pause in
+        abort mode). Its tokens are whole: a stream chunk carries a token's id and logprob together."""
+        body: dict[str, Any] = {"model": model, "prompt": [list(p) for p in prompts], "n": n,
+                                "max_tokens": max_tokens, **sampling_fields(temperature, top_p), "logprobs": 0,
+                                "return_token_ids": True, "stream": True}
+        if seed is not None:
+            body["seed"] = seed
+        body.update(extra or {})
+        out = [Completion([], [], "", "", model) for _ in range(len(prompts) * n)]
+        try:
+            resp = self._request("complete", "POST", "/v1/completions", body=body, read_timeout_s=self.timeout_s,
+                                 stream=True)
+        except InferenceServerError as exc:
+            if exc.status == 404 and f"`{model}` does not exist" in (exc.body or ""):
+                raise AdapterNotLoadedError(str(exc), status=exc.status, body=exc.body) from exc
+            raise
+        with resp:  # leaving it closes the connection: the server aborts whatever it still generates
+            try:
+                for line in resp.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    self._stream_chunk(self._chunk_json(line[6:], resp.url), out, resp.url)
+                    if all(c.finish_reason for c in out) or interrupted():
+                        break
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
+                raise self._error(f"complete: the stream from {resp.url} broke ({_reason(exc)})",
+                                  unreachable=True) from exc
+        return out
+
+    def _chunk_json(self, data: bytes, url: str) -> dict[str, Any]:
+        try:
+            return _fast_json(data) if _fast_json is not None else json.loads(data)
+        except ValueError as exc:  # msgspec's DecodeError is a ValueError
+            raise self._error(f'complete: {url} streamed a chunk that is not JSON: "{data[:MAX_QUOTED_CHARS]!r}"'
+                              ) from exc
+
+    def _stream_chunk(self, chunk: dict[str, Any], out: list[Completion], url: str) -> None:
+        """Add one stream chunk's tokens and finish reasons to `out`."""
+        if "error" in chunk:
+            raise self._error(f"complete: {url} failed mid-stream: {chunk['error']}", body=str(chunk["error"]))
+        for choice in chunk.get("choices", ()):
+            c = out[choice["index"]]
+            ids = choice.get("token_ids") or []
+            lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if len(ids) != len(lps):
+                raise InferenceServerError(f"complete: {url} streamed {len(ids)} token ids but {len(lps)} logprobs "
+                                           f"for choice {choice['index']}")
+            c.token_ids.extend(map(int, ids))
+            c.logprobs.extend(map(float, lps))
+            c.text += choice.get("text") or ""
+            c.finish_reason = choice.get("finish_reason") or c.finish_reason
+
     @staticmethod
     def _completion(choice: dict[str, Any], model: str, url: str) -> Completion:
         token_ids = choice.get("token_ids")
@@ -382,6 +453,7 @@ class InferenceClient:
         params: dict[str, str] | None = None,
         read_timeout_s: float = ADMIN_TIMEOUT_S,
         idempotent: bool = True,
+        stream: bool = False,
     ) -> requests.Response:
         """One call with retries on unreachable servers and 503; any other failure raises InferenceServerError.
 
@@ -392,7 +464,7 @@ class InferenceClient:
         for attempt in range(1, attempts + 1):
             try:
                 resp = self._session.request(
-                    method, url, json=body, params=params, timeout=(CONNECT_TIMEOUT_S, read_timeout_s)
+                    method, url, json=body, params=params, timeout=(CONNECT_TIMEOUT_S, read_timeout_s), stream=stream
                 )
             except requests.ReadTimeout as exc:
                 raise self._error(

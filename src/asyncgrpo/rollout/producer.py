@@ -22,6 +22,7 @@ from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.timeline import Timeline
 from asyncgrpo.contracts import Group, finish_reason_from_tokens, scored_advantages
 from asyncgrpo.rollout.episodes import EpisodeRunner, TurnAborted, episode_group
+from asyncgrpo.rollout.inflight import InflightStats, sample_across_versions
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.scheduler import RolloutSchedule
 from asyncgrpo.rollout.scoring import GroupScorer
@@ -96,6 +97,7 @@ class RolloutProducer:
         self.generated_tokens = 0
         self.lost_groups = 0
         self.resent_groups = 0
+        self.inflight_stats = InflightStats()  # with inflight_weight_updates: completions moved onto new versions
         self.started_at = time.monotonic()
         self.server_busy = Timeline()  # intervals with at least one generation request in flight
 
@@ -269,9 +271,12 @@ class RolloutProducer:
             return self._generate_episodes(client, row, index, version, adapter, seed)
         self.server_busy.enter()
         try:
-            completions = client.complete(adapter, row.prompt_ids, n=cfg.num_generations,
-                                          max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                          top_p=cfg.top_p, seed=seed)
+            if cfg.inflight_weight_updates:
+                completions = self._sample_across_versions(client, row, version, adapter, seed)
+            else:
+                completions = client.complete(adapter, row.prompt_ids, n=cfg.num_generations,
+                                              max_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                              top_p=cfg.top_p, seed=seed)
         finally:
             self.server_busy.exit()
         if not self._begin_processing():
@@ -286,12 +291,27 @@ class RolloutProducer:
         truncated = [reason == "length" for reason in reasons]
         rewards, parts = self.scorer.score_group(row, [c.token_ids for c in completions], reasons)
         advantages = scored_advantages(rewards, cfg.scale_rewards)
+        versions = [c.versions for c in completions] if cfg.inflight_weight_updates else []
+        # As old as its oldest sampled token (the version it was sent with when nothing was sampled): max_staleness
+        # then bounds every token of it.
+        oldest = min((v[0] for v in versions if v), default=version)
         return Group(prompt=row.rendered or row.prompt, prompt_ids=row.prompt_ids,
                      completion_ids=[c.token_ids for c in completions],
                      behaviour_logprobs=[c.logprobs for c in completions],
-                     rewards=rewards, reward_parts=parts, advantages=advantages, version=version, adapter=adapter,
+                     rewards=rewards, reward_parts=parts, advantages=advantages, version=oldest, adapter=adapter,
                      finish_reasons=reasons, index=index,
-                     masked=truncated if cfg.mask_truncated_completions else [])
+                     masked=truncated if cfg.mask_truncated_completions else [], versions=versions)
+
+    def _sample_across_versions(self, client: InferenceClient, row: PromptRow, version: int, adapter: str,
+                                seed: int | None) -> list:
+        """`num_generations` completions that move onto each version published while they are sampled
+        (rollout/inflight.py); a continuation is not seeded (its randomness cannot be replayed anyway)."""
+        cfg = self.cfg
+        return sample_across_versions(client, row.prompt_ids, n=cfg.num_generations,
+                                      max_tokens=cfg.max_completion_length, first=(version, adapter),
+                                      policy=self.schedule.latest, served=lambda: self.schedule.version,
+                                      stats=self.inflight_stats, temperature=cfg.temperature, top_p=cfg.top_p,
+                                      seed=seed)
 
     def _generate_episodes(self, client: InferenceClient, row: PromptRow, index: int, version: int, adapter: str,
                            seed: int | None) -> Group | None:

@@ -150,13 +150,18 @@ class RolloutSide:
         producer, queue = self.parts.producer, self.parts.queue
         elapsed = time.monotonic() - producer.started_at
         episodes = producer.episodes.stats.values() if producer.episodes is not None else {}  # with tools only
-        return {**episodes, **self._logged_metrics(), "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
+        return {**episodes, **self._logged_metrics(),
+                "rollout/generated_tokens_per_s": producer.generated_tokens / max(elapsed, 1e-9),
                 "rollout/lost_groups_total": producer.lost_groups,
                 "rollout/resent_groups_total": producer.resent_groups,
                 "reward/fallbacks_total": self.parts.scorer.fallbacks,
                 "queue/dropped_stale_total": queue.dropped_stale, "queue/depth": len(queue),
                 "queue/dropped_zero_std_total": queue.dropped_zero_std,
-                "queue/inflight_requests": producer.inflight}
+                "queue/inflight_requests": producer.inflight,
+                **({"rollout/inflight_continuations_total": producer.inflight_stats.continuations,
+                    "rollout/inflight_completions_moved_total": producer.inflight_stats.completions_moved,
+                    "rollout/inflight_tokens_cut_total": producer.inflight_stats.tokens_cut}
+                   if self.cfg.inflight_weight_updates else {})}
 
     def _logged_metrics(self) -> dict[str, float]:
         """Reward functions' `log_metric` values since the last call, each as its mean under `train/<name>` (TRL's
