@@ -254,12 +254,7 @@ class InferenceClient:
         if seed is not None:
             body["seed"] = seed
         body.update(extra or {})
-        try:
-            resp = self._request("complete", "POST", "/v1/completions", body=body, read_timeout_s=self.timeout_s)
-        except InferenceServerError as exc:
-            if exc.status == 404 and f"`{model}` does not exist" in (exc.body or ""):  # vLLM's text for an unknown model
-                raise AdapterNotLoadedError(str(exc), status=exc.status, body=exc.body) from exc
-            raise
+        resp = self._post_completion(model, body)
         data = self._json("complete", resp, fast=True)
         return [self._completion(choice, data.get("model", model), resp.url) for choice in
                 sorted(data["choices"], key=lambda c: c["index"])]  # fmt: skip
@@ -290,13 +285,7 @@ class InferenceClient:
             body["seed"] = seed
         body.update(extra or {})
         out = [Completion([], [], "", "", model) for _ in range(len(prompts) * n)]
-        try:
-            resp = self._request("complete", "POST", "/v1/completions", body=body, read_timeout_s=self.timeout_s,
-                                 stream=True)
-        except InferenceServerError as exc:
-            if exc.status == 404 and f"`{model}` does not exist" in (exc.body or ""):
-                raise AdapterNotLoadedError(str(exc), status=exc.status, body=exc.body) from exc
-            raise
+        resp = self._post_completion(model, body, stream=True)
         with resp:  # leaving it closes the connection: the server aborts whatever it still generates
             try:
                 for line in resp.iter_lines():
@@ -309,6 +298,16 @@ class InferenceClient:
                 raise self._error(f"complete: the stream from {resp.url} broke ({_reason(exc)})",
                                   unreachable=True) from exc
         return out
+
+    def _post_completion(self, model: str, body: dict[str, Any], stream: bool = False) -> requests.Response:
+        """POST /v1/completions; a 404 naming `model` as unknown (vLLM's text) is AdapterNotLoadedError."""
+        try:
+            return self._request("complete", "POST", "/v1/completions", body=body, read_timeout_s=self.timeout_s,
+                                 stream=stream)
+        except InferenceServerError as exc:
+            if exc.status == 404 and f"`{model}` does not exist" in (exc.body or ""):
+                raise AdapterNotLoadedError(str(exc), status=exc.status, body=exc.body) from exc
+            raise
 
     def _chunk_json(self, data: bytes, url: str) -> dict[str, Any]:
         try:
