@@ -10,10 +10,12 @@ until that returns: such threads are counted, and past HUNG_TOOL_LIMIT the run s
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
 import threading
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -165,3 +167,14 @@ class HungTools:
 
 
 HUNG = HungTools()  # one per process: the threads it counts are the process's
+
+
+def render_result(value: Any) -> str:
+    """A tool's return value as tool-message text: a string as it is, anything else as JSON (TRL uses `str()`,
+    which writes a dict as a Python repr)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)

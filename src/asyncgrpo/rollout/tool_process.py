@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 
+from asyncgrpo.rollout.tool_guard import render_result
+
 # `unshare` with a user namespace (no privileges needed), a PID namespace with its own /proc, and the forked child
 # killed when unshare dies.
 UNSHARE = ["--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]
@@ -72,8 +74,6 @@ def _main(ref: str) -> None:  # pragma: no mutate block - runs in the tool's own
     os.chdir(request["cwd"])
     answer_fd = os.dup(1)
     os.dup2(2, 1)  # what the tool prints goes to stderr: stdout carries the answer alone
-    from asyncgrpo.rollout.tools import render_result
-
     try:
         module_name, _, attr = ref.partition(":")
         value = getattr(importlib.import_module(module_name), attr)(**request["arguments"])

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from asyncgrpo.errors import ConfigError, ToolError
 from asyncgrpo.rollout import tool_process
-from asyncgrpo.rollout.tool_guard import HUNG, ToolStopped, arguments_problem, cut_text
+from asyncgrpo.rollout.tool_guard import HUNG, ToolStopped, arguments_problem, cut_text, render_result
 
 NOT_TOOLS = ("reset", "get_reward", "close")  # an environment's methods that the model never calls
 
@@ -102,17 +102,6 @@ class ToolResult:
     error: bool  # the tool raised, hung or was not found, its arguments were refused, or it was not run
     seconds: float
     timed_out: bool = False  # stopped at tool_timeout: its environment may still be in use by its thread
-
-
-def render_result(value: Any) -> str:
-    """A tool's return value as tool-message text: a string as it is, anything else as JSON (TRL uses `str()`,
-    which writes a dict as a Python repr)."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
 
 
 def _invoke(fn: Callable, arguments: dict) -> Any:
