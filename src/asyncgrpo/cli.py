@@ -89,7 +89,7 @@ def cmd_rollout_serve(args, overrides: list[str]) -> int:
         raise ConfigError("rollout-serve", f"unknown arguments {' '.join(overrides)}", "give --listen and, where "
                           f"this host's paths differ, --{' / --'.join(ROLLOUT_SERVE_PATHS)}; every other setting "
                           "comes from the trainer's config")
-    from asyncgrpo.rollout.serve import serve_one_run  # heavy: torch (the rollout side), not needed by --help
+    from asyncgrpo.transport.rollout_server import serve_one_run  # heavy: torch (the rollout side), not needed by --help
 
     paths = {name: getattr(args, name) for name in ROLLOUT_SERVE_PATHS if getattr(args, name) is not None}
     return serve_one_run(args.listen, paths)

@@ -30,7 +30,7 @@ from asyncgrpo.trackers import resolve_report_to
 
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
 TOY_REWARD = "asyncgrpo.toy:larger_reward"  # the toy world's reward: `reward_funcs`' default with `dataset_name: toy`
-ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (rollout/remote.py)
+ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (transport/remote.py)
 # Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -904,7 +904,7 @@ VALUE_RANGES: dict[str, Range] = {
     "torch_num_threads": Range(0, fix="use 0 (torch's default) or the cores per training process"),
 }
 # Adapter names are served as `<lora_name>-<run id>-v<N>` and become directory names on the adapter receiver
-# (inference/receiver.py accepts [A-Za-z0-9][A-Za-z0-9._-]{0,127}): no path separators, spaces, a leading `.` or
+# (inference_node/receiver.py accepts [A-Za-z0-9][A-Za-z0-9._-]{0,127}): no path separators, spaces, a leading `.` or
 # `-` (a hidden file, a command-line flag), and room left for the run id and the version.
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")

@@ -1,6 +1,6 @@
 """The data that crosses from the rollout side to the trainer: a scored `Group` and its advantages.
 
-A group is built by the producer (in rank 0, a child, or another host), sent over the rollout link (rollout/wire.py)
+A group is built by the producer (in rank 0, a child, or another host), sent over the rollout link (transport/wire.py)
 and trained on by every rank, so it depends on nothing but the standard library.
 """
 

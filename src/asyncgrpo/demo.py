@@ -22,7 +22,7 @@ from asyncgrpo.data import load_prompts
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference.server import VLLMServer, find_free_port, served_lora_rank
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port, served_lora_rank
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.evaluation import evaluate_served
 from asyncgrpo.rollout.scoring import InThreadScoring

@@ -23,7 +23,7 @@ from asyncgrpo.config import AsyncGRPOConfig, parse_overrides
 from asyncgrpo.demo import launch_command, launch_environment
 from asyncgrpo.errors import AsyncGRPOError
 from asyncgrpo.inference.checks import adapters_needed
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
 log = logging.getLogger("asyncgrpo.demo")
 

@@ -21,7 +21,7 @@ ALIASES = {
     "vllm_importance_sampling_clip_max": "vllm_importance_sampling_cap",  # TRL renamed `_cap` to `_clip_max`
 }
 
-_SERVER = ("start a vLLM server (launch/vllm/serve.sh, or `python -m asyncgrpo.inference.server`) and give its URL "
+_SERVER = ("start a vLLM server (launch/vllm/serve.sh, or `python -m asyncgrpo.inference_node.vllm_server`) and give its URL "
            "in vllm_server_base_url")
 # Keys accepted when their value is what asyncgrpo does anyway: key -> (the values that agree, why, what to use).
 AGREEING = {

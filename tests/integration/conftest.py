@@ -28,7 +28,7 @@ def world():
 
 def _serve(world, tmp_path_factory, name: str, max_lora_rank: int):
     """A real vLLM CPU server on the toy model for the rest of the session (started, health-polled, stopped)."""
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
+    from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
     log = tmp_path_factory.mktemp(name) / "vllm.log"
     with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
@@ -86,7 +86,7 @@ def train_two_processes(vllm_server):
     import subprocess
 
     from asyncgrpo.demo import default_config_path, launch_command, launch_environment
-    from asyncgrpo.inference.server import find_free_port
+    from asyncgrpo.inference_node.vllm_server import find_free_port
 
     def run(out: Path, *overrides: str):
         args = ["--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from asyncgrpo.demo import default_config_path, launch_command, launch_environment
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 from asyncgrpo.toy.architectures import build_tiny_model
 
 PROMPT = [3 + b for b in b"61,16>"]

@@ -95,7 +95,7 @@ def served(tmp_path_factory):
     from transformers import GenerationConfig
 
     from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
+    from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
     root = tmp_path_factory.mktemp("gemma4-episode")
     model_dir = build_tiny_model("gemma4", root / "model")

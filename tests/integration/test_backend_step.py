@@ -19,7 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("backend_worker.py")

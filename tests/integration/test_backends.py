@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env  # the environment each backend needs on a CPU host
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 
 REPO = Path(__file__).resolve().parents[2]

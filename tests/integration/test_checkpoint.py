@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_DEADLINE_S = 300  # a launch reaches step 3 in ~15 s on 2 cores; generous for a loaded CI machine

@@ -24,7 +24,7 @@ from asyncgrpo.config import API_KEY_ENV, AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 from asyncgrpo.rollout.delivery import HttpDelivery, ReceiverClient
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.store import MANIFEST_NAME, AdapterStore
@@ -40,7 +40,7 @@ def receiver(vllm_server, tmp_path_factory):
     directory = tmp_path_factory.mktemp("receiver") / "adapters"
     port = find_free_port()
     log = open(directory.parent / "receiver.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference.receiver", "--dir", str(directory),
+    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference_node.receiver", "--dir", str(directory),
                              "--host", "127.0.0.1", "--port", str(port), "--vllm-url", vllm_server.base_url],
                             env={**os.environ, API_KEY_ENV: KEY}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -211,13 +211,13 @@ def test_a_really_restarted_server_gets_the_current_version_back_from_the_receiv
         world, tmp_path, random_adapter, peft_logprobs):
     """A vLLM of this test's own, killed and started again on its port (what recovery.py calls `restore` for): the
     receiver beside it kept its copy, so the version is loaded again from there without a second upload."""
-    from asyncgrpo.inference.server import VLLMServer
+    from asyncgrpo.inference_node.vllm_server import VLLMServer
 
     server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
                         log_path=tmp_path / "vllm.log")
     receiver_dir = (tmp_path / "receiver").resolve()
     port = find_free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference.receiver", "--dir", str(receiver_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference_node.receiver", "--dir", str(receiver_dir),
                              "--host", "127.0.0.1", "--port", str(port), "--vllm-url", server.base_url],
                             env={**os.environ, API_KEY_ENV: KEY}, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_S = 600  # a vLLM CPU start takes ~30 s alone, minutes on a loaded 2-core machine

@@ -31,7 +31,7 @@ def client(world, tmp_path_factory):
     the session's shared server they differed by up to 0.25 in 3 of 5 runs right after test_entropy.py's training
     run (never alone; cause not found yet), so nothing another test left on a server can reach them."""
     from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.inference.server import VLLMServer, find_free_port
+    from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
     with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
                     log_path=tmp_path_factory.mktemp("episodes") / "vllm.log") as server:
@@ -172,7 +172,7 @@ def test_an_episode_keeps_its_start_adapter_when_a_version_is_published_between_
 
 def test_with_latest_the_turns_after_a_publish_are_sampled_by_the_new_version_and_tagged_with_it(
         world, client, tmp_path, random_adapter):
-    from asyncgrpo.rollout.scheduler import RolloutSchedule
+    from asyncgrpo.rollout.admission import Admission
 
     store = AdapterStore(tmp_path)
     names = ["episode-latest-v0", "episode-latest-v1"]
@@ -183,7 +183,7 @@ def test_with_latest_the_turns_after_a_publish_are_sampled_by_the_new_version_an
 
     # v0 close to the base model, so that its turns end (eos) as the base model's do; v1 far from it
     client.load_adapter(names[0], store.write(0, *scaled(21, 0.05), base_model=str(world.model_dir)))
-    schedule = RolloutSchedule(make_cfg(), groups_per_step=1, max_inflight=4)
+    schedule = Admission(make_cfg(), groups_per_step=1, max_inflight=4)
     schedule.set_policy(0, names[0])
 
     def lookup(key: str) -> str:  # noqa: F811 - the format's tool name; this one publishes v1 on its first call

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ import pytest
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 from asyncgrpo.store import AdapterStore, verify_adapter_files
 
 REPO = Path(__file__).resolve().parents[2]

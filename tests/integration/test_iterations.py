@@ -9,7 +9,7 @@ from pathlib import Path
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 REPO = Path(__file__).resolve().parents[2]

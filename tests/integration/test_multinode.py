@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 600  # both nodes together; a 2-step toy run takes ~10-20 s on 2 cores

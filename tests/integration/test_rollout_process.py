@@ -16,7 +16,7 @@ from integration.runs import REPO, held_sync, is_paused, module_run, run_adapter
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.config import ROLLOUT_KEY_ENV
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 CHILD = re.compile(r"rollout side running in its own process \(pid (\d+)\)")
 CHILD_RUN = ("--rollout_process", "true", "--max_steps", "30")  # a single-process run whose rollout side is a child

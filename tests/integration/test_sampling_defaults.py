@@ -19,7 +19,7 @@ import torch
 from asyncgrpo.demo import default_config_path, launch_command, launch_environment
 from asyncgrpo.inference.checks import ServerContext, check_generation_config
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
 PROMPT = [3 + b for b in b"61,16>"]  # both operands' digits recur in the answer: a repetition penalty bites
 

@@ -1,4 +1,4 @@
-"""Entry points ended by a signal leave nothing running: `python -m asyncgrpo.inference.server` on SIGTERM, SIGINT,
+"""Entry points ended by a signal leave nothing running: `python -m asyncgrpo.inference_node.vllm_server` on SIGTERM, SIGINT,
 SIGHUP (while vLLM starts or once it serves) and SIGKILL, and `asyncgrpo demo` on SIGTERM mid-training. Every pid of
 the entry point's tree (vLLM's API server, engine core, workers, the guard, the training ranks) is collected before
 the signal and must be gone after it. And `train` SIGTERMed as scancel does it (every process of the launch) saves a
@@ -19,7 +19,7 @@ import requests
 from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_S = 600  # a vLLM CPU start takes ~30-60 s alone, minutes on a loaded 2-core machine
@@ -88,7 +88,7 @@ def read_line(proc: subprocess.Popen):
                                           (signal.SIGHUP, "serving"), (signal.SIGKILL, "serving")],
                          ids=["SIGTERM-serving", "SIGINT-starting", "SIGHUP-serving", "SIGKILL-serving"])
 def test_the_server_module_leaves_nothing_running_after_a_signal(world, tmp_path, signum, when):
-    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference.server", "--model", str(world.model_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference_node.vllm_server", "--model", str(world.model_dir),
                              "--max-model-len", "256", "--log-path", str(tmp_path / "vllm.log")],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

@@ -1,4 +1,4 @@
-"""Attacks on the adapter receiver (inference/receiver.py), each against a real receiver on 127.0.0.1 in a thread
+"""Attacks on the adapter receiver (inference_node/receiver.py), each against a real receiver on 127.0.0.1 in a thread
 with FakeVLLM behind it: listening beyond loopback without a key, a stalled upload, a flood of idle connections,
 partial uploads, malformed requests, planted symlinks, names ending in a newline, a disk too small, and the trainer's
 client quoting the key back. Every probe also checks that nothing was written where it must not be."""
@@ -23,7 +23,7 @@ from liveness import returns_within
 
 from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import InferenceServerError
-from asyncgrpo.inference.receiver import (
+from asyncgrpo.inference_node.receiver import (
     FREE_SPACE_MARGIN_BYTES,
     MANIFEST_NAME,
     AdapterReceiver,

@@ -1,4 +1,4 @@
-"""Attacks on the rollout link (rollout/link.py, rollout/remote.py): rank 0 <-> `asyncgrpo rollout-serve` over TCP.
+"""Attacks on the rollout link (transport/link.py, transport/remote.py): rank 0 <-> `asyncgrpo rollout-serve` over TCP.
 Keys that are missing, the old built-in one or too weak are refused at both ends; a peer that proves another key, a
 server that cannot prove the key and a man in the middle with its own certificate are refused; bytes injected into
 the stream after the handshake are never unpickled and drop the connection; slow or silent clients hold neither the
@@ -23,10 +23,10 @@ from liveness import returns_within
 from asyncgrpo.cli import main
 from asyncgrpo.config import ROLLOUT_KEY_ENV, AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError, RolloutProcessError
-from asyncgrpo.rollout import link, remote, throttle
-from asyncgrpo.rollout.process import RolloutProcess
-from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
-from asyncgrpo.rollout.serve import _answer_requests
+from asyncgrpo.transport import link, remote, throttle
+from asyncgrpo.transport.process import RolloutProcess
+from asyncgrpo.transport.remote import RemotePeer, accept_trainer
+from asyncgrpo.transport.rollout_server import _answer_requests
 
 KEY = b"9f4c1a7e3b5d8c2f6a0e4b9d7c1f3a5e8b2d6c0f4a9e7b3d"
 OLD_BUILT_IN_KEY = "asyncgrpo-rollout-loopback"  # what an unset key meant on loopback before issue #25
@@ -131,7 +131,7 @@ def test_a_missing_old_or_weak_key_is_refused_at_both_ends_before_any_connection
 
 def test_a_client_proving_the_old_built_in_key_is_refused_and_the_real_trainer_still_gets_in(tmp_path, caplog):
     server = RolloutServer()
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         with _dial_tls(server.address) as tls:  # speaks the protocol, with the key every old copy knew
             with pytest.raises(link.KeyMismatch, match="the server refused this end's key"):
                 link.prove_client(tls, OLD_BUILT_IN_KEY.encode(), time.monotonic() + BOUND_S)
@@ -193,7 +193,7 @@ def test_a_man_in_the_middle_with_its_own_certificate_is_refused_by_both_ends(tm
 
     thread = threading.Thread(target=middle, daemon=True)
     thread.start()
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         with pytest.raises(RolloutProcessError, match="different connection keys .*the server refused this end's key"):
             returns_within(_proxy(tmp_path, "127.0.0.1:%d" % front.getsockname()[1]).start, BOUND_S,
                            "a start through a man in the middle")
@@ -348,7 +348,7 @@ class SlowLoris:
 def test_a_slow_client_is_dropped_at_the_handshake_deadline_however_it_trickles(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(remote, "HANDSHAKE_S", 0.5)
     server = RolloutServer()
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         loris = SlowLoris(server.address)  # a byte every 50 ms: no single read ever waits long
         closed_after = loris.ended()
         assert closed_after is not None and 0.5 <= closed_after < 3.0, closed_after
@@ -385,7 +385,7 @@ def test_past_the_handshake_limit_the_oldest_is_evicted_so_a_flood_of_silent_cli
     silent = [socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1]))) for _ in range(3)]
     for sock in silent:
         sock.settimeout(BOUND_S)
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         assert silent[0].recv(1) == b""  # the third evicted the first, the oldest
         proxy = _proxy(tmp_path, server.address)
         returns_within(proxy.start, BOUND_S, "the real trainer's start past the handshake limit")
@@ -417,7 +417,7 @@ def test_a_flood_of_failing_handshakes_is_limited_in_log_lines_and_tls_work_and_
                                                                         real_tls_handshake(tls, deadline)))
     server = RolloutServer()
     host, port = server.address.rsplit(":", 1)
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         for _ in range(5 * throttle.BLOCK_AFTER):  # not TLS at all: each costs the server a failed TLS handshake
             with socket.create_connection((host, int(port)), timeout=BOUND_S) as sock:
                 sock.sendall(b"GET / HTTP/1.1\r\n\r\n")

@@ -6,7 +6,7 @@ from fakes import cfg
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rollout.scheduler import version_needed
+from asyncgrpo.rollout.admission import version_needed
 
 
 def test_defaults_bound_the_unclipped_ratio_with_delta_3_and_keep_the_rest_of_the_loss():

@@ -45,7 +45,7 @@ def test_rollout_serve_waiting_for_its_trainer_exits_on_a_signal(signum, code):
 @pytest.mark.parametrize("signum, code", SIGNALS, ids=IDS)
 def test_the_adapter_receiver_exits_on_a_signal(tmp_path, signum, code):
     env = {k: v for k, v in os.environ.items() if k != "ASYNCGRPO_VLLM_API_KEY"}
-    proc = run_until([sys.executable, "-m", "asyncgrpo.inference.receiver", "--dir", str(tmp_path), "--port", "0"],
+    proc = run_until([sys.executable, "-m", "asyncgrpo.inference_node.receiver", "--dir", str(tmp_path), "--port", "0"],
                      "receiving adapters into", env)
     proc.send_signal(signum)
     assert proc.wait(timeout=DEADLINE_S) == code

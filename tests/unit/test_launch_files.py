@@ -179,7 +179,7 @@ def test_sbatch_cpu_variant_shares_one_node_between_the_cpu_server_and_the_train
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     serve = (record / "vllm.args").read_text().split()
-    assert serve[:4] == ["-m", "asyncgrpo.inference.server", "--model", "/m"]
+    assert serve[:4] == ["-m", "asyncgrpo.inference_node.vllm_server", "--model", "/m"]
     assert dict(zip(serve, serve[1:]))["--max-lora-rank"] == "8"
     steps = (record / "srun.args").read_text().splitlines()
     assert len(steps) == 3 and all("--nodelist=vm" in step for step in steps)  # vLLM, the probe, the trainers

@@ -175,7 +175,7 @@ def run_launch(cmd: list[str], env: dict, log: Path, deadline_s: float) -> int |
 
 def launch_command(backend: str, args, out: Path) -> tuple[list[str], dict]:
     """One `accelerate launch` of backend_check for `backend` (its result lands in out/result.json), and its env."""
-    from asyncgrpo.inference.server import find_free_port  # after the environment check: it imports requests
+    from asyncgrpo.inference_node.vllm_server import find_free_port  # after the environment check: it imports requests
 
     if args.cpu_smoke:
         from asyncgrpo.bench.sync import cpu_launch_env  # heavy: torch, only for the CPU variant's environment

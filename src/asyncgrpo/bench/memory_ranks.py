@@ -20,7 +20,7 @@ from asyncgrpo.children import run_group
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 from asyncgrpo.toy.shapes import shape_model_dir
 
 # default: what a user should run (gradient checkpointing on, the chunked LM head); the others each turn one off.

@@ -17,7 +17,7 @@ from pathlib import Path
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import load_prompts, toy_world
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.inference.server import VLLMServer, find_free_port, served_lora_rank
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port, served_lora_rank
 from asyncgrpo.rewards import completion_text
 from asyncgrpo.toy.shapes import shape_model_dir, shape_name
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer

@@ -18,7 +18,7 @@ from asyncgrpo.bench.throughput import max_sequences
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 DEFAULT_WORKDIR = "runs/bench-rank0"

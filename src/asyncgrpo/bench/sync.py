@@ -25,7 +25,7 @@ from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference.server import VLLMServer, find_free_port, served_lora_rank
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port, served_lora_rank
 from asyncgrpo.toy.shapes import shape_model_dir
 
 # The environment each backend needs on a CPU host (docs/cpu-hosts.md): accelerate needs ACCELERATE_USE_CPU for

@@ -22,7 +22,7 @@ from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path, heldout_rewards
 from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference.server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 from asyncgrpo.timeline import complement, fraction
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 

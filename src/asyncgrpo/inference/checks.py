@@ -22,7 +22,7 @@ from asyncgrpo.inference.client import NEUTRAL_SAMPLING
 log = logging.getLogger(__name__)
 
 MIN_VLLM = (0, 10, 2)  # `return_token_ids` in completions: exact sampled ids, no re-tokenizing
-SERVE_HINT = "launch/vllm/serve.sh and `python -m asyncgrpo.inference.server` set it"
+SERVE_HINT = "launch/vllm/serve.sh and `python -m asyncgrpo.inference_node.vllm_server` set it"
 # config.json keys that do not change what the model computes
 _IGNORED_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
 
@@ -64,7 +64,7 @@ def adapters_needed(max_staleness: int) -> int:
     """Adapter versions one run may hold loaded on a server at once, what its `--max-loras` must allow (the doctor
     checks it; the demos and benchmarks start their servers with it): while version V+1 loads, V is served and
     requests in flight may still use each of the `max_staleness` versions before it (a request is sent only with a
-    version its batch may train on, rollout/scheduler.py, and each publish retires every older version none uses).
+    version its batch may train on, rollout/admission.py, and each publish retires every older version none uses).
 
     Not one more: the base model needs no slot, and a demo's held-out evaluation uses the version its run left
     loaded. Past the limit vLLM fails nothing (`max_loras` is the most adapters in one engine batch): requests on

@@ -43,16 +43,16 @@ HEALTH_POLL_S = 0.25  # wait_healthy's poll interval: start-up takes ~30 s on CP
 RETRY_STATUSES = frozenset({503})  # vLLM's "not now" (elastic scaling); every other HTTP error is final
 MAX_QUOTED_CHARS = 4000  # error messages quote at most this much of a body (vLLM tracebacks can be long)
 PAUSE_MODES = ("abort", "wait", "keep")
-_DEV_MODE = "If the route itself is missing, start the server with VLLM_SERVER_DEV_MODE=1 (asyncgrpo.inference.server does)"
+_DEV_MODE = "If the route itself is missing, start the server with VLLM_SERVER_DEV_MODE=1 (asyncgrpo.inference_node.vllm_server does)"
 _LORA_UPDATES = ("If the route itself is missing (not a missing adapter directory), start the server with --enable-lora and "
-                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (asyncgrpo.inference.server and launch/vllm/serve.sh do)")
+                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (asyncgrpo.inference_node.vllm_server and launch/vllm/serve.sh do)")
 FLAG_HINTS = {  # what a 404 from these calls most often means: the server was started without the flag
     "pause": _DEV_MODE, "resume": _DEV_MODE, "is_paused": _DEV_MODE, "reset_prefix_cache": _DEV_MODE,
     "load_adapter": _LORA_UPDATES, "unload_adapter": _LORA_UPDATES,
 }
 
 START_HINT = (
-    "Start the server (`python -m asyncgrpo.inference.server --model MODEL --port PORT` here, "
+    "Start the server (`python -m asyncgrpo.inference_node.vllm_server --model MODEL --port PORT` here, "
     "`launch/vllm/serve.sh` on an inference node) or fix `vllm_server_base_url`."
 )
 

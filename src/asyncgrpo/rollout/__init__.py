@@ -1,2 +1,2 @@
-"""What one process runs for a run (rank 0, a spawned child, or `asyncgrpo rollout-serve`): servers, producer,
-scheduler, queue, scoring, publishing. Its interface to the trainer is `interface.RolloutInterface`."""
+"""What the rollout process runs (in rank 0, a spawned child, or `asyncgrpo rollout-serve`): the server pool,
+producer, admission, queue, scoring, publishing. The trainer reaches it through `transport.interface.RolloutInterface`."""

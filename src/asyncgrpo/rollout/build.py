@@ -93,8 +93,8 @@ def build_producer(cfg, *, clients: list[InferenceClient], rows: list[PromptRow]
     producer = RolloutProducer(clients=clients, rows=rows, scorer=scorer, queue=queue, groups_per_step=groups_per_step,
                                cfg=cfg, recovery=recovery, start_position=start_position, start_batch=start_batch,
                                end_token_ids=end_token_ids, episodes=episodes)
-    recovery.listeners.append(producer.schedule.wake)  # a server went down or came back: decide again
-    queue.removal_listeners.append(producer.schedule.removed)  # groups taken or dropped free their batch's slots
+    recovery.listeners.append(producer.admission.wake)  # a server went down or came back: decide again
+    queue.removal_listeners.append(producer.admission.removed)  # groups taken or dropped free their batch's slots
     return producer
 
 

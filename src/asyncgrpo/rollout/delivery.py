@@ -1,7 +1,7 @@
 """How an adapter version's files reach an inference server (`adapter_delivery`), behind the publisher's load step.
 
 `SharedFsDelivery` (`shared_fs`): the server reads the trainer's `lora_adapter_path` at the same path.
-`HttpDelivery` (`http`): the files are uploaded to an adapter receiver beside each server (inference/receiver.py)
+`HttpDelivery` (`http`): the files are uploaded to an adapter receiver beside each server (inference_node/receiver.py)
 before any pause, and the receiver loads its own copy. Both answer `stage_all`, `stage`, `load` and `served_path`;
 docs/publish-internals.md says what each does and when, docs/delivery.md how to set `http` up.
 """
@@ -44,7 +44,7 @@ class SharedFsDelivery:
 
 
 class ReceiverClient:
-    """HTTP client of one adapter receiver (inference/receiver.py)."""
+    """HTTP client of one adapter receiver (inference_node/receiver.py)."""
 
     def __init__(self, base_url: str, api_key: str | None):
         self.base_url = base_url.rstrip("/")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from asyncgrpo.inference.client import Completion, InferenceClient
 
 # `with policy() as (version, adapter)`: the version served now and its adapter name, counted as in use (so that a
-# publisher does not unload it) until the block ends. RolloutSchedule.latest is one.
+# publisher does not unload it) until the block ends. Admission.latest is one.
 PolicyNow = Callable[[], contextlib.AbstractContextManager[tuple[int, str]]]
 
 

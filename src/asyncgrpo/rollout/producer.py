@@ -1,7 +1,7 @@
 """RolloutProducer: on rank 0, in the background, keeps generation requests in flight and fills the queue.
 
-What may be sent, for which batch, at which version is the RolloutSchedule's (rollout/scheduler.py); each request
-goes to the least-loaded server that is up (rollout/servers.py). A request lost to a server fault or a sync's abort
+What may be sent, for which batch, at which version is the Admission's (rollout/admission.py); each request
+goes to the least-loaded server that is up (rollout/server_pool.py). A request lost to a server fault or a sync's abort
 is counted and its prompt sent again before any new one, while inference/recovery.py brings the server back. The
 first failure stops the producer and reaches the trainer through the queue. Fault rules: docs/rollout-internals.md.
 """
@@ -24,9 +24,9 @@ from asyncgrpo.contracts import Group, finish_reason_from_tokens, scored_advanta
 from asyncgrpo.rollout.episodes import EpisodeRunner, TurnAborted, episode_group
 from asyncgrpo.rollout.inflight import InflightStats, sample_across_versions
 from asyncgrpo.rollout.queue import RolloutQueue
-from asyncgrpo.rollout.scheduler import RolloutSchedule
+from asyncgrpo.rollout.admission import Admission
 from asyncgrpo.rollout.scoring import GroupScorer
-from asyncgrpo.rollout.servers import ServerPicker
+from asyncgrpo.rollout.server_pool import ServerPicker
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def request_seed(seed: int, index: int, n: int) -> int:
 class RolloutProducer:
     """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end.
     `start_batch`: the index of the first batch to fill (a resumed run continues at its checkpoint's batch). Build
-    one with rollout.build.build_producer, which connects its schedule to `queue` and `recovery`."""
+    one with rollout.build.build_producer, which connects its admission to `queue` and `recovery`."""
 
     def __init__(self, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
                  queue: RolloutQueue, groups_per_step: int, cfg, recovery: ServerRecovery, start_position: int = 0,
@@ -76,7 +76,7 @@ class RolloutProducer:
         self.recovery = recovery
         # Its send rule also hears from `recovery` (a server down or back) and `queue` (groups that left it):
         # rollout/build.py's build_producer connects them.
-        self.schedule = RolloutSchedule(cfg, groups_per_step, cfg.inflight_requests(groups_per_step),
+        self.admission = Admission(cfg, groups_per_step, cfg.inflight_requests(groups_per_step),
                                         servers_up=lambda: any(self.recovery.is_up(c) for c in self._clients),
                                         batches_taken=start_batch)
         self.scorer = scorer  # decodes and scores a group: in the request thread, or in reward worker processes
@@ -85,7 +85,7 @@ class RolloutProducer:
         self.groups_per_step = groups_per_step
         self.cfg = cfg
         self.stream = PromptStream(rows, cfg.seed, start=start_position)  # a resumed run starts where it stopped
-        self._lock = threading.Condition()  # guards the producer's own state below (the schedule has its own lock)
+        self._lock = threading.Condition()  # guards the producer's own state below (admission has its own lock)
         self._resend: deque[tuple[PromptRow, int]] = deque()  # prompts whose generation was lost: sent first
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
@@ -107,18 +107,18 @@ class RolloutProducer:
 
     def set_policy(self, version: int, adapter: str) -> None:
         """The server now serves `adapter` as policy `version`; requests sent from now on are tagged with it."""
-        self.schedule.set_policy(version, adapter)
+        self.admission.set_policy(version, adapter)
 
     def stop(self) -> None:
         """Send nothing more; requests in flight are abandoned (their daemon threads end with their HTTP call, or
         with the process), not waited for."""
-        self.schedule.stop()
+        self.admission.stop()
         with self._lock:
             self._stop = True
             # Answers being scored finish (CPU work, short); requests still waiting on a server are not waited for.
             self._lock.wait_for(lambda: self._processing == 0, timeout=STOP_PROCESSING_S)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)  # the scheduler only waits on the schedule's condition: it returns at once
+            self._thread.join(timeout=30)  # the scheduler only waits on the admission's condition: it returns at once
         self.scorer.close()  # reward worker processes, if any
 
     def _fail(self, exc: BaseException) -> None:
@@ -129,7 +129,7 @@ class RolloutProducer:
             if first:
                 self.error = exc
             self._stop = True
-        self.schedule.stop()
+        self.admission.stop()
         if first:
             log.error("rollout failed, no more requests are sent: %s", exc)
             self.queue.fail(exc)
@@ -138,11 +138,11 @@ class RolloutProducer:
 
     @property
     def inflight(self) -> int:
-        return self.schedule.inflight
+        return self.admission.inflight
 
     @property
     def max_inflight(self) -> int:
-        return self.schedule.max_inflight  # request threads alive at once, at most
+        return self.admission.max_inflight  # request threads alive at once, at most
 
     def inflight_per_server(self) -> dict[str, int]:
         """Requests in flight on each server, by URL."""
@@ -156,14 +156,14 @@ class RolloutProducer:
 
     def adapters_in_use(self) -> set[str]:
         """Adapter names that requests in flight were sent to (they must stay loaded)."""
-        return self.schedule.adapters_in_use()
+        return self.admission.adapters_in_use()
 
     # ---- scheduling ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while True:
-                claimed = self.schedule.claim()  # blocks until the schedule lets one more request go
+                claimed = self.admission.claim()  # blocks until admission lets one more request go
                 if claimed is None:
                     return  # stopped
                 version, adapter = claimed
@@ -201,7 +201,7 @@ class RolloutProducer:
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
         finally:
-            self.schedule.finished(adapter)
+            self.admission.finished(adapter)
             with self._lock:
                 self.servers.done(client)
                 if getattr(self._local, "processing", False):
@@ -225,7 +225,7 @@ class RolloutProducer:
         with self._lock:
             self.lost_groups += 1
             self._resend.append((row, index))
-        self.schedule.lost()  # after the prompt is queued to be resent: the freed slot goes to it
+        self.admission.lost()  # after the prompt is queued to be resent: the freed slot goes to it
 
     def _adapter_missing(self, client: InferenceClient, seen_epoch: int, adapter: str,
                          exc: AdapterNotLoadedError) -> None:
@@ -309,7 +309,7 @@ class RolloutProducer:
         cfg = self.cfg
         return sample_across_versions(client, row.prompt_ids, n=cfg.num_generations,
                                       max_tokens=cfg.max_completion_length, first=(version, adapter),
-                                      policy=self.schedule.latest, served=lambda: self.schedule.version,
+                                      policy=self.admission.latest, served=lambda: self.admission.version,
                                       stats=self.inflight_stats, temperature=cfg.temperature, top_p=cfg.top_p,
                                       seed=seed)
 
@@ -317,7 +317,7 @@ class RolloutProducer:
                            seed: int | None) -> Group | None:
         """`_generate` for episodes (rollout/episodes.py): every turn of the group's episodes on `adapter`, or on
         the newest served one with `episode_version: latest`."""
-        latest = self.schedule.latest if self.cfg.episode_version == "latest" else None
+        latest = self.admission.latest if self.cfg.episode_version == "latest" else None
         self.server_busy.enter()
         try:
             episodes = self.episodes.run_group(client, row, n=self.cfg.num_generations, adapter=adapter,

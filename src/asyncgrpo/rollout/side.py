@@ -2,7 +2,7 @@
 
 It owns the parts rollout/build.py builds (clients, recovery, adapter store, publisher, scorer, queue, producer) plus
 the publish thread, the trackers (`report_to`) and the held-out prompts (`eval_dataset`), and alone knows which
-version is live under which adapter name. It implements RolloutInterface (rollout/interface.py, which documents each
+version is live under which adapter name. It implements RolloutInterface (transport/interface.py, which documents each
 call); the trainer hands it tensors and takes batches: start, publish(0, wait=True), then take and publish each step,
 wait_published, close.
 """

@@ -27,8 +27,8 @@ from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dis
                                    require_shared_dir, scatter_object, setup_logging)
 from asyncgrpo.inference.recovery import batch_wait_s, check_evaluation_fits_ddp_timeout, check_outage_fits_ddp_timeout
 from asyncgrpo.rewards import reward_name
-from asyncgrpo.rollout.factory import open_rollout_side
-from asyncgrpo.rollout.interface import RolloutInterface
+from asyncgrpo.transport.factory import open_rollout_side
+from asyncgrpo.transport.interface import RolloutInterface
 from asyncgrpo.shutdown import exit_code
 from asyncgrpo.store import export_adapter
 from asyncgrpo.timeline import Timeline, span

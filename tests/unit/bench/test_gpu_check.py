@@ -74,7 +74,7 @@ def test_defaults_are_the_real_shape_on_gpu_and_the_toy_on_cpu():
 
 
 def test_the_checks_whole_import_path_runs_without_what_the_lent_image_lacks():
-    """The worker imports the trainer (recipe -> rollout factory -> ... -> rollout/link.py); link's TLS alone needs
+    """The worker imports the trainer (recipe -> rollout factory -> ... -> transport/link.py); link's TLS alone needs
     `cryptography`, which the lent image lacks, so it is imported where a certificate is made."""
     modules = ["asyncgrpo.bench.gpu_check", "asyncgrpo.bench.backend_check", "asyncgrpo.trainer.recipe",
                "asyncgrpo.cli"]

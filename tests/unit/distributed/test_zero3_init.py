@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 SCRIPT = r'''
 import json, os, sys

@@ -46,7 +46,7 @@ def test_dev_mode_is_required_only_for_pause_sync():
     no_dev = FakeVLLM(NODE, lora={}, dev_mode=False)
     assert check_dev_mode(ctx(no_dev, sync_mode="pause")).line() == (
         "FAIL  dev mode: sync_mode: pause needs /pause and /resume, and the server has neither. Fix: start it with "
-        "VLLM_SERVER_DEV_MODE=1 (launch/vllm/serve.sh and `python -m asyncgrpo.inference.server` set it), or set "
+        "VLLM_SERVER_DEV_MODE=1 (launch/vllm/serve.sh and `python -m asyncgrpo.inference_node.vllm_server` set it), or set "
         "sync_mode: versioned")
     assert check_dev_mode(ctx(no_dev, sync_mode="versioned")).ok is True
 

@@ -75,7 +75,7 @@ def test_unreachable_server_is_retried_with_backoff_then_named_with_the_fix(slee
     message = str(err.value)
     assert f"http://127.0.0.1:{port}/v1/models" in message
     assert "after 4 attempts" in message and "Connection refused" in message
-    assert "python -m asyncgrpo.inference.server" in message and "vllm_server_base_url" in message
+    assert "python -m asyncgrpo.inference_node.vllm_server" in message and "vllm_server_base_url" in message
     assert err.value.status is None
 
 

@@ -16,7 +16,7 @@ from fakes import Clock, FakeVLLM
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerGoneError, ServerRecovery, backoff_delays
-from asyncgrpo.inference.server import find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 from asyncgrpo.rollout.publish import AdapterPublisher
 
 

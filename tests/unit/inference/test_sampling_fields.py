@@ -13,7 +13,7 @@ import pytest
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.inference import VLLMServer
+from asyncgrpo.inference_node.vllm_server import VLLMServer
 from asyncgrpo.inference.checks import ServerContext, check_generation_config
 from asyncgrpo.inference.client import InferenceClient
 

@@ -78,7 +78,7 @@ class StubRollout:
                                        queue=self.queue, groups_per_step=groups_per_step, recovery=recovery,
                                        end_token_ids=end_token_ids)
         if park:
-            self.producer.schedule.cond = ParkingCondition()
+            self.producer.admission.cond = ParkingCondition()
 
     def generation_bodies(self, server=None) -> list[dict]:
         """The JSON bodies of the generation requests `server` (default: the first) received, in arrival order."""

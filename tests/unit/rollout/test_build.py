@@ -54,7 +54,7 @@ def test_build_producer_hands_the_resumed_batch_and_the_episode_runner_to_the_pr
     producer = build_producer(config, clients=[FakeVLLM()], rows=[ROW], scorer=make_group_scorer(config, TOK, None),
                               queue=RolloutQueue(0), groups_per_step=2, start_batch=3, episodes=runner)
     assert producer.episodes is runner  # with tools, completions are episodes
-    schedule = producer.schedule  # not started: its send rule is read directly
+    schedule = producer.admission  # not started: its send rule is read directly
     schedule.set_policy(2, "a-v2")
     with schedule.cond:  # resumed at batch 3: with max_staleness 0, version 2 may not generate for it
         assert (schedule.next_batch(), schedule.may_send()) == (3, False)

@@ -11,7 +11,7 @@ from peft import LoraConfig
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError, InferenceServerError, ServerUnreachableError, SyncError
-from asyncgrpo.inference.receiver import AdapterReceiver, serve
+from asyncgrpo.inference_node.receiver import AdapterReceiver, serve
 from asyncgrpo.rollout.delivery import HttpDelivery, ReceiverClient, SharedFsDelivery, make_delivery
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.store import AdapterStore
@@ -158,7 +158,7 @@ def test_one_receiver_refusing_fails_the_publish_with_its_message_and_nothing_is
 
 
 def test_an_unreachable_receiver_is_reported_with_the_command_that_starts_it(tmp_path):
-    from asyncgrpo.inference.server import find_free_port
+    from asyncgrpo.inference_node.vllm_server import find_free_port
 
     client = ReceiverClient(f"http://127.0.0.1:{find_free_port()}", KEY)
     with pytest.raises(InferenceServerError) as info:
@@ -189,7 +189,7 @@ def test_an_unreachable_server_skips_the_receiver_line_only_where_there_is_a_rec
     from asyncgrpo.rollout.preflight import _server_results
     from asyncgrpo.inference.checks import ServerContext
     from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.inference.server import find_free_port
+    from asyncgrpo.inference_node.vllm_server import find_free_port
 
     url = f"http://127.0.0.1:{find_free_port()}"  # nothing listens there: connection refused at once
     cfg = AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path=str(tmp_path), adapter_delivery=delivery,

@@ -16,7 +16,7 @@ from liveness import returns_within
 from peft import LoraConfig
 
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
-from asyncgrpo.inference.receiver import AdapterReceiver, serve
+from asyncgrpo.inference_node.receiver import AdapterReceiver, serve
 from asyncgrpo.rollout.delivery import HttpDelivery, ReceiverClient, SharedFsDelivery
 from asyncgrpo.store import AdapterStore
 

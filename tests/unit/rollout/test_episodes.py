@@ -22,7 +22,7 @@ from asyncgrpo.rollout.episodes import (ChatFormat, Episode, EpisodeRunner, Epis
                                         episode_group, reset_environment, tool_calls_of)
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.rollout.queue import RolloutQueue
-from asyncgrpo.rollout.scheduler import RolloutSchedule
+from asyncgrpo.rollout.admission import Admission
 from asyncgrpo.rollout.tools import tool_schema
 
 TOK = agent_tokenizer()
@@ -237,8 +237,8 @@ class PublishingClient(ScriptedClient):
         return answer
 
 
-def schedule_at(version: int) -> RolloutSchedule:
-    schedule = RolloutSchedule(make_cfg(), groups_per_step=1, max_inflight=4)
+def schedule_at(version: int) -> Admission:
+    schedule = Admission(make_cfg(), groups_per_step=1, max_inflight=4)
     schedule.set_policy(version, f"a-v{version}")
     return schedule
 
@@ -289,7 +289,7 @@ def test_the_publisher_never_unloads_the_adapter_a_turn_in_flight_uses(tmp_path)
         p.mkdir()
     server = FakeVLLM("http://a:8000")
     publisher = AdapterPublisher([server], "pol", sync_mode="versioned", adapter_root=tmp_path)
-    schedule = RolloutSchedule(make_cfg(), groups_per_step=1, max_inflight=4)
+    schedule = Admission(make_cfg(), groups_per_step=1, max_inflight=4)
 
     def publish(version: int) -> None:  # as the rollout side does: serve, tell the schedule, then retire
         publisher.publish(version, paths[version - 1])

@@ -84,7 +84,7 @@ def test_with_every_server_down_nothing_is_sent_until_one_is_back(rollout_on_stu
 
     recovery = ServerRecovery(30, restore=restore)
     rollout = rollout_on_stub(recovery=recovery, park=True)
-    cond = rollout.producer.schedule.cond
+    cond = rollout.producer.admission.cond
     outage = threading.Thread(target=recovery.recover, args=(rollout.client, 0), daemon=True)
     outage.start()
     assert restoring.wait(DEADLINE_S) and not recovery.is_up(rollout.client)

@@ -133,7 +133,7 @@ def test_versions_go_live_in_order_on_the_background_thread_and_new_requests_use
     side.wait_published()
     assert loads(server) == [f"{prefix}-v0", f"{prefix}-v1", f"{prefix}-v2"]
     assert (side.version, side.adapter_name, side.adapter_path) == (2, f"{prefix}-v2", side.parts.store.path(2))
-    assert (side.parts.producer.schedule.version, side.parts.producer.schedule.adapter) == (2, f"{prefix}-v2")
+    assert (side.parts.producer.admission.version, side.parts.producer.admission.adapter) == (2, f"{prefix}-v2")
     assert [step for tag, _, step in side.recorder.scalars if tag == "sync/write_s"] == [0, 1, 2]
 
 

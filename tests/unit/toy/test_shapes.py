@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.inference.server import served_lora_rank
+from asyncgrpo.inference_node.vllm_server import served_lora_rank
 from asyncgrpo.toy.shapes import SHAPES, build_shape_model, shape_config, shape_model_dir, shape_name
 from asyncgrpo.toy.tokenizer import EOS_ID
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from asyncgrpo.inference.receiver import MANIFEST_NAME, AdapterReceiver, serve
+from asyncgrpo.inference_node.receiver import MANIFEST_NAME, AdapterReceiver, serve
 
 KEY = "receiver-test-key"
 FILES = {"adapter_model.safetensors": b"\x00weights" * 100, "adapter_config.json": b'{"r": 8}'}

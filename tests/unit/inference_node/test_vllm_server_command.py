@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.errors import ConfigError, InferenceServerError
-from asyncgrpo.inference import VLLMServer
-from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.inference.server import main as server_main
+from asyncgrpo.inference_node.vllm_server import VLLMServer
+from asyncgrpo.inference_node.vllm_server import find_free_port
+from asyncgrpo.inference_node.vllm_server import main as server_main
 
 
 def flag(cmd: list[str], name: str) -> str:

@@ -1,5 +1,5 @@
 """The rollout side in a process of its own, as rank 0 sees it: `RolloutProcess`, a proxy with the rollout interface
-whose calls go over a connection to a RolloutSide served by rollout/serve.py. Its `peer` makes the connection and
+whose calls go over a connection to a RolloutSide served by transport/rollout_server.py. Its `peer` makes the connection and
 knows whether the other end lives: `ChildPeer` (here) spawns a child over a socketpair (`rollout_process: true`; no
 key, no network), remote.RemotePeer connects to an `asyncgrpo rollout-serve` over TLS (`rollout_address`). Errors
 there are raised here with their own type; a peer that dies makes the waiting call raise RolloutProcessError naming
@@ -19,8 +19,8 @@ from pathlib import Path
 from asyncgrpo.contracts import Group
 from asyncgrpo.errors import RolloutProcessError
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.rollout.serve import serve
-from asyncgrpo.rollout.wire import decode_groups, rebuild_exception
+from asyncgrpo.transport.rollout_server import serve
+from asyncgrpo.transport.wire import decode_groups, rebuild_exception
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ RESUME_TIMEOUT_S = 10.0  # each /is_paused and /resume call after the child died
 
 
 class RolloutProcess:
-    """The rollout interface (rollout/interface.py), served by another process that `peer` reaches: a child this
+    """The rollout interface (transport/interface.py), served by another process that `peer` reaches: a child this
     process spawns (ChildPeer, the default) or an `asyncgrpo rollout-serve` over TCP (remote.RemotePeer). The peer
     makes the connection and knows whether the other end lives, how it ended, and how to stop it; everything else is
     this class's. `tokenizer` is not sent: the other side loads its own from `model_path`."""

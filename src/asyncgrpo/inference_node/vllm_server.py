@@ -3,7 +3,7 @@
 Used by the demo and the integration tests; a real inference node runs `launch/vllm/serve.sh` instead. The server
 gets every flag and environment variable LoRA hot reload needs (docs/publish-internals.md lists them with reasons).
 
-    python -m asyncgrpo.inference.server --model /path/to/model --port 8000 --max-lora-rank 8
+    python -m asyncgrpo.inference_node.vllm_server --model /path/to/model --port 8000 --max-lora-rank 8
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import requests
 
 from asyncgrpo.children import GroupProcess
 from asyncgrpo.errors import ConfigError, InferenceServerError
-from asyncgrpo.inference.receiver import is_loopback
+from asyncgrpo.inference_node.receiver import is_loopback
 from asyncgrpo.shutdown import HANDLED
 
 logger = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class VLLMServer:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m asyncgrpo.inference.server",
+        prog="python -m asyncgrpo.inference_node.vllm_server",
         description="Start a local vLLM server with LoRA hot reload enabled; stop it with Ctrl-C, SIGTERM or SIGHUP. "
         "Arguments after `--` go to vLLM unchanged.",
     )

@@ -1,4 +1,4 @@
-"""RolloutProcess's calls (rollout/process.py, `_call`) and when the connection is given up, without spawning: the
+"""RolloutProcess's calls (transport/process.py, `_call`) and when the connection is given up, without spawning: the
 other end is a `multiprocessing.Pipe()` the test answers by hand, and the peer a ChildPeer whose process is a
 stand-in the test sets (alive, or ended with an exit code). A real child killed by a signal: test_wire.py; the whole
 child against a real server: tests/integration/test_rollout_process.py."""
@@ -14,9 +14,9 @@ from liveness import returns_within
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import ConfigError, RolloutProcessError
-from asyncgrpo.rollout import process
-from asyncgrpo.rollout.process import ChildPeer, RolloutProcess
-from asyncgrpo.rollout.wire import pack_exception
+from asyncgrpo.transport import process
+from asyncgrpo.transport.process import ChildPeer, RolloutProcess
+from asyncgrpo.transport.wire import pack_exception
 
 BOUND_S = 5.0  # liveness bound: every call here returns within a poll or two when the code is right
 

@@ -1,4 +1,4 @@
-"""rollout/scheduler.py: which version a batch needs, and what the producer sends, for which batch and under which
+"""rollout/admission.py: which version a batch needs, and what the producer sends, for which batch and under which
 version, with requests in flight.
 
 The server is tests/fakes.py's `FakeVLLM(hold=True)`, holding every generation request until the test releases it: a
@@ -19,7 +19,7 @@ from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.build import build_producer
 from asyncgrpo.rollout.producer import request_seed
 from asyncgrpo.rollout.queue import RolloutQueue
-from asyncgrpo.rollout.scheduler import RolloutSchedule, version_needed
+from asyncgrpo.rollout.admission import Admission, version_needed
 from asyncgrpo.rollout.scoring import InThreadScoring
 
 DEADLINE_S = 15.0  # every wait here is milliseconds when the rule holds; a broken rule fails at this deadline
@@ -79,7 +79,7 @@ class Harness:
                                        scorer=InThreadScoring(scorer, DigitTokenizer()), queue=self.queue,
                                        groups_per_step=groups_per_step, start_position=start_position,
                                        start_batch=start_batch)
-        self.cond = self.producer.schedule.cond = ParkingCondition()
+        self.cond = self.producer.admission.cond = ParkingCondition()
         self.rows = rows
 
     def settled(self, action=None) -> tuple[int, int, int]:
@@ -226,7 +226,7 @@ def test_a_producer_resumed_at_batch_3_waits_for_version_3_before_sending(harnes
 
 
 def test_a_schedule_built_without_batches_taken_fills_batch_0_first():
-    s = RolloutSchedule(cfg(num_generations=4, per_device_train_batch_size=8, max_staleness=0), groups_per_step=2,
+    s = Admission(cfg(num_generations=4, per_device_train_batch_size=8, max_staleness=0), groups_per_step=2,
                         max_inflight=8)
     s.set_policy(0, "pol-v0")
     with s.cond:
@@ -235,7 +235,7 @@ def test_a_schedule_built_without_batches_taken_fills_batch_0_first():
 
 def test_the_schedule_alone_resumes_at_its_batch_frees_lost_slots_and_waits_for_a_server():
     up = [True]
-    s = RolloutSchedule(cfg(num_generations=4, per_device_train_batch_size=8, max_staleness=0), groups_per_step=2, max_inflight=8, servers_up=lambda: up[0], batches_taken=3)
+    s = Admission(cfg(num_generations=4, per_device_train_batch_size=8, max_staleness=0), groups_per_step=2, max_inflight=8, servers_up=lambda: up[0], batches_taken=3)
     s.set_policy(2, "pol-v2")
     with s.cond:
         assert not s.may_send()  # a run resumed at batch 3 needs version 3 for it

@@ -20,11 +20,11 @@ import traceback
 from asyncgrpo.config import split_address
 from asyncgrpo.data import local_model_dir
 from asyncgrpo.errors import ConfigError, RolloutProcessError
-from asyncgrpo.rollout.interface import interface_members
-from asyncgrpo.rollout.link import rollout_key
-from asyncgrpo.rollout.remote import accept_trainer, socket_of
+from asyncgrpo.transport.interface import interface_members
+from asyncgrpo.transport.link import rollout_key
+from asyncgrpo.transport.remote import accept_trainer, socket_of
 from asyncgrpo.rollout.side import RolloutSide
-from asyncgrpo.rollout.wire import encode_groups, pack_exception
+from asyncgrpo.transport.wire import encode_groups, pack_exception
 from asyncgrpo.shutdown import HANDLED, exit_on_signal
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def _handle(side, op: str, args: tuple):
     kind = MEMBERS.get(op)
     if kind is None:
         raise RolloutProcessError(f"the trainer asked the rollout side for `{op}`, which is not part of the rollout "
-                                  f"interface (rollout/interface.py). Fix: run the same asyncgrpo version on both ends")
+                                  f"interface (transport/interface.py). Fix: run the same asyncgrpo version on both ends")
     return getattr(side, op)(*args) if kind == "method" else getattr(side, op)
 
 

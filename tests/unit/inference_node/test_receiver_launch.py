@@ -25,7 +25,7 @@ def test_receiver_sh_starts_the_receiver_beside_the_local_vllm_with_serve_sh_s_k
     proc, record = _run(tmp_path, ADAPTER_DIR="/local/adapters", API_KEY="k1", PORT="8100")
     assert proc.returncode == 0, proc.stderr
     args = record.read_text().splitlines()
-    assert args[:2] == ["-m", "asyncgrpo.inference.receiver"]
+    assert args[:2] == ["-m", "asyncgrpo.inference_node.receiver"]
     flags = dict(zip(args[2:-1:2], args[3:-1:2]))
     assert flags["--dir"] == "/local/adapters" and flags["--port"] == "8001"
     assert flags["--host"] == "0.0.0.0"  # with a key: every interface (the private network)

@@ -1,4 +1,4 @@
-"""What crosses the pipe to the rollout process (rollout/wire.py, rollout/process.py): a batch comes back exactly as
+"""What crosses the pipe to the rollout process (transport/wire.py, transport/process.py): a batch comes back exactly as
 it was queued (ids, fp32 logprobs, rewards, advantages, masks, versions, finish reasons, reward parts), exceptions come
 back with their own type and message or fall back to RolloutProcessError carrying both, and a child that dies makes
 the next call raise naming the rollout process and its signal instead of waiting."""
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from asyncgrpo.errors import ConfigError, InferenceServerError, RewardFunctionError, RolloutProcessError
-from asyncgrpo.rollout.process import RolloutProcess
-from asyncgrpo.rollout import wire
+from asyncgrpo.transport.process import RolloutProcess
+from asyncgrpo.transport import wire
 from asyncgrpo.contracts import Group
-from asyncgrpo.rollout.wire import decode_groups, encode_groups, pack_exception, rebuild_exception
+from asyncgrpo.transport.wire import decode_groups, encode_groups, pack_exception, rebuild_exception
 
 
 def _fp32(values):

@@ -1,9 +1,9 @@
-"""RolloutSchedule: what the producer may send, for which batch, at which policy version. One object, one lock.
+"""Admission: what the producer may send, for which batch, at which policy version. One object, one lock.
 
 A request whose group will land in batch b is sent only once the server serves a version close enough to the one
 batch b will be trained at (`version_needed`), and is tagged with the version served when it was sent. The queue
 reports what leaves it (`removed`), the producer what it sends (`claim`), what came back (`finished`) and what it
-lost (`lost`). Lock order: the queue calls `removed` with its own lock held; the schedule never calls the queue.
+lost (`lost`). Lock order: the queue calls `removed` with its own lock held; admission never calls the queue.
 Why this bounds staleness: docs/rollout-internals.md.
 """
 
@@ -21,7 +21,7 @@ def version_needed(batch: int, cfg) -> int:
     return batch * cfg.num_iterations // cfg.weight_sync_steps - cfg.max_staleness
 
 
-class RolloutSchedule:
+class Admission:
     """The send rule and the state it reads, guarded by `cond` (the producer thread waits on it in `claim`).
 
     `servers_up()` says whether any inference server is up (ServerRecovery); `batches_taken` is the index of the first

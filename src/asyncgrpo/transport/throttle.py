@@ -13,7 +13,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 
-log = logging.getLogger("asyncgrpo.rollout.remote")  # the accept loop's logger: one place to read for a server
+log = logging.getLogger("asyncgrpo.transport.remote")  # the accept loop's logger: one place to read for a server
 
 WINDOW_S = 10.0  # failures are counted over this long; a blocked address is let in again once they age out of it
 BLOCK_AFTER = 8  # failed handshakes of one address within WINDOW_S before its connections are closed at accept

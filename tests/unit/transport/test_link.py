@@ -1,4 +1,4 @@
-"""The rollout link's parts one by one (rollout/link.py), over a real TLS connection on a socketpair: the key's rules,
+"""The rollout link's parts one by one (transport/link.py), over a real TLS connection on a socketpair: the key's rules,
 the server's certificate, what each end of the key proof reports when the other end is wrong, the handshake's one
 deadline however slowly the bytes come, and Link's reads. The whole link between a trainer and a rollout server:
 test_remote.py; attacks on it: tests/security/test_rollout_link.py."""
@@ -19,7 +19,7 @@ from liveness import returns_within
 
 from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rollout import link
+from asyncgrpo.transport import link
 
 KEY = b"3e7a9c1f5b2d8e4a6c0f9b3d7e1a5c8f"
 BOUND_S = 5.0  # liveness bound: each call below returns in well under a second, or at its own deadline, when right

@@ -1,5 +1,5 @@
-"""The rollout interface (rollout/interface.py) is the whole contract between the trainer and its rollout side: both
-implementations have every member with the same kind and parameter names, the serve loop (rollout/serve.py) answers
+"""The rollout interface (transport/interface.py) is the whole contract between the trainer and its rollout side: both
+implementations have every member with the same kind and parameter names, the serve loop (transport/rollout_server.py) answers
 every member and refuses anything else, and a call through the proxy reaches the side as the trainer made it. Adding
 a member to the interface alone makes these tests name what is missing."""
 
@@ -19,9 +19,9 @@ from safetensors.torch import save
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import RolloutProcessError
-from asyncgrpo.rollout import serve
-from asyncgrpo.rollout.interface import RolloutInterface, interface_members
-from asyncgrpo.rollout.process import RolloutProcess
+from asyncgrpo.transport import rollout_server
+from asyncgrpo.transport.interface import RolloutInterface, interface_members
+from asyncgrpo.transport.process import RolloutProcess
 from asyncgrpo.rollout.side import RolloutSide
 from asyncgrpo.trainer import recipe
 
@@ -100,20 +100,20 @@ def test_the_serve_loop_answers_every_member_of_the_interface():
     for name, kind in MEMBERS.items():
         side.calls.clear()
         if name == "publish":
-            assert serve._handle(side, name, (3, blob, 7, True)) == "publish done"
+            assert rollout_server._handle(side, name, (3, blob, 7, True)) == "publish done"
             ((_, (version, tensors, step, wait)),) = side.calls
             assert (version, list(tensors), tensors["w"].tolist(), step, wait) == (3, ["w"], [1.0, 1.0], 7, True)
         elif name == "take":
-            assert isinstance(serve._handle(side, name, (2, 0, 1.5)), bytes)  # the binary batch (wire.py)
+            assert isinstance(rollout_server._handle(side, name, (2, 0, 1.5)), bytes)  # the binary batch (wire.py)
             assert side.calls == [("take", (2, 0, 1.5))]
         elif name == "tensorboard_dir":
-            assert serve._handle(side, name, ()) == Path("relative/tensorboard").resolve()
+            assert rollout_server._handle(side, name, ()) == Path("relative/tensorboard").resolve()
         elif kind == "method":
             args = _placeholder_args(name)
-            serve._handle(side, name, args)
+            rollout_server._handle(side, name, args)
             assert side.calls == [(name, args)], name
         else:
-            assert serve._handle(side, name, ()) == f"the {name}"
+            assert rollout_server._handle(side, name, ()) == f"the {name}"
 
 
 @pytest.mark.parametrize("op", ["shutdown", "__class__", "_publish", "calls", "peer"])
@@ -121,7 +121,7 @@ def test_the_serve_loop_refuses_anything_that_is_not_a_member(op):
     side = RecordingSide()
     with pytest.raises(RolloutProcessError, match=rf"`{op}`, which is not part of the rollout interface.*Fix: run "
                                                   r"the same asyncgrpo version"):
-        serve._handle(side, op, ())
+        rollout_server._handle(side, op, ())
     assert side.calls == []
 
 
@@ -135,7 +135,7 @@ class PipePeer:
         self.side, self.thread = side, None
 
     def connect(self, cfg, side_kwargs, run_id):
-        self.thread = threading.Thread(target=serve._answer_requests, args=(self._theirs, self.side), daemon=True)
+        self.thread = threading.Thread(target=rollout_server._answer_requests, args=(self._theirs, self.side), daemon=True)
         self.thread.start()
 
     def started(self):

@@ -1,7 +1,7 @@
 """The adapter receiver: runs beside vLLM on an inference node that cannot read the trainer's `lora_adapter_path`
 (`adapter_delivery: http`), takes each adapter version's files over HTTP, and loads them into the co-located vLLM.
 
-    ASYNCGRPO_VLLM_API_KEY=... python -m asyncgrpo.inference.receiver --dir /local/adapters --host 10.0.0.5 \\
+    ASYNCGRPO_VLLM_API_KEY=... python -m asyncgrpo.inference_node.receiver --dir /local/adapters --host 10.0.0.5 \\
         --port 8001 --vllm-url http://127.0.0.1:8000
 
 It never reads, writes or loads anything outside `--dir`, keeps it bounded (`--keep`), listens on loopback unless
@@ -523,7 +523,7 @@ def check_args(args: argparse.Namespace, api_key: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m asyncgrpo.inference.receiver", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m asyncgrpo.inference_node.receiver", description=__doc__.split("\n")[0])
     parser.add_argument("--dir", required=True, help="local directory the adapters are written to and loaded from")
     parser.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="the co-located vLLM server")
     parser.add_argument("--host", default="127.0.0.1",

@@ -1,6 +1,6 @@
 """The rollout side on another host, rank 0's end and the connection: `RemotePeer` (RolloutProcess's peer over TCP,
 for `rollout_address`), TCP keepalive, and `accept_trainer` (what `asyncgrpo rollout-serve` accepts; its main is
-rollout/serve.py). The link is TLS, both ends prove ASYNCGRPO_ROLLOUT_KEY inside it (rollout/link.py), every
+transport/rollout_server.py). The link is TLS, both ends prove ASYNCGRPO_ROLLOUT_KEY inside it (transport/link.py), every
 handshake runs on a thread of its own within one overall deadline, and a peer that vanishes is seen within
 DEAD_PEER_S. The handshake, the liveness rules and why: docs/rollout-internals.md.
 """
@@ -22,10 +22,10 @@ from collections.abc import Callable
 from asyncgrpo import __version__
 from asyncgrpo.config import ROLLOUT_KEY_ENV, split_address
 from asyncgrpo.errors import RolloutProcessError
-from asyncgrpo.rollout.link import (KeyMismatch, Link, client_tls, prove_client, prove_server, refuse, rollout_key,
+from asyncgrpo.transport.link import (KeyMismatch, Link, client_tls, prove_client, prove_server, refuse, rollout_key,
                                     server_tls, tls_handshake)
-from asyncgrpo.rollout.throttle import HandshakeThrottle
-from asyncgrpo.rollout.wire import pack_exception, rebuild_exception
+from asyncgrpo.transport.throttle import HandshakeThrottle
+from asyncgrpo.transport.wire import pack_exception, rebuild_exception
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class RemotePeer:
         self.conn.close()
 
 
-# ---- the rollout host's end (its main, serve_one_run, is in rollout/serve.py) -------------------------------
+# ---- the rollout host's end (its main, serve_one_run, is in transport/rollout_server.py) -------------------------------
 def accept_trainer(listener: socket.socket, key: bytes) -> tuple[Link, tuple]:
     """The first connection that opens TLS, proves `key` and sends a hello of this asyncgrpo version, within
     HANDSHAKE_S in all: its Link and the hello's (cfg, side kwargs, run id). Each handshake runs on a thread of its

@@ -1,4 +1,4 @@
-"""What crosses the pipe between the trainer and its rollout process (rollout/process.py): batches in a compact
+"""What crosses the pipe between the trainer and its rollout process (transport/process.py): batches in a compact
 binary form, and exceptions rebuilt with their type and message.
 
 `encode_groups`/`decode_groups`: a small pickled header, then flat numpy buffers (nothing pickled per token).

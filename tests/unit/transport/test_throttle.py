@@ -2,8 +2,8 @@
 
 import logging
 
-from asyncgrpo.rollout import throttle
-from asyncgrpo.rollout.throttle import BLOCK_AFTER, LOG_BURST, WINDOW_S, HandshakeThrottle
+from asyncgrpo.transport import throttle
+from asyncgrpo.transport.throttle import BLOCK_AFTER, LOG_BURST, WINDOW_S, HandshakeThrottle
 
 
 class Clock:
@@ -21,7 +21,7 @@ def errors(caplog) -> list[str]:
 def test_an_address_is_blocked_after_its_failures_and_let_in_once_they_age_out(caplog):
     clock = Clock()
     limiter = HandshakeThrottle(clock)
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         for i in range(BLOCK_AFTER):
             assert not limiter.blocked("10.0.0.9")
             limiter.failed("10.0.0.9", f"refused {i}")
@@ -40,7 +40,7 @@ def test_an_address_is_blocked_after_its_failures_and_let_in_once_they_age_out(c
 def test_silent_or_cut_clients_are_logged_within_the_burst_but_never_blocked(caplog):
     clock = Clock()
     limiter = HandshakeThrottle(clock)
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         for i in range(3 * LOG_BURST):
             limiter.failed("10.0.0.7", f"silent {i}", costly=False)
         assert not limiter.blocked("10.0.0.7")

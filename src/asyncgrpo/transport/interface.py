@@ -1,7 +1,7 @@
 """The rollout side as the trainer sees it: `RolloutInterface`, the one declared interface every form implements.
 
-RolloutSide runs it in the training process; rollout.process.RolloutProcess is a proxy for one running in another
-process (a spawned child or `asyncgrpo rollout-serve`), whose serve loop (rollout/serve.py) answers every member
+RolloutSide runs it in the training process; transport.process.RolloutProcess is a proxy for one running in another
+process (a spawned child or `asyncgrpo rollout-serve`), whose serve loop (transport/rollout_server.py) answers every member
 listed here. Adding a member: declare it here, implement it in both, and the serve loop answers it as is.
 """
 

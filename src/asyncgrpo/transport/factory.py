@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
-from asyncgrpo.rollout.interface import RolloutInterface
-from asyncgrpo.rollout.process import RolloutProcess
-from asyncgrpo.rollout.remote import RemotePeer
+from asyncgrpo.transport.interface import RolloutInterface
+from asyncgrpo.transport.process import RolloutProcess
+from asyncgrpo.transport.remote import RemotePeer
 from asyncgrpo.rollout.side import RolloutSide
 
 

@@ -1,4 +1,4 @@
-"""Which server gets the next generation request (rollout/servers.py): the picker alone, without threads or HTTP, and
+"""Which server gets the next generation request (rollout/server_pool.py): the picker alone, without threads or HTTP, and
 the producer's counting of requests in flight per server against stub servers (tests/fakes.py; a real vLLM
 server cannot be made to fail a chosen request on demand)."""
 
@@ -12,7 +12,7 @@ import pytest
 from fakes import generation
 
 from asyncgrpo.errors import InferenceServerError
-from asyncgrpo.rollout.servers import ServerPicker
+from asyncgrpo.rollout.server_pool import ServerPicker
 
 DEADLINE_S = 30.0
 

@@ -1,4 +1,4 @@
-"""The rollout side on another host (rollout/remote.py): the address in the config, the key on both ends, and what
+"""The rollout side on another host (transport/remote.py): the address in the config, the key on both ends, and what
 rank 0 reports when the rollout server is not there, answers with another key, says nothing, or dies. The rollout
 server here is a tiny in-test listener running the module's own accept (`accept_trainer`) in a thread, which then
 plays the rollout side's part by hand: a real rollout side needs a vLLM server (tests/integration/
@@ -25,14 +25,14 @@ from asyncgrpo import __version__
 from asyncgrpo.cli import main
 from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.errors import ConfigError, RolloutProcessError
-from asyncgrpo.inference.server import find_free_port
-from asyncgrpo.rollout import link, remote
-from asyncgrpo.rollout.factory import open_rollout_side
-from asyncgrpo.rollout.process import ChildPeer, RolloutProcess
-from asyncgrpo.rollout.remote import RemotePeer, accept_trainer
-from asyncgrpo.rollout.serve import _answer_requests
+from asyncgrpo.inference_node.vllm_server import find_free_port
+from asyncgrpo.transport import link, remote
+from asyncgrpo.transport.factory import open_rollout_side
+from asyncgrpo.transport.process import ChildPeer, RolloutProcess
+from asyncgrpo.transport.remote import RemotePeer, accept_trainer
+from asyncgrpo.transport.rollout_server import _answer_requests
 from asyncgrpo.rollout.side import RolloutSide
-from asyncgrpo.rollout.wire import pack_exception, rebuild_exception
+from asyncgrpo.transport.wire import pack_exception, rebuild_exception
 
 KEY = b"5d0c8a3f1e9b7d2c4a6e8f0b1d3c5a7e"  # 32 hex characters: the shortest key accepted
 
@@ -160,7 +160,7 @@ def test_a_trainer_without_the_key_does_not_dial_even_a_loopback_address(tmp_pat
 def test_a_trainer_with_another_key_is_refused_clearly_and_the_server_keeps_listening(tmp_path, monkeypatch, caplog):
     server = InTestServer(_ack_then(lambda conn: conn.close()))
     monkeypatch.setenv(ROLLOUT_KEY_ENV, KEY.decode()[::-1])  # as long, another secret
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         with pytest.raises(RolloutProcessError) as failure:
             returns_within(_proxy(tmp_path, server.address).start, 20, "a start with the wrong key")
         assert f"the rollout server at {server.address} and this trainer have different connection keys" in str(
@@ -352,7 +352,7 @@ def _who(end: link.Link) -> str:
 def test_a_trainer_of_another_asyncgrpo_version_is_told_both_versions_and_the_server_keeps_listening(tmp_path,
                                                                                                       caplog):
     server = InTestServer(_ack_then(lambda conn: None))
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         older = _prove_by_hand(server.address)
         older.send(("hello", "0.0.1", pickle.dumps((None, {}, "older"))))
         status, payload = older.recv()
@@ -371,7 +371,7 @@ def test_a_trainer_of_another_asyncgrpo_version_is_told_both_versions_and_the_se
 def test_a_client_that_proves_the_key_but_sends_no_hello_is_dropped_at_the_deadline(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(remote, "HANDSHAKE_S", 2.0)  # TLS and the proof take milliseconds; a loaded host, more
     server = InTestServer(_ack_then(lambda conn: None))
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         silent = _prove_by_hand(server.address)
         with pytest.raises(EOFError):
             returns_within(silent.recv, 20, "the server's drop of a client that sends no hello")
@@ -570,7 +570,7 @@ def test_a_handshake_that_completes_as_another_trainer_wins_is_closed_and_logged
 
     monkeypatch.setattr(remote, "_handshake", handshake)
     server = InTestServer(_ack_then(lambda conn: None))
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.remote"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         early = _prove_by_hand(server.address)
         early.send(("hello", __version__, pickle.dumps((None, {}, "early"))))
         assert completed.wait(20), "the early trainer's handshake never completed"
