@@ -28,11 +28,12 @@ def world():
 
 def _serve(world, tmp_path_factory, name: str, max_lora_rank: int):
     """A real vLLM CPU server on the toy model for the rest of the session (started, health-polled, stopped)."""
-    from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
+    from asyncgrpo.inference_node.vllm_server import find_free_port
+    from integration.runs import make_server
 
     log = tmp_path_factory.mktemp(name) / "vllm.log"
-    with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
-                    log_path=log) as server:
+    with make_server(world.model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
+                     log_path=log) as server:
         yield server
 
 

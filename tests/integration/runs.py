@@ -1,6 +1,6 @@
-"""Running the trainer in the integration tests: one 2-process run shared by a module's tests (`two_process_run`),
-a single process (`train`), and a weight sync held at a known point (`HoldingProxy`, `held_sync`), for the tests that
-signal or kill the trainer there with no test hook in the product.
+"""Running the trainer and the servers in the integration tests: a test's vLLM server (`make_server`), one 2-process
+run shared by a module's tests (`two_process_run`), a single process (`train`), and a weight sync held at a known point
+(`HoldingProxy`, `held_sync`), for the tests that signal or kill the trainer there with no test hook in the product.
 
 `HoldingProxy` forwards every call to the session's vLLM server unchanged, except the first
 `POST /v1/load_lora_adapter` sent while the server is paused (a `pause` sync's load): it holds that one, the server
@@ -25,11 +25,18 @@ import pytest
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference_node.vllm_server import VLLMServer
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 300  # a CPU run reaches its first syncs within a minute; on a loaded 2-core machine, a few
 HOLD_MAX_S = 600.0  # the hold gives up after this: a test that never signals fails, it does not hang for ever
 FORWARD_TIMEOUT_S = 600.0  # a generation request lasts as long as the trainer's vllm_request_timeout allows
+# vLLM's model worker inside its engine-core process (the uniproc executor; the CPU build allows it only with
+# VLLM_ENABLE_V1_MULTIPROCESSING=0, which AsyncLLM ignores: the engine core keeps its own process): one Python
+# start-up fewer per server, 30 instead of 43 CPU seconds to /health on the toy model, measured one after the other
+# on the same machine (docs/testing.md). The same engine, API and logprobs; only the worker's process differs.
+ONE_ENGINE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ONE_ENGINE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
 # Not forwarded as they came: they describe one connection, and the proxy answers with its own Content-Length.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "content-length", "date", "server"}
@@ -136,6 +143,15 @@ def _handler(proxy: HoldingProxy) -> type[BaseHTTPRequestHandler]:
             """Quiet: the trainer's own log says what it sent."""
 
     return Handler
+
+
+def make_server(model, port: int, *, cls: type[VLLMServer] = VLLMServer, env: dict | None = None,
+                extra_args=(), **kwargs) -> VLLMServer:
+    """A vLLM server for a test that does not look at vLLM's own processes (test_shutdown.py does, and starts the
+    product's entry point instead): `cls(model, port, **kwargs)` with its worker in the engine-core process. `env`
+    and `extra_args` go after ours (vLLM takes the last value of a flag given twice)."""
+    return cls(model, port, env={**ONE_ENGINE_PROCESS_ENV, **(env or {})},
+               extra_args=[*ONE_ENGINE_PROCESS_ARGS, *extra_args], **kwargs)
 
 
 def module_run(name: str, *overrides: str):
