@@ -138,6 +138,25 @@ def train_two_processes(vllm_server):
 
 
 @pytest.fixture(scope="session")
+def sharded_reference(vllm_server, tmp_path_factory):
+    """`sharded_reference(backend) -> (output_dir, run summary)`: one uninterrupted `train_command` run of
+    REFERENCE_STEPS steps with PACKED on a sharded backend, launched the first time a session asks for that backend.
+    test_backends.py checks what it published; test_checkpoint.py resumes a run of the same config and compares."""
+    from integration.runs import PACKED, REFERENCE_STEPS, run_launch, train_command
+
+    runs = {}
+
+    def get(backend: str):
+        if backend not in runs:
+            out = tmp_path_factory.mktemp(f"reference-{backend}")
+            runs[backend] = out, run_launch(train_command(out, vllm_server.base_url, "--max_steps",
+                                                          str(REFERENCE_STEPS), *PACKED, backend=backend))
+        return runs[backend]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tb_scalars():
     """`tb_scalars(tensorboard_dir, tag) -> [(step, value), ...]`, read back from the event files."""
 

@@ -8,46 +8,26 @@ so B's final adapter must equal A's, and its TensorBoard steps must run 1..6 wit
 warms the learning rate up over 4 steps (0, 1/4, 1/2, 3/4 of it, then all of it): a resumed run whose schedule
 restarted would take steps 3 and 4 at other rates.
 The same holds on FSDP1, FSDP2, ZeRO-2 and ZeRO-3, whose LoRA weights (or their fp32 masters) and Adam state are
-sharded (shorter runs, no kill: what is tested there is that the sharded state goes into the checkpoint and back
-into the shards exactly).
+sharded (shorter runs with packed micro-batches, no kill: what is tested there is that the sharded state goes into the
+checkpoint and back into the shards exactly). Their uninterrupted run is the session's sharded reference run, whose
+publishing test_backends.py checks: two launches of their own per backend.
 """
 
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from integration.runs import PACKED, REFERENCE_STEPS, REPO, SHARDED_BACKENDS, run_launch, train_command
 from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.inference_node.vllm_server import find_free_port
 
-REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_DEADLINE_S = 300  # a launch reaches step 3 in ~15 s on 2 cores; generous for a loaded CI machine
-
-
-def train_command(out: Path, server_url: str, *extra: str, backend: str = "ddp") -> list[str]:
-    # Seeded requests: 4 in flight x 8 completions x ~10 tokens stay far below the server's default
-    # --max-num-batched-tokens (2048), so no prompt is chunk-prefilled (that crashes seeded requests: NOTES.md).
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"launch/accelerate/{backend}_cpu.yaml",
-            "--main_process_port", str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml",
-            "--max_steps", "6", "--per_device_train_batch_size", "16", "--learning_rate", "1e-2",
-            "--max_staleness", "0", "--seeded_generation", "true", "--max_inflight_requests", "4",
-            "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
-            "--vllm_server_base_url", server_url, "--ddp_timeout", "200", "--vllm_server_timeout", "30",
-            "--vllm_request_timeout", "40", "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "4", *extra]
-
-
-def run(cmd: list[str]) -> dict:
-    backend = Path(cmd[cmd.index("--config_file") + 1]).name.removesuffix("_cpu.yaml")
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads((Path(cmd[cmd.index("--output_dir") + 1]) / "run_summary.json").read_text())
 
 
 def start_and_kill_after_checkpoint(cmd: list[str], out: Path) -> None:
@@ -68,7 +48,7 @@ def start_and_kill_after_checkpoint(cmd: list[str], out: Path) -> None:
 
 
 def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_server, client, tb_scalars, tmp_path):
-    a = run(train_command(tmp_path / "a", vllm_server.base_url))
+    a = run_launch(train_command(tmp_path / "a", vllm_server.base_url))
 
     b_out = tmp_path / "b"
     # max_steps only bounds the loop (steps 1-3 are the same): with 1000 the run cannot end before the kill.
@@ -80,7 +60,8 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert saved <= set(manifest["files"])  # rank 1 wrote its own RNG state into rank 0's temporary directory
     killed = manifest["state"]
     assert (killed["step"], killed["version"], killed["data_position"]) == (3, 3, 3 * 4)  # 4 groups per step
-    b = run(train_command(b_out, vllm_server.base_url, "--save_steps", "3", "--resume_from_checkpoint", "latest"))
+    b = run_launch(train_command(b_out, vllm_server.base_url, "--save_steps", "3", "--resume_from_checkpoint",
+                                 "latest"))
 
     # Step and version counters continue; the resumed run publishes under its own run id, the killed one's
     # adapters are gone from the server, and the server serves B's final version.
@@ -113,16 +94,18 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert rates == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])  # the warm-up continued after the resume
 
 
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "zero2", "zero3"])
-def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_server, tmp_path):
+@pytest.mark.parametrize("backend", SHARDED_BACKENDS)
+def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_server, sharded_reference, tmp_path):
     """FSDP and ZeRO shard the LoRA weights (ZeRO-2: their fp32 masters) and their Adam state: a run resumed from
     checkpoint-2 must take step 3 exactly as an uninterrupted run does (same weights, same optimizer moments), so
     the final adapters agree."""
-    a = run(train_command(tmp_path / "a", vllm_server.base_url, "--max_steps", "3", backend=backend))
+    assert REFERENCE_STEPS == 3
+    _, a = sharded_reference(backend)  # 3 steps, never saved
     b_out = tmp_path / "b"
-    first = run(train_command(b_out, vllm_server.base_url, "--max_steps", "2", "--save_steps", "2", backend=backend))
-    b = run(train_command(b_out, vllm_server.base_url, "--max_steps", "3", "--resume_from_checkpoint", "latest",
-                          backend=backend))
+    first = run_launch(train_command(b_out, vllm_server.base_url, "--max_steps", "2", "--save_steps", "2", *PACKED,
+                                     backend=backend))
+    b = run_launch(train_command(b_out, vllm_server.base_url, "--max_steps", "3", "--resume_from_checkpoint", "latest",
+                                 *PACKED, backend=backend))
     assert (b["start_step"], b["steps"], b["version"], b["backend"]) == (2, 3, 3, backend)
     saved = load_file(str(b_out / "checkpoint-2" / "adapter" / "adapter_model.safetensors"))
     republished = load_file(str(Path(b["adapter_path"]).parent / "v000002" / "adapter_model.safetensors"))
