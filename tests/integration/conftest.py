@@ -138,6 +138,19 @@ def train_two_processes(vllm_server):
 
 
 @pytest.fixture(scope="session")
+def ddp_reference(vllm_server, tmp_path_factory):
+    """(output_dir, run summary) of one uninterrupted DDP `train_command` run of DDP_REFERENCE_STEPS steps that keeps
+    every adapter version: test_checkpoint.py's killed run and test_shutdown.py's SIGTERMed run, each resumed, must end
+    at its version of their last step."""
+    from integration.runs import DDP_REFERENCE_STEPS, run_launch, train_command
+
+    out = tmp_path_factory.mktemp("reference-ddp")
+    steps = str(DDP_REFERENCE_STEPS)
+    return out, run_launch(train_command(out, vllm_server.base_url, "--max_steps", steps, "--keep_adapter_versions",
+                                         steps))
+
+
+@pytest.fixture(scope="session")
 def sharded_reference(vllm_server, tmp_path_factory):
     """`sharded_reference(backend) -> (output_dir, run summary)`: one uninterrupted `train_command` run of
     REFERENCE_STEPS steps with PACKED on a sharded backend, launched the first time a session asks for that backend.

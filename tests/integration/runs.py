@@ -182,6 +182,14 @@ def run_launch(cmd: list[str]) -> dict:
     return json.loads((out / "run_summary.json").read_text())
 
 
+def version_dir(summary: dict, version: int) -> Path:
+    """Where the run of `summary` wrote adapter version `version`."""
+    return Path(summary["adapter_path"]).parent / f"v{version:06d}"
+
+
+# The DDP reference run (conftest.py's `ddp_reference`): runs resumed from a checkpoint end at its version of their
+# last step. Version k is the weights after step k whatever max_steps is (the warm-up does not depend on it).
+DDP_REFERENCE_STEPS = 8
 SHARDED_BACKENDS = ["fsdp1", "fsdp2", "zero2", "zero3"]
 # The sharded reference runs (conftest.py's `sharded_reference`): gradient checkpointing and micro-batches packed by a
 # token budget (toy sequences are ~9-10 tokens: 16 completions per rank in 3-4 micro-batches of at most 48 tokens).

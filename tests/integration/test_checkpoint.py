@@ -1,10 +1,11 @@
 """Checkpoint and resume with real 2-process DDP launches (`accelerate launch`, gloo) against the real vLLM server.
 
-Run A trains 6 steps uninterrupted. Run B saves every 3 steps, is killed with SIGKILL (its whole process group, as a
-preempted node would be) once checkpoint-3 exists, and is resumed with `--resume_from_checkpoint latest` to step 6.
-One test, three launches (~10 s each on an idle 2-core machine, plus the session server).
+Run A trains uninterrupted (the session's DDP reference run, 8 steps, which test_shutdown.py resumes against too). Run
+B saves every 3 steps, is killed with SIGKILL (its whole process group, as a preempted node would be) once
+checkpoint-3 exists, and is resumed with `--resume_from_checkpoint latest` to step 6.
+One test, two launches of its own (~10 s each on an idle 2-core machine, plus the session server).
 With `max_staleness: 0` and `seeded_generation: true` both runs sample the same completions from the same policies,
-so B's final adapter must equal A's, and its TensorBoard steps must run 1..6 with none lost or repeated. Every run
+so B's final adapter must equal A's version 6, and its TensorBoard steps must run 1..6 with none lost or repeated. Every run
 warms the learning rate up over 4 steps (0, 1/4, 1/2, 3/4 of it, then all of it): a resumed run whose schedule
 restarted would take steps 3 and 4 at other rates.
 The same holds on FSDP1, FSDP2, ZeRO-2 and ZeRO-3, whose LoRA weights (or their fp32 masters) and Adam state are
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from integration.runs import PACKED, REFERENCE_STEPS, REPO, SHARDED_BACKENDS, run_launch, train_command
+from integration.runs import (DDP_REFERENCE_STEPS, PACKED, REFERENCE_STEPS, REPO, SHARDED_BACKENDS, run_launch,
+                              train_command, version_dir)
 from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env
@@ -47,8 +49,10 @@ def start_and_kill_after_checkpoint(cmd: list[str], out: Path) -> None:
         proc.stderr.close()
 
 
-def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_server, client, tb_scalars, tmp_path):
-    a = run_launch(train_command(tmp_path / "a", vllm_server.base_url))
+def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_server, client, tb_scalars, ddp_reference,
+                                                                     tmp_path):
+    a_out, a = ddp_reference  # uninterrupted, never saved, every version kept
+    assert DDP_REFERENCE_STEPS >= 6
 
     b_out = tmp_path / "b"
     # max_steps only bounds the loop (steps 1-3 are the same): with 1000 the run cannot end before the kill.
@@ -72,8 +76,8 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert served[b["adapter_name"]] == b["adapter_path"]
     assert not [name for name in served if killed["run_id"] in name]
 
-    # The same final adapter as the uninterrupted run, and it moved since the checkpoint.
-    final_a = load_file(f"{a['adapter_path']}/adapter_model.safetensors")
+    # The uninterrupted run's adapter after step 6, and it moved since the checkpoint.
+    final_a = load_file(version_dir(a, 6) / "adapter_model.safetensors")
     final_b = load_file(f"{b['adapter_path']}/adapter_model.safetensors")
     at_3 = load_file(f"{b_out}/checkpoint-3/adapter/adapter_model.safetensors")
     assert set(final_a) == set(final_b) and len(final_a) == 28
@@ -83,11 +87,11 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert all(torch.equal(saved_6[k], final_b[k]) for k in final_b)
 
     # TensorBoard: steps 1..6 once each (what the killed run logged after step 3 is purged), the same batches.
-    loss_a, loss_b = tb_scalars(tmp_path / "a" / "tensorboard", "train/loss"), tb_scalars(b_out / "tensorboard",
-                                                                                          "train/loss")
+    loss_a = tb_scalars(a_out / "tensorboard", "train/loss")[:6]
+    loss_b = tb_scalars(b_out / "tensorboard", "train/loss")
     assert [s for s, _ in loss_b] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in tb_scalars(b_out / "tensorboard", "policy/version")] == [1, 2, 3, 4, 5, 6]
-    reward_a = tb_scalars(tmp_path / "a" / "tensorboard", "train/reward")
+    reward_a = tb_scalars(a_out / "tensorboard", "train/reward")[:6]
     assert tb_scalars(b_out / "tensorboard", "train/reward") == reward_a  # the same completions were sampled
     assert max(abs(va - vb) for (_, va), (_, vb) in zip(loss_a, loss_b)) < 1e-5
     rates = [v for _, v in tb_scalars(b_out / "tensorboard", "train/learning_rate")]
