@@ -12,8 +12,10 @@ setup:
 demo: setup
 	$(VENV)/bin/asyncgrpo demo
 
+# --durations: the slowest tests (setup, which starts servers and shared runs, apart from the call) at the end of
+# every run, so that the next slow-down shows where it is without a run of its own.
 test: setup
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=30 tests
 
 # The fast tier alone: everything not marked `integration` (tests/integration/conftest.py marks its whole directory).
 test-unit: setup

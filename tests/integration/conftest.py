@@ -1,4 +1,5 @@
-"""One real vLLM CPU server for the whole integration session, serving the toy world's base model."""
+"""The integration session's real vLLM CPU servers on the toy world's base model (one, and a second for the tests of
+several servers, started side by side), and the helpers its tests share."""
 
 import os
 from pathlib import Path
@@ -26,25 +27,61 @@ def world():
     return build_toy_world()
 
 
-def _serve(world, tmp_path_factory, name: str, max_lora_rank: int):
-    """A real vLLM CPU server on the toy model for the rest of the session (started, health-polled, stopped)."""
-    from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
+START_S = 600  # a vLLM CPU start takes ~30 s on 2 quiet cores; 180 s was not enough with load 11 on them
+USES_SECOND = pytest.StashKey[bool]()
+
+
+def pytest_collection_finish(session):
+    """Whether the tests selected use the second server (then it starts beside the first one)."""
+    session.config.stash[USES_SECOND] = any("second_vllm_server" in getattr(item, "fixturenames", ())
+                                            for item in session.items)
+
+
+def _server(world, tmp_path_factory, name: str, max_lora_rank: int):
+    """A real vLLM CPU server on the toy model, not started yet."""
+    from asyncgrpo.inference_node.vllm_server import find_free_port
+    from integration.runs import make_server
 
     log = tmp_path_factory.mktemp(name) / "vllm.log"
-    with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
-                    log_path=log) as server:
+    return make_server(world.model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
+                       log_path=log)
+
+
+def _ready(server):
+    """`server` started if it is not yet, health-polled, then stopped at the end of the session."""
+    try:
+        if server.process is None:
+            server.start()
+        server.wait_ready(START_S)
         yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
-def vllm_server(world, tmp_path_factory):
-    yield from _serve(world, tmp_path_factory, "vllm", max_lora_rank=8)
+def _second_server(world, tmp_path_factory):
+    """The second server, started by whichever of the two session servers comes first; stopped at the end."""
+    server = _server(world, tmp_path_factory, "vllm2", max_lora_rank=16)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
-def second_vllm_server(world, tmp_path_factory):
+def vllm_server(world, tmp_path_factory, request):
+    server = _server(world, tmp_path_factory, "vllm", max_lora_rank=8)
+    server.start()
+    if request.config.stash.get(USES_SECOND, False):
+        # A vLLM start is one Python process at a time: two side by side on 2 cores take about as long as one.
+        second = request.getfixturevalue("_second_server")
+        if second.process is None:
+            second.start()
+    yield from _ready(server)
+
+
+@pytest.fixture(scope="session")
+def second_vllm_server(_second_server):
     """A second inference server, only for the several-servers tests; it accepts rank 16 where the first does not."""
-    yield from _serve(world, tmp_path_factory, "vllm2", max_lora_rank=16)
+    yield from _ready(_second_server)
 
 
 @pytest.fixture()
@@ -98,6 +135,38 @@ def train_two_processes(vllm_server):
         return json.loads((out / "run_summary.json").read_text()), proc
 
     return run
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(vllm_server, tmp_path_factory):
+    """(output_dir, run summary) of one uninterrupted DDP `train_command` run of DDP_REFERENCE_STEPS steps that keeps
+    every adapter version: test_checkpoint.py's killed run and test_shutdown.py's SIGTERMed run, each resumed, must end
+    at its version of their last step."""
+    from integration.runs import DDP_REFERENCE_STEPS, run_launch, train_command
+
+    out = tmp_path_factory.mktemp("reference-ddp")
+    steps = str(DDP_REFERENCE_STEPS)
+    return out, run_launch(train_command(out, vllm_server.base_url, "--max_steps", steps, "--keep_adapter_versions",
+                                         steps))
+
+
+@pytest.fixture(scope="session")
+def sharded_reference(vllm_server, tmp_path_factory):
+    """`sharded_reference(backend) -> (output_dir, run summary)`: one uninterrupted `train_command` run of
+    REFERENCE_STEPS steps with PACKED on a sharded backend, launched the first time a session asks for that backend.
+    test_backends.py checks what it published; test_checkpoint.py resumes a run of the same config and compares."""
+    from integration.runs import PACKED, REFERENCE_STEPS, run_launch, train_command
+
+    runs = {}
+
+    def get(backend: str):
+        if backend not in runs:
+            out = tmp_path_factory.mktemp(f"reference-{backend}")
+            runs[backend] = out, run_launch(train_command(out, vllm_server.base_url, "--max_steps",
+                                                          str(REFERENCE_STEPS), *PACKED, backend=backend))
+        return runs[backend]
+
+    return get
 
 
 @pytest.fixture(scope="session")

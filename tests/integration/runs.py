@@ -1,6 +1,7 @@
-"""Running the trainer in the integration tests: one 2-process run shared by a module's tests (`two_process_run`),
-a single process (`train`), and a weight sync held at a known point (`HoldingProxy`, `held_sync`), for the tests that
-signal or kill the trainer there with no test hook in the product.
+"""Running the trainer and the servers in the integration tests: a test's vLLM server (`make_server`), one 2-process
+run shared by a module's tests (`two_process_run`), the reproducible launches of the checkpoint tests and their
+reference runs (`train_command`), a single process (`train`), and a weight sync held at a known point (`HoldingProxy`,
+`held_sync`), for the tests that signal or kill the trainer there with no test hook in the product.
 
 `HoldingProxy` forwards every call to the session's vLLM server unchanged, except the first
 `POST /v1/load_lora_adapter` sent while the server is paused (a `pause` sync's load): it holds that one, the server
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import subprocess
 import sys
 import threading
@@ -25,11 +27,18 @@ import pytest
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 300  # a CPU run reaches its first syncs within a minute; on a loaded 2-core machine, a few
 HOLD_MAX_S = 600.0  # the hold gives up after this: a test that never signals fails, it does not hang for ever
 FORWARD_TIMEOUT_S = 600.0  # a generation request lasts as long as the trainer's vllm_request_timeout allows
+# vLLM's model worker inside its engine-core process (the uniproc executor; the CPU build allows it only with
+# VLLM_ENABLE_V1_MULTIPROCESSING=0, which AsyncLLM ignores: the engine core keeps its own process): one Python
+# start-up fewer per server, 30 instead of 43 CPU seconds to /health on the toy model, measured one after the other
+# on the same machine (docs/testing.md). The same engine, API and logprobs; only the worker's process differs.
+ONE_ENGINE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ONE_ENGINE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
 # Not forwarded as they came: they describe one connection, and the proxy answers with its own Content-Length.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "content-length", "date", "server"}
@@ -136,6 +145,56 @@ def _handler(proxy: HoldingProxy) -> type[BaseHTTPRequestHandler]:
             """Quiet: the trainer's own log says what it sent."""
 
     return Handler
+
+
+def make_server(model, port: int, *, cls: type[VLLMServer] = VLLMServer, env: dict | None = None,
+                extra_args=(), **kwargs) -> VLLMServer:
+    """A vLLM server for a test that does not look at vLLM's own processes (test_shutdown.py does, and starts the
+    product's entry point instead): `cls(model, port, **kwargs)` with its worker in the engine-core process. `env`
+    and `extra_args` go after ours (vLLM takes the last value of a flag given twice)."""
+    return cls(model, port, env={**ONE_ENGINE_PROCESS_ENV, **(env or {})},
+               extra_args=[*ONE_ENGINE_PROCESS_ARGS, *extra_args], **kwargs)
+
+
+def train_command(out: Path, server_url: str, *extra: str, backend: str = "ddp") -> list[str]:
+    """`accelerate launch` of 2 ranks on `backend` (gloo), 6 steps of the demo's config that two runs reproduce
+    exactly: on-policy (`max_staleness: 0`) with seeded requests, the learning rate warmed up over 4 steps (0, 1/4,
+    1/2, 3/4 of it, then all of it), writing to `out`; `extra` on top."""
+    # Seeded requests: 4 in flight x 8 completions x ~10 tokens stay far below the server's default
+    # --max-num-batched-tokens (2048), so no prompt is chunk-prefilled (that crashes seeded requests: docs/cpu-hosts.md).
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"launch/accelerate/{backend}_cpu.yaml",
+            "--main_process_port", str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml",
+            "--max_steps", "6", "--per_device_train_batch_size", "16", "--learning_rate", "1e-2",
+            "--max_staleness", "0", "--seeded_generation", "true", "--max_inflight_requests", "4",
+            "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
+            "--vllm_server_base_url", server_url, "--ddp_timeout", "200", "--vllm_server_timeout", "30",
+            "--vllm_request_timeout", "40", "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "4", *extra]
+
+
+def run_launch(cmd: list[str]) -> dict:
+    """Run a `train_command` to its end; its run summary (a failed launch fails the test with its stderr, which is
+    also kept in the run's output_dir as launch.log for the tests that read it)."""
+    backend = Path(cmd[cmd.index("--config_file") + 1]).name.removesuffix("_cpu.yaml")
+    out = Path(cmd[cmd.index("--output_dir") + 1])
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (out / "launch.log").write_text(proc.stderr)
+    return json.loads((out / "run_summary.json").read_text())
+
+
+def version_dir(summary: dict, version: int) -> Path:
+    """Where the run of `summary` wrote adapter version `version`."""
+    return Path(summary["adapter_path"]).parent / f"v{version:06d}"
+
+
+# The DDP reference run (conftest.py's `ddp_reference`): runs resumed from a checkpoint end at its version of their
+# last step. Version k is the weights after step k whatever max_steps is (the warm-up does not depend on it).
+DDP_REFERENCE_STEPS = 8
+SHARDED_BACKENDS = ["fsdp1", "fsdp2", "zero2", "zero3"]
+# The sharded reference runs (conftest.py's `sharded_reference`): gradient checkpointing and micro-batches packed by a
+# token budget (toy sequences are ~9-10 tokens: 16 completions per rank in 3-4 micro-batches of at most 48 tokens).
+REFERENCE_STEPS = 3
+PACKED = ["--gradient_checkpointing", "true", "--max_tokens_per_microbatch", "48"]
 
 
 def module_run(name: str, *overrides: str):

@@ -12,11 +12,12 @@ import subprocess
 
 import pytest
 import torch
+from integration.runs import make_server
 from safetensors.torch import load_file
 
 from asyncgrpo.demo import default_config_path, launch_command, launch_environment
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 from asyncgrpo.toy.architectures import build_tiny_model
 
 PROMPT = [3 + b for b in b"61,16>"]
@@ -43,8 +44,8 @@ def trained(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"arch-{arch}")
     model_dir = build_tiny_model(arch, root / "model")
-    server = VLLMServer(model_dir, find_free_port(), max_model_len=256, extra_args=SERVE_ARGS.get(arch, []),
-                        log_path=root / "vllm.log")
+    server = make_server(model_dir, find_free_port(), max_model_len=256, extra_args=SERVE_ARGS.get(arch, []),
+                         log_path=root / "vllm.log")
     # A random model never answers the toy task: reward a letter or digit in its 4 random tokens instead (~37% of
     # completions), so that every group of 8 has different rewards and the step moves every LoRA B.
     overrides = ["--model_name_or_path", str(model_dir), "--max_steps", "1", "--per_device_train_batch_size", "32",

@@ -95,7 +95,8 @@ def served(tmp_path_factory):
     from transformers import GenerationConfig
 
     from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
+    from asyncgrpo.inference_node.vllm_server import find_free_port
+    from integration.runs import make_server
 
     root = tmp_path_factory.mktemp("gemma4-episode")
     model_dir = build_tiny_model("gemma4", root / "model")
@@ -109,7 +110,7 @@ def served(tmp_path_factory):
     GenerationConfig(bos_token_id=tok.eos_token_id, eos_token_id=stops,
                      pad_token_id=tok.eos_token_id).save_pretrained(model_dir)
     adapter_dir = random_adapter(model_dir, root)
-    with VLLMServer(model_dir, find_free_port(), max_model_len=MAX_MODEL_LEN, log_path=root / "vllm.log") as server:
+    with make_server(model_dir, find_free_port(), max_model_len=MAX_MODEL_LEN, log_path=root / "vllm.log") as server:
         with InferenceClient(server.base_url) as client:
             client.load_adapter("gemma4-episode", adapter_dir)
             yield model_dir, client, "gemma4-episode", adapter_dir

@@ -3,7 +3,8 @@ vLLM server, with an fp32 and with a bf16 base (also one a ZeRO json's bf16 bloc
 the adapter the server serves is the one written, it is non-trivial (every LoRA B moved off its zero init, so no
 backend wrote empty or zero tensors), stays fp32 over a bf16 base, and loaded with PEFT onto the unsharded base it
 gives the server's logprobs. Every gather moved exactly the adapter's bytes, and on-policy (max_staleness 0) the
-trainer's own logprobs matched the server's behaviour logprobs token by token."""
+trainer's own logprobs matched the server's behaviour logprobs token by token. The fp32 run of each backend is the
+session's sharded reference run (conftest.py), which test_checkpoint.py also resumes against: one launch, two uses."""
 
 import json
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from integration.runs import REFERENCE_STEPS, SHARDED_BACKENDS
 from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env  # the environment each backend needs on a CPU host
@@ -21,7 +23,7 @@ from asyncgrpo.inference_node.vllm_server import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3 + b for b in b"61,16>"]
-SHARDED_BACKENDS = ["fsdp1", "fsdp2", "zero2", "zero3"]  # DDP runs in test_training.py and the torchrun test
+# SHARDED_BACKENDS: DDP runs in test_training.py and the torchrun test.
 # Per-token |trainer logprob - server logprob| on-policy. fp32 on both sides: numerical noise (measured ~1e-6).
 # A bf16 trainer base against the fp32 server: bf16 rounding of the base weights, the largest over a step's ~2k
 # tokens measured 0.03 to 0.05 on this model, and once 0.108 (ZeRO-3, step 2, on-policy: staleness 0), so the
@@ -32,32 +34,24 @@ COMMON = ["--config", "configs/demo.yaml", "--max_steps", "2", "--per_device_tra
           "--vllm_request_timeout", "40"]
 
 
-# The fp32 runs also check the memory settings: gradient checkpointing on every backend, and micro-batches packed by
-# a token budget (toy sequences are ~9-10 tokens: 16 completions per rank in 3-4 micro-batches). On-policy, a second
-# micro-batch scored by already-updated weights would show in max_abs_log_ratio: one optimizer step per trainer step.
-MEMORY = ["--gradient_checkpointing", "true"]
-BUDGET = ["--max_tokens_per_microbatch", "48"]
-BUDGET_BACKENDS = {"fsdp1", "fsdp2", "zero2", "zero3"}
-
-
-def packs_by_tokens(backend: str, dtype: str) -> bool:
-    """Whether `launch` gave this run a token budget (MEMORY + BUDGET)."""
-    return dtype == "float32" and backend in BUDGET_BACKENDS
+# The fp32 runs (the sharded reference runs: REFERENCE_STEPS steps, PACKED) also check the memory settings: gradient
+# checkpointing on every backend, and micro-batches packed by a token budget. On-policy, a second micro-batch scored
+# by already-updated weights would show in max_abs_log_ratio: one optimizer step per trainer step (their step 1 runs
+# at learning rate 0, warm-up; steps 2 and 3 do not).
 
 
 def launch(backend: str, out: Path, server_url: str, dtype: str) -> subprocess.CompletedProcess:
-    memory = [*MEMORY, *(BUDGET if packs_by_tokens(backend, dtype) else [])] if dtype == "float32" else []
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            f"launch/accelerate/{backend}_cpu.yaml", "--main_process_port", str(find_free_port()),
-           "-m", "asyncgrpo", "train", *COMMON, *memory, "--output_dir", str(out), "--torch_dtype", dtype,
+           "-m", "asyncgrpo", "train", *COMMON, "--output_dir", str(out), "--torch_dtype", dtype,
            "--lora_adapter_path", str(out / "adapters"), "--vllm_server_base_url", server_url]
     return subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
 
 
 def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_logprobs, tb_scalars,
-                            packed: bool = False) -> None:
+                            packed: bool = False, steps: int = 2) -> None:
     summary = json.loads((out / "run_summary.json").read_text())
-    assert (summary["version"], summary["backend"], summary["world_size"]) == (2, backend, 2)
+    assert (summary["version"], summary["backend"], summary["world_size"]) == (steps, backend, 2)
     assert summary["base_dtype"] == dtype  # the backend kept the base in the dtype asked for
     assert client.adapter_paths()[summary["adapter_name"]] == summary["adapter_path"]
     tensors = load_file(f"{summary['adapter_path']}/adapter_model.safetensors")
@@ -68,15 +62,15 @@ def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_lo
 
     # Only the adapter's bytes were gathered, at every sync.
     adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert [v for _, v in tb_scalars(out / "tensorboard", "sync/gathered_bytes")] == [adapter_bytes] * 2
+    assert [v for _, v in tb_scalars(out / "tensorboard", "sync/gathered_bytes")] == [adapter_bytes] * steps
     # On-policy, the trainer scored the server's samples as the server did, token by token.
     ratios = [v for _, v in tb_scalars(out / "tensorboard", "train/max_abs_log_ratio")]
-    assert len(ratios) == 2 and max(ratios) <= LOG_RATIO_BOUND[dtype], ratios
+    assert len(ratios) == steps and max(ratios) <= LOG_RATIO_BOUND[dtype], ratios
     micro_batches = [v for _, v in tb_scalars(out / "tensorboard", "train/micro_batches")]
     if packed:  # within 48 tokens: at most 5 of the ~9-10-token sequences each
-        assert len(micro_batches) == 2 and min(micro_batches) >= 3, micro_batches
+        assert len(micro_batches) == steps and min(micro_batches) >= 3, micro_batches
     else:  # no budget: per_device_train_batch_size completions per micro-batch
-        assert micro_batches == [1.0, 1.0], micro_batches
+        assert micro_batches == [1.0] * steps, micro_batches
     if dtype == "bfloat16":
         assert max(ratios) > 1e-4, ratios  # a bf16 base cannot score exactly like the fp32 server: it really was bf16
 
@@ -88,13 +82,19 @@ def check_published_adapter(out: Path, backend: str, dtype: str, client, peft_lo
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", SHARDED_BACKENDS)
 def test_sharded_training_publishes_the_trained_adapter(backend, dtype, vllm_server, client, peft_logprobs,
-                                                         tb_scalars, tmp_path):
-    proc = launch(backend, tmp_path, vllm_server.base_url, dtype)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+                                                         tb_scalars, sharded_reference, tmp_path):
+    if dtype == "float32":  # the reference run: fp32 is the config's torch_dtype
+        out, summary = sharded_reference(backend)
+        stderr = (out / "launch.log").read_text()
+    else:
+        proc = launch(backend, tmp_path, vllm_server.base_url, dtype)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        out, stderr = tmp_path, proc.stderr
     if backend == "zero3":  # no rank held the whole base: zero.Init partitioned it as it was built, in `dtype`
-        assert f"partitioned as it was built (zero.Init), in {dtype}" in proc.stderr
-    check_published_adapter(tmp_path, backend, dtype, client, peft_logprobs, tb_scalars,
-                            packed=packs_by_tokens(backend, dtype))
+        assert f"partitioned as it was built (zero.Init), in {dtype}" in stderr
+    packed = dtype == "float32"
+    check_published_adapter(out, backend, dtype, client, peft_logprobs, tb_scalars, packed=packed,
+                            steps=REFERENCE_STEPS if packed else 2)
 
 
 # A ZeRO json as users write it: bf16 on (`auto` under accelerate's bf16 mixed precision, or `true`), torch_dtype left

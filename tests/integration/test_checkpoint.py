@@ -1,53 +1,35 @@
 """Checkpoint and resume with real 2-process DDP launches (`accelerate launch`, gloo) against the real vLLM server.
 
-Run A trains 6 steps uninterrupted. Run B saves every 3 steps, is killed with SIGKILL (its whole process group, as a
-preempted node would be) once checkpoint-3 exists, and is resumed with `--resume_from_checkpoint latest` to step 6.
-One test, three launches (~10 s each on an idle 2-core machine, plus the session server).
+Run A trains uninterrupted (the session's DDP reference run, 8 steps, which test_shutdown.py resumes against too). Run
+B saves every 3 steps, is killed with SIGKILL (its whole process group, as a preempted node would be) once
+checkpoint-3 exists, and is resumed with `--resume_from_checkpoint latest` to step 6.
+One test, two launches of its own (~10 s each on an idle 2-core machine, plus the session server).
 With `max_staleness: 0` and `seeded_generation: true` both runs sample the same completions from the same policies,
-so B's final adapter must equal A's, and its TensorBoard steps must run 1..6 with none lost or repeated. Every run
+so B's final adapter must equal A's version 6, and its TensorBoard steps must run 1..6 with none lost or repeated. Every run
 warms the learning rate up over 4 steps (0, 1/4, 1/2, 3/4 of it, then all of it): a resumed run whose schedule
 restarted would take steps 3 and 4 at other rates.
 The same holds on FSDP1, FSDP2, ZeRO-2 and ZeRO-3, whose LoRA weights (or their fp32 masters) and Adam state are
-sharded (shorter runs, no kill: what is tested there is that the sharded state goes into the checkpoint and back
-into the shards exactly).
+sharded (shorter runs with packed micro-batches, no kill: what is tested there is that the sharded state goes into the
+checkpoint and back into the shards exactly). Their uninterrupted run is the session's sharded reference run, whose
+publishing test_backends.py checks: two launches of their own per backend.
 """
 
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from integration.runs import (DDP_REFERENCE_STEPS, PACKED, REFERENCE_STEPS, REPO, SHARDED_BACKENDS, run_launch,
+                              train_command, version_dir)
 from safetensors.torch import load_file
 
 from asyncgrpo.bench.sync import cpu_launch_env
-from asyncgrpo.inference_node.vllm_server import find_free_port
 
-REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_DEADLINE_S = 300  # a launch reaches step 3 in ~15 s on 2 cores; generous for a loaded CI machine
-
-
-def train_command(out: Path, server_url: str, *extra: str, backend: str = "ddp") -> list[str]:
-    # Seeded requests: 4 in flight x 8 completions x ~10 tokens stay far below the server's default
-    # --max-num-batched-tokens (2048), so no prompt is chunk-prefilled (that crashes seeded requests: NOTES.md).
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"launch/accelerate/{backend}_cpu.yaml",
-            "--main_process_port", str(find_free_port()), "-m", "asyncgrpo", "train", "--config", "configs/demo.yaml",
-            "--max_steps", "6", "--per_device_train_batch_size", "16", "--learning_rate", "1e-2",
-            "--max_staleness", "0", "--seeded_generation", "true", "--max_inflight_requests", "4",
-            "--output_dir", str(out), "--lora_adapter_path", str(out / "adapters"),
-            "--vllm_server_base_url", server_url, "--ddp_timeout", "200", "--vllm_server_timeout", "30",
-            "--vllm_request_timeout", "40", "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "4", *extra]
-
-
-def run(cmd: list[str]) -> dict:
-    backend = Path(cmd[cmd.index("--config_file") + 1]).name.removesuffix("_cpu.yaml")
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_launch_env(backend), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads((Path(cmd[cmd.index("--output_dir") + 1]) / "run_summary.json").read_text())
 
 
 def start_and_kill_after_checkpoint(cmd: list[str], out: Path) -> None:
@@ -67,8 +49,10 @@ def start_and_kill_after_checkpoint(cmd: list[str], out: Path) -> None:
         proc.stderr.close()
 
 
-def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_server, client, tb_scalars, tmp_path):
-    a = run(train_command(tmp_path / "a", vllm_server.base_url))
+def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_server, client, tb_scalars, ddp_reference,
+                                                                     tmp_path):
+    a_out, a = ddp_reference  # uninterrupted, never saved, every version kept
+    assert DDP_REFERENCE_STEPS >= 6
 
     b_out = tmp_path / "b"
     # max_steps only bounds the loop (steps 1-3 are the same): with 1000 the run cannot end before the kill.
@@ -80,7 +64,8 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert saved <= set(manifest["files"])  # rank 1 wrote its own RNG state into rank 0's temporary directory
     killed = manifest["state"]
     assert (killed["step"], killed["version"], killed["data_position"]) == (3, 3, 3 * 4)  # 4 groups per step
-    b = run(train_command(b_out, vllm_server.base_url, "--save_steps", "3", "--resume_from_checkpoint", "latest"))
+    b = run_launch(train_command(b_out, vllm_server.base_url, "--save_steps", "3", "--resume_from_checkpoint",
+                                 "latest"))
 
     # Step and version counters continue; the resumed run publishes under its own run id, the killed one's
     # adapters are gone from the server, and the server serves B's final version.
@@ -91,8 +76,8 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert served[b["adapter_name"]] == b["adapter_path"]
     assert not [name for name in served if killed["run_id"] in name]
 
-    # The same final adapter as the uninterrupted run, and it moved since the checkpoint.
-    final_a = load_file(f"{a['adapter_path']}/adapter_model.safetensors")
+    # The uninterrupted run's adapter after step 6, and it moved since the checkpoint.
+    final_a = load_file(version_dir(a, 6) / "adapter_model.safetensors")
     final_b = load_file(f"{b['adapter_path']}/adapter_model.safetensors")
     at_3 = load_file(f"{b_out}/checkpoint-3/adapter/adapter_model.safetensors")
     assert set(final_a) == set(final_b) and len(final_a) == 28
@@ -102,27 +87,29 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert all(torch.equal(saved_6[k], final_b[k]) for k in final_b)
 
     # TensorBoard: steps 1..6 once each (what the killed run logged after step 3 is purged), the same batches.
-    loss_a, loss_b = tb_scalars(tmp_path / "a" / "tensorboard", "train/loss"), tb_scalars(b_out / "tensorboard",
-                                                                                          "train/loss")
+    loss_a = tb_scalars(a_out / "tensorboard", "train/loss")[:6]
+    loss_b = tb_scalars(b_out / "tensorboard", "train/loss")
     assert [s for s, _ in loss_b] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in tb_scalars(b_out / "tensorboard", "policy/version")] == [1, 2, 3, 4, 5, 6]
-    reward_a = tb_scalars(tmp_path / "a" / "tensorboard", "train/reward")
+    reward_a = tb_scalars(a_out / "tensorboard", "train/reward")[:6]
     assert tb_scalars(b_out / "tensorboard", "train/reward") == reward_a  # the same completions were sampled
     assert max(abs(va - vb) for (_, va), (_, vb) in zip(loss_a, loss_b)) < 1e-5
     rates = [v for _, v in tb_scalars(b_out / "tensorboard", "train/learning_rate")]
     assert rates == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])  # the warm-up continued after the resume
 
 
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "zero2", "zero3"])
-def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_server, tmp_path):
+@pytest.mark.parametrize("backend", SHARDED_BACKENDS)
+def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_server, sharded_reference, tmp_path):
     """FSDP and ZeRO shard the LoRA weights (ZeRO-2: their fp32 masters) and their Adam state: a run resumed from
     checkpoint-2 must take step 3 exactly as an uninterrupted run does (same weights, same optimizer moments), so
     the final adapters agree."""
-    a = run(train_command(tmp_path / "a", vllm_server.base_url, "--max_steps", "3", backend=backend))
+    assert REFERENCE_STEPS == 3
+    _, a = sharded_reference(backend)  # 3 steps, never saved
     b_out = tmp_path / "b"
-    first = run(train_command(b_out, vllm_server.base_url, "--max_steps", "2", "--save_steps", "2", backend=backend))
-    b = run(train_command(b_out, vllm_server.base_url, "--max_steps", "3", "--resume_from_checkpoint", "latest",
-                          backend=backend))
+    first = run_launch(train_command(b_out, vllm_server.base_url, "--max_steps", "2", "--save_steps", "2", *PACKED,
+                                     backend=backend))
+    b = run_launch(train_command(b_out, vllm_server.base_url, "--max_steps", "3", "--resume_from_checkpoint", "latest",
+                                 *PACKED, backend=backend))
     assert (b["start_step"], b["steps"], b["version"], b["backend"]) == (2, 3, 3, backend)
     saved = load_file(str(b_out / "checkpoint-2" / "adapter" / "adapter_model.safetensors"))
     republished = load_file(str(Path(b["adapter_path"]).parent / "v000002" / "adapter_model.safetensors"))

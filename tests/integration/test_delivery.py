@@ -211,10 +211,10 @@ def test_a_really_restarted_server_gets_the_current_version_back_from_the_receiv
         world, tmp_path, random_adapter, peft_logprobs):
     """A vLLM of this test's own, killed and started again on its port (what recovery.py calls `restore` for): the
     receiver beside it kept its copy, so the version is loaded again from there without a second upload."""
-    from asyncgrpo.inference_node.vllm_server import VLLMServer
+    from integration.runs import make_server
 
-    server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
-                        log_path=tmp_path / "vllm.log")
+    server = make_server(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
+                         log_path=tmp_path / "vllm.log")
     receiver_dir = (tmp_path / "receiver").resolve()
     port = find_free_port()
     proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference_node.receiver", "--dir", str(receiver_dir),

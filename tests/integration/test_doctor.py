@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from integration.runs import make_server
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
@@ -35,8 +36,8 @@ class ServerWithoutLoRA(VLLMServer):
 @pytest.fixture(scope="module")
 def server_without_lora(world, tmp_path_factory):
     log = tmp_path_factory.mktemp("nolora") / "vllm.log"
-    server = ServerWithoutLoRA(world.model_dir, find_free_port(), max_model_len=256, log_path=log,
-                               env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "False"})
+    server = make_server(world.model_dir, find_free_port(), cls=ServerWithoutLoRA, max_model_len=256, log_path=log,
+                         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "False"})
     assert "--enable-lora" not in server.command() and "--max-lora-rank" not in server.command()
     server.start()
     try:

@@ -31,10 +31,11 @@ def client(world, tmp_path_factory):
     the session's shared server they differed by up to 0.25 in 3 of 5 runs right after test_entropy.py's training
     run (never alone; cause not found yet), so nothing another test left on a server can reach them."""
     from asyncgrpo.inference.client import InferenceClient
-    from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
+    from asyncgrpo.inference_node.vllm_server import find_free_port
+    from integration.runs import make_server
 
-    with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
-                    log_path=tmp_path_factory.mktemp("episodes") / "vllm.log") as server:
+    with make_server(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
+                     log_path=tmp_path_factory.mktemp("episodes") / "vllm.log") as server:
         with InferenceClient(server.base_url) as c:
             yield c
 

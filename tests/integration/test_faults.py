@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from integration.runs import make_server
 
 from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.inference.client import InferenceClient
@@ -41,8 +42,8 @@ def _train(out: Path, url: str, *extra: str) -> subprocess.Popen:
 
 
 def _serve(model_dir, port: int, log: Path) -> VLLMServer:
-    server = VLLMServer(model_dir, port, max_lora_rank=8, max_loras=4, max_model_len=256, log_path=log,
-                        env=NO_DEV_MODE, extra_args=RAW_LOGPROBS)
+    server = make_server(model_dir, port, max_lora_rank=8, max_loras=4, max_model_len=256, log_path=log,
+                         env=NO_DEV_MODE, extra_args=RAW_LOGPROBS)
     server.start()
     try:
         server.wait_ready(START_S)

@@ -15,11 +15,12 @@ from types import SimpleNamespace
 import pytest
 import requests
 import torch
+from integration.runs import make_server
 
 from asyncgrpo.demo import default_config_path, launch_command, launch_environment
 from asyncgrpo.inference.checks import ServerContext, check_generation_config
 from asyncgrpo.inference.client import InferenceClient
-from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
+from asyncgrpo.inference_node.vllm_server import find_free_port
 
 PROMPT = [3 + b for b in b"61,16>"]  # both operands' digits recur in the answer: a repetition penalty bites
 
@@ -35,8 +36,8 @@ def qwen_like(world):
 
 def serve(model_dir, tmp_path_factory, generation_config: str):
     log = tmp_path_factory.mktemp(f"vllm-gen-{generation_config}") / "vllm.log"
-    with VLLMServer(model_dir, find_free_port(), max_model_len=256, generation_config=generation_config,
-                    log_path=log) as server, InferenceClient(server.base_url) as client:
+    with make_server(model_dir, find_free_port(), max_model_len=256, generation_config=generation_config,
+                     log_path=log) as server, InferenceClient(server.base_url) as client:
         yield client
 
 

@@ -24,11 +24,12 @@ KEY = "sk-itest-91c2e7-must-not-leak"
 
 @pytest.fixture(scope="module")
 def keyed_server(world, tmp_path_factory):
-    from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
+    from asyncgrpo.inference_node.vllm_server import find_free_port
+    from integration.runs import make_server
 
     log = tmp_path_factory.mktemp("vllm-keyed") / "vllm.log"
-    with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
-                    api_key=KEY, log_path=log) as server:
+    with make_server(world.model_dir, find_free_port(), max_lora_rank=8, max_loras=4, max_model_len=256,
+                     api_key=KEY, log_path=log) as server:
         yield server
 
 

@@ -133,9 +133,10 @@ def test_demo_ended_by_sigterm_mid_training_leaves_nothing_running(world, tmp_pa
 
 
 def test_sigterm_to_a_training_launch_saves_a_checkpoint_that_resumes_to_the_uninterrupted_adapter(vllm_server,
+                                                                                                     ddp_reference,
                                                                                                      tmp_path):
     # As scancel does: SIGTERM to every process of the launch (the launcher passes it on to the ranks once more).
-    from integration.test_checkpoint import run, train_command
+    from integration.runs import DDP_REFERENCE_STEPS, run_launch, train_command, version_dir
 
     url, b_out = vllm_server.base_url, tmp_path / "b"
     with open(tmp_path / "b.log", "w") as log:
@@ -158,10 +159,12 @@ def test_sigterm_to_a_training_launch_saves_a_checkpoint_that_resumes_to_the_uni
     step = json.loads((checkpoints[0] / "manifest.json").read_text())["state"]["step"]
     assert step >= 2 and f"stopped on SIGTERM after step {step} with a checkpoint" in text
 
-    a = run(train_command(tmp_path / "a", url, "--max_steps", str(step + 2)))
-    b = run(train_command(b_out, url, "--save_steps", "100", "--max_steps", str(step + 2), "--resume_from_checkpoint",
-                          "latest"))
+    b = run_launch(train_command(b_out, url, "--save_steps", "100", "--max_steps", str(step + 2),
+                                 "--resume_from_checkpoint", "latest"))
     assert (b["start_step"], b["steps"]) == (step, step + 2)
-    final_a = load_file(f"{a['adapter_path']}/adapter_model.safetensors")
+    _, a = ddp_reference  # the uninterrupted run, every version kept
+    if step + 2 > DDP_REFERENCE_STEPS:  # a signal that landed late: an uninterrupted run as long as B
+        a = run_launch(train_command(tmp_path / "a", url, "--max_steps", str(step + 2)))
+    final_a = load_file(version_dir(a, step + 2) / "adapter_model.safetensors")
     final_b = load_file(f"{b['adapter_path']}/adapter_model.safetensors")
     assert max((final_a[k] - final_b[k]).abs().max().item() for k in final_a) < 1e-5

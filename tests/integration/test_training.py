@@ -12,8 +12,13 @@ from safetensors.torch import load_file
 PROMPT = [3 + b for b in b"23+19="]
 
 
+# One launch for the whole module: its rewards are scored in two worker processes of rank 0 (`reward_workers: 2`), a
+# reward that costs 1 ms of CPU per completion. Scoring on rank 0's own threads is what every other 2-process run here
+# does (test_checkpoint.py, test_rollout_process.py).
 two_process_run = module_run("ddp", "--max_steps", "4", "--per_device_train_batch_size", "32",
-                             "--max_staleness", "1", "--learning_rate", "5e-3")
+                             "--max_staleness", "1", "--learning_rate", "5e-3", "--reward_workers", "2",
+                             "--reward_funcs", "[asyncgrpo.toy.task:slow_larger_reward]",
+                             "--reward_kwargs", "{slow_larger_reward: {ms_per_completion: 1}}")
 
 
 def test_two_processes_train_and_publish_every_step(two_process_run, client, tb_scalars):
@@ -43,16 +48,14 @@ def test_the_written_adapter_gives_the_served_logprobs(two_process_run, client, 
     assert torch.allclose(mine, torch.tensor(completion.logprobs), atol=1e-3, rtol=0)
 
 
-def test_reward_workers_score_a_two_process_run_and_stop_with_it(train_two_processes, tmp_path, tb_scalars):
+def test_reward_workers_score_a_two_process_run_and_stop_with_it(two_process_run, tb_scalars):
     """`reward_workers: 2`: rank 0 scores in two spawned worker processes; the run trains, logs its rewards, and
     leaves no worker behind."""
-    _, proc = train_two_processes(tmp_path, "--max_steps", "3", "--per_device_train_batch_size", "32",
-                             "--reward_workers", "2", "--reward_funcs", "[asyncgrpo.toy.task:slow_larger_reward]",
-                             "--reward_kwargs", "{slow_larger_reward: {ms_per_completion: 1}}")
+    out, _, proc = two_process_run
     (pids,) = re.findall(r"reward scoring in 2 worker processes \(pids (\d+ \d+)\)", proc.stderr)  # rank 0 only
-    rewards = [v for _, v in tb_scalars(tmp_path / "tensorboard", "train/reward")]
-    assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards) and max(rewards) > 0.0
-    assert [v for _, v in tb_scalars(tmp_path / "tensorboard", "reward/fallbacks_total")] == [0.0] * 3
+    rewards = [v for _, v in tb_scalars(out / "tensorboard", "train/reward")]
+    assert len(rewards) == 4 and all(0.0 <= r <= 1.0 for r in rewards) and max(rewards) > 0.0
+    assert [v for _, v in tb_scalars(out / "tensorboard", "reward/fallbacks_total")] == [0.0] * 4
     for pid in map(int, pids.split()):
         assert not os.path.exists(f"/proc/{pid}"), f"reward worker {pid} outlived the run"
 
