@@ -89,6 +89,10 @@ class AsyncGRPOConfig:
     """Configuration (subset) of a hub dataset, e.g. `main` for `openai/gsm8k` (`datasets.load_dataset`'s `name`)."""
     dataset_train_split: str = "train"
     """Split to train on. Local files (a path in `dataset_name`, or `data_files`) are the `train` split."""
+    dataset_test_split: str = "test"
+    """Split of `dataset_name` that `eval_strategy: steps` evaluates on when `eval_dataset` is not set (TRL's script
+    argument, with its default). `toy` has `train` and `test` (its held-out prompts); a local file has only `train`
+    (a missing split is an error naming the splits there are)."""
     data_files: list[str] | None = None
     """Local data files for `dataset_name: json | parquet | csv | arrow` (or files picked from a hub dataset)."""
     prompt_column: str = "prompt"
@@ -413,14 +417,16 @@ class AsyncGRPOConfig:
     """Rows per completions table (the first completions of the step's batch). Unset: every completion of the batch,
     up to 64."""
     eval_strategy: str = "no"
-    """`steps`: every `eval_steps`, and at the last step, measure the held-out reward of `eval_dataset` through the
-    server under the adapter just published (logged as `eval/reward`); `no`: never."""
+    """`steps`: every `eval_steps`, and at the last step, measure the held-out reward of `eval_dataset` (unset: the
+    `dataset_test_split` split of `dataset_name`) through the server under the adapter just published (logged as
+    `eval/reward`); `no`: never."""
     eval_steps: int | None = None
     """Optimizer steps between evaluations with `eval_strategy: steps` (a multiple of `weight_sync_steps`). Unset:
     `logging_steps`."""
     eval_dataset: str | None = None
     """Held-out prompts for `eval_strategy: steps`: `toy` (the toy world's held-out split), or a local data file or
-    `save_to_disk` directory in the training data's format (same prompt column and reward columns)."""
+    `save_to_disk` directory in the training data's format (same prompt column and reward columns). Unset: the
+    `dataset_test_split` split of `dataset_name`."""
     num_generations_eval: int | None = None
     """Completions sampled per held-out prompt at evaluation (at `temperature`). Unset: `num_generations`."""
     save_steps: int = 0
@@ -590,9 +596,10 @@ class AsyncGRPOConfig:
     def _validate_eval(self) -> None:
         if self.eval_strategy not in ("no", "steps"):
             raise ConfigError("eval_strategy", f"unknown value {self.eval_strategy!r}", "use steps or no")
-        if self.eval_strategy == "steps" and not self.eval_dataset:
-            raise ConfigError("eval_dataset", "is required with eval_strategy: steps",
-                              "name held-out prompts (`toy`, or a local data file), or set `eval_strategy: no`")
+        if self.eval_strategy == "steps" and not self.eval_dataset and self.dataset_name == "environment":
+            raise ConfigError("eval_dataset", "is required with eval_strategy: steps and `dataset_name: environment` "
+                              "(no dataset to take dataset_test_split from)",
+                              "name held-out prompts (a local data file), or set `eval_strategy: no`")
         if self.eval_strategy == "no" and self.eval_dataset:  # eval_steps alone is accepted, as TRL does
             raise ConfigError("eval_strategy", "is `no`, but eval_dataset is set (no evaluation would run)",
                               "set `eval_strategy: steps`, or drop eval_dataset")

@@ -55,7 +55,7 @@ def test_round_trip_restores_weights_optimizer_state_and_counters(tmp_path):
     model, optimizer, config = make_model()
     train_one_step(model, optimizer)
     path = save(model, optimizer, config, tmp_path)
-    assert path == tmp_path / "checkpoint-3" and (path / "adapter" / "adapter_config.json").is_file()
+    assert path == tmp_path / "checkpoint-3" and (path / "adapter_config.json").is_file()
     expected_weights, expected_exp_avg = lora_state(model), [s["exp_avg"].clone() for s in optimizer.state.values()]
 
     fresh, fresh_optimizer, _ = make_model()  # the same base; the LoRA moved away, the optimizer state empty
@@ -237,7 +237,7 @@ def test_checkpoint_restores_the_schedule_where_it_stopped(tmp_path):
 
 
 # ---- corruption, RNG, a real Accelerator, a real kill --------------------------------------------------------------
-@pytest.mark.parametrize("name", ["optimizer.pt", "adapter/adapter_model.safetensors", "rng-rank0.pt"])
+@pytest.mark.parametrize("name", ["optimizer.pt", "adapter_model.safetensors", "rng-rank0.pt"])
 def test_a_same_size_corruption_is_caught_by_the_sha256(tmp_path, name):
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
@@ -263,8 +263,8 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
     path = save(model, optimizer, config, tmp_path)
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != ckpt.MANIFEST)
-    assert sorted(manifest["files"]) == on_disk == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
-                                                    "adapter/asyncgrpo_manifest.json", "optimizer.pt", "rng-rank0.pt"]
+    assert sorted(manifest["files"]) == on_disk == ["adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
+                                                    "rng-rank0.pt"]
     for name, entry in manifest["files"].items():
         data = (path / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -436,7 +436,7 @@ def test_a_save_creates_output_dir_records_the_base_model_and_replaces_the_same_
     model, optimizer, config = make_model()
     out = tmp_path / "runs" / "new"  # does not exist yet
     path = save(model, optimizer, config, out, step=3)
-    assert json.loads((path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
     (path / "stale-file").write_text("from the first save")
     train_one_step(model, optimizer)
     again = save(model, optimizer, config, out, step=3)  # a resumed run reaching step 3 again
@@ -482,9 +482,9 @@ def test_every_manifest_refusal_names_the_checkpoint_and_the_fix(tmp_path):
     (path / ckpt.MANIFEST).write_text(json.dumps({"format_version": 1, "files": {}}))  # no state
     assert refusal() == f"checkpoint {str(path)!r} has an unreadable manifest.json ('state'). {_fix(path)}"
     manifest = json.loads(manifest_text)
-    (path / ckpt.MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
-    assert refusal() == (f"checkpoint {str(path)!r} has format version 2; this asyncgrpo reads version 1. Fix: resume "
-                         f"with the asyncgrpo version that wrote it")
+    (path / ckpt.MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
+    assert refusal() == (f"checkpoint {str(path)!r} has format version 3; this asyncgrpo reads versions 1, 2. Fix: "
+                         f"resume with the asyncgrpo version that wrote it")
     (path / ckpt.MANIFEST).write_text(manifest_text)
     size = manifest["files"]["rng-rank0.pt"]["bytes"]
     (path / "rng-rank0.pt").write_bytes(b"x" * (size + 1))
