@@ -30,15 +30,15 @@ def history_names(values: dict[str, float]) -> dict[str, float]:
 @dataclass
 class LogHistory:
     """Rank 0's `log_history`: one entry per logging step (and per evaluation), each with its `step`, oldest first.
-    A resumed run starts from its checkpoint's entries, up to the checkpoint's step."""
+    A resumed run starts from its checkpoint's entries."""
 
     entries: list[dict] = field(default_factory=list)
 
     @classmethod
-    def resumed(cls, trainer_state: dict | None, step: int) -> LogHistory:
+    def resumed(cls, trainer_state: dict | None) -> LogHistory:
         """The history of the checkpoint resumed from (none: a checkpoint written before trainer_state.json)."""
         entries = (trainer_state or {}).get("log_history") or []
-        return cls([dict(e) for e in entries if isinstance(e, dict) and e.get("step", 0) <= step])
+        return cls([dict(e) for e in entries])
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.entries.append({**history_names(values), "step": step})

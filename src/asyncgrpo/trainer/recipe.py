@@ -386,7 +386,7 @@ class AsyncGRPOTrainer:
         self.step, self.version, self.data_position = state.step, state.version, state.data_position
         self.resumed_from, self.previous_run_id = path, state.run_id
         if self.main:  # the next checkpoint's log_history continues this one's
-            self.history = LogHistory.resumed(read_trainer_state(path), state.step)
+            self.history = LogHistory.resumed(read_trainer_state(path))
         log.info("resuming from %s: step %d, policy version %d, data position %d", path, state.step, state.version,
                  state.data_position)
 
