@@ -430,8 +430,9 @@ class AsyncGRPOConfig:
     num_generations_eval: int | None = None
     """Completions sampled per held-out prompt at evaluation (at `temperature`). Unset: `num_generations`."""
     save_steps: int = 0
-    """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (adapter in PEFT format,
-    optimizer, RNG states, data position, policy version, step; written atomically), and at the last step. 0 = never.
+    """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (the adapter's PEFT files
+    at its top, as TRL's, with a model card and TRL's trainer_state.json; optimizer, RNG states, data position, policy
+    version, step; written atomically), and at the last step. 0 = never.
     Must be a multiple of `weight_sync_steps` and of `num_iterations`. DDP (also torchrun, one process), FSDP1, FSDP2,
     ZeRO-2 and ZeRO-3."""
     save_total_limit: int | None = None
