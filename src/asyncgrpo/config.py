@@ -399,8 +399,8 @@ class AsyncGRPOConfig:
     # ---- output and logging ---------------------------------------------------------------------
     output_dir: str = "runs/asyncgrpo"
     """Where the run writes: the final adapter in PEFT format (`adapter_model.safetensors` and `adapter_config.json`
-    in output_dir itself, as TRL's `save_model` writes them), `checkpoint-<step>/`, `tensorboard/`, `config.yaml`
-    and `run_summary.json`."""
+    in output_dir itself, as TRL's `save_model` writes them, with a model card `README.md`), `checkpoint-<step>/`,
+    `tensorboard/`, `config.yaml` and `run_summary.json`."""
     logging_steps: int = 1
     """Optimizer steps between metric writes (every tracker in `report_to`)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
