@@ -190,6 +190,10 @@ class DataSettings(Section):
     """Configuration (subset) of a hub dataset, e.g. `main` for `openai/gsm8k` (`datasets.load_dataset`'s `name`)."""
     dataset_train_split: str = "train"
     """Split to train on. Local files (a path in `dataset_name`, or `data_files`) are the `train` split."""
+    dataset_test_split: str = "test"
+    """Split of `dataset_name` that `eval_strategy: steps` evaluates on when `eval_dataset` is not set (TRL's script
+    argument, with its default). `toy` has `train` and `test` (its held-out prompts); a local file has only `train`
+    (a missing split is an error naming the splits there are)."""
     data_files: list[str] | None = None
     """Local data files for `dataset_name: json | parquet | csv | arrow` (or files picked from a hub dataset)."""
     prompt_column: str = "prompt"
@@ -753,8 +757,8 @@ class OutputSettings(Section):
 
     output_dir: str = "runs/asyncgrpo"
     """Where the run writes: the final adapter in PEFT format (`adapter_model.safetensors` and `adapter_config.json`
-    in output_dir itself, as TRL's `save_model` writes them), `checkpoint-<step>/`, `tensorboard/`, `config.yaml`
-    and `run_summary.json`."""
+    in output_dir itself, as TRL's `save_model` writes them, with a model card `README.md`), `checkpoint-<step>/`,
+    `tensorboard/`, `config.yaml` and `run_summary.json`."""
     logging_steps: int = 1
     """Optimizer steps between metric writes (every tracker in `report_to`)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
@@ -785,14 +789,16 @@ class EvalSettings(Section):
     """Held-out evaluation. Read by trainer/evaluator.py and rollout/evaluation.py."""
 
     eval_strategy: str = "no"
-    """`steps`: every `eval_steps`, and at the last step, measure the held-out reward of `eval_dataset` through the
-    server under the adapter just published (logged as `eval/reward`); `no`: never."""
+    """`steps`: every `eval_steps`, and at the last step, measure the held-out reward of `eval_dataset` (unset: the
+    `dataset_test_split` split of `dataset_name`) through the server under the adapter just published (logged as
+    `eval/reward`); `no`: never."""
     eval_steps: int | None = None
     """Optimizer steps between evaluations with `eval_strategy: steps` (a multiple of `weight_sync_steps`). Unset:
     `logging_steps`."""
     eval_dataset: str | None = None
     """Held-out prompts for `eval_strategy: steps`: `toy` (the toy world's held-out split), or a local data file or
-    `save_to_disk` directory in the training data's format (same prompt column and reward columns)."""
+    `save_to_disk` directory in the training data's format (same prompt column and reward columns). Unset: the
+    `dataset_test_split` split of `dataset_name`."""
     num_generations_eval: int | None = None
     """Completions sampled per held-out prompt at evaluation (at `temperature`). Unset: `num_generations`."""
 
@@ -805,9 +811,6 @@ class EvalSettings(Section):
     CHOICE_FIX: ClassVar[dict[str, str]] = {"eval_strategy": "use steps or no"}
 
     def check(self) -> None:
-        if self.eval_strategy == "steps" and not self.eval_dataset:
-            raise ConfigError("eval_dataset", "is required with eval_strategy: steps",
-                              "name held-out prompts (`toy`, or a local data file), or set `eval_strategy: no`")
         if self.eval_strategy == "no" and self.eval_dataset:  # eval_steps alone is accepted, as TRL does
             raise ConfigError("eval_strategy", "is `no`, but eval_dataset is set (no evaluation would run)",
                               "set `eval_strategy: steps`, or drop eval_dataset")
@@ -818,8 +821,9 @@ class CheckpointSettings(Section):
     """Checkpoints and resuming. Read by trainer/checkpoint.py."""
 
     save_steps: int = 0
-    """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (adapter in PEFT format,
-    optimizer, RNG states, data position, policy version, step; written atomically), and at the last step. 0 = never.
+    """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (the adapter's PEFT files
+    at its top, as TRL's, with a model card and TRL's trainer_state.json; optimizer, RNG states, data position, policy
+    version, step; written atomically), and at the last step. 0 = never.
     Must be a multiple of `weight_sync_steps` and of `num_iterations`. DDP (also torchrun, one process), FSDP1, FSDP2,
     ZeRO-2 and ZeRO-3."""
     save_total_limit: int | None = None
@@ -947,7 +951,7 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
         if not problems:
             checks = [AsyncGRPOConfig._check_batch, *(section.check_all for section in SECTIONS),
                       AsyncGRPOConfig._check_rewards, AsyncGRPOConfig._check_staleness, AsyncGRPOConfig._check_agents,
-                      AsyncGRPOConfig._check_steps]
+                      AsyncGRPOConfig._check_eval_source, AsyncGRPOConfig._check_steps]
             for check in checks:
                 try:
                     check(self)
@@ -994,6 +998,12 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
         if self.uses_tools and self.prompt_format == "raw":
             raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
                               "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
+
+    def _check_eval_source(self) -> None:
+        if self.eval_strategy == "steps" and not self.eval_dataset and self.dataset_name == "environment":
+            raise ConfigError("eval_dataset", "is required with eval_strategy: steps and `dataset_name: environment` "
+                              "(no dataset to take dataset_test_split from)",
+                              "name held-out prompts (a local data file), or set `eval_strategy: no`")
 
     def _check_steps(self) -> None:
         """Evaluations and checkpoints fall on steps where a version was just published, between two batches."""

@@ -163,13 +163,15 @@ def read_records(cfg) -> tuple[list[dict], str]:
     return dataset.to_list(), source
 
 
-def _load_split(cfg):
-    """`datasets.load_dataset` (or `load_from_disk`) for the configured source; errors name the key to fix."""
+def _load_split(cfg, split: str | None = None, key: str = "dataset_train_split"):
+    """`datasets.load_dataset` (or `load_from_disk`) of the configured source's `split` (default: the training
+    split); errors name the key to fix, `key` for a split the source does not have."""
     import datasets  # heavy: datasets, not needed for the toy split or by reward workers importing this module
 
+    split = cfg.dataset_train_split if split is None else split
     name, files = cfg.dataset_name, cfg.data_files
     path = Path(name)
-    kwargs: dict = {"split": cfg.dataset_train_split}
+    kwargs: dict = {"split": split}
     if files is None and not path.exists() and (path.suffix in FORMATS or name.startswith(("./", "../", "/", "~"))):
         # A file path, not a hub id ("org/name" has no suffix): a missing file, not a hub access problem.
         raise ConfigError("dataset_name", f"file {name!r} does not exist (resolved to {str(path.absolute())!r}; "
@@ -181,20 +183,23 @@ def _load_split(cfg):
                               f"use a file ending in one of {', '.join(FORMATS)}")
         name, files = FORMATS[path.suffix], [str(path)]
     elif files is None and any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
-        return _split_from_disk(path, cfg.dataset_train_split), str(path)
+        return _split_from_disk(path, split, key), str(path)
     elif files is not None:
         missing = [f for f in files if not Path(f).exists() and "*" not in f]
         if missing and name in FORMATS.values():
             raise ConfigError("data_files", f"{missing} do not exist", "give paths to existing local files")
     if files is not None:
         kwargs["data_files"] = list(files)
-    source = f"{name}" + (f" ({', '.join(files)})" if files else "") + (
-        f" config {cfg.dataset_config!r}" if cfg.dataset_config else "") + f" split {cfg.dataset_train_split!r}"
+    what = f"{name}" + (f" ({', '.join(files)})" if files else "") + (
+        f" config {cfg.dataset_config!r}" if cfg.dataset_config else "")
+    source = f"{what} split {split!r}"
     try:
         dataset = datasets.load_dataset(name, cfg.dataset_config, **kwargs)
     except ValueError as exc:  # an unknown split or config: datasets lists the ones that exist
-        raise ConfigError("dataset_train_split" if "split" in str(exc) else "dataset_config",
-                          f"cannot load {source}: {exc}", "pick one of the names the message lists") from exc
+        if "split" not in str(exc):
+            raise ConfigError("dataset_config", f"cannot load {source}: {exc}",
+                              "pick one of the names the message lists") from exc
+        raise _unknown_split(key, split, what, _split_names(name, cfg.dataset_config, kwargs), exc) from exc
     except Exception as exc:  # noqa: BLE001 - datasets raises many types (offline, not found, bad files)
         raise ConfigError("dataset_name", f"cannot load {source}: {type(exc).__name__}: {exc}",
                           "check the name (hub access needed for hub datasets), or point dataset_name at a "
@@ -202,15 +207,38 @@ def _load_split(cfg):
     return dataset, source
 
 
-def _split_from_disk(path: Path, split: str):
+def _split_names(name: str, config: str | None, kwargs: dict) -> list[str] | None:
+    """The splits `datasets` finds for a source (None when it cannot say)."""
+    import datasets  # heavy: see _load_split
+
+    try:
+        return list(datasets.get_dataset_split_names(name, config, data_files=kwargs.get("data_files")))
+    except Exception:  # noqa: BLE001 - only for the message: the caller still has datasets' own
+        return None
+
+
+def _unknown_split(key: str, split: str, source: str, splits: list[str] | None, exc=None) -> ConfigError:
+    """The error for a split the source does not have, naming those it has."""
+    found = f"its splits: {splits}" if splits is not None else f"datasets says: {exc}"
+    fix = f"set {key} to one of those"
+    if key == "dataset_test_split":
+        fix += (", or name held-out prompts with eval_dataset (a local data file or `save_to_disk` directory, "
+                "or `toy`)")
+    return ConfigError(key, f"{split!r} is not a split of {source}; {found}", fix)
+
+
+def _split_from_disk(path: Path, split: str, key: str = "dataset_train_split"):
     import datasets  # heavy: see _load_split
 
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ConfigError("dataset_train_split", f"{split!r} is not a split of {path}; splits: {list(loaded)}",
-                              "set dataset_train_split to one of those")
+            raise _unknown_split(key, split, str(path), list(loaded))
         return loaded[split]
+    if key == "dataset_test_split":  # one saved Dataset is a single split: nothing held out in it
+        raise ConfigError(key, f"{split!r} is not a split of {path}: it holds one `Dataset` (no splits), the "
+                          f"training prompts", "save a `DatasetDict` with a test split, or name held-out prompts "
+                          "with eval_dataset (a local data file or `save_to_disk` directory)")
     return loaded
 
 
@@ -334,19 +362,40 @@ def load_prompt_set(cfg, tokenizer, *, server_max_model_len: int | None = None,
     return prompts
 
 
+TOY_SPLITS = ("train", "test")  # the toy world's: its training prompts and its held-out ones
+
+
+def read_test_split(cfg) -> tuple[list[dict], str]:
+    """The `dataset_test_split` split of `dataset_name` (TRL's script reads `dataset[dataset_test_split]`), as
+    (rows, where they came from); `toy`'s are `train` and `test` (its held-out prompts). `dataset_name: environment`
+    has none (config validation asks for eval_dataset)."""
+    split = cfg.dataset_test_split
+    if cfg.dataset_name == "toy":
+        if split not in TOY_SPLITS:
+            raise _unknown_split("dataset_test_split", split, "the toy dataset", list(TOY_SPLITS))
+        path = toy_world(cfg).heldout_file if split == "test" else toy_world(cfg).train_file
+        return read_jsonl(path), str(path)
+    dataset, source = _load_split(cfg, split, key="dataset_test_split")
+    return dataset.to_list(), source
+
+
 def load_eval_prompts(cfg, tokenizer, *, server_max_model_len: int | None = None) -> list[PromptRow]:
-    """`eval_dataset`'s prompts (none without it), in the training data's prompt format: `toy` is the toy world's
-    held-out split; anything else a local file or `save_to_disk` directory, read as `dataset_name` would be."""
-    if not cfg.eval_dataset:
+    """The held-out prompts of `eval_strategy: steps` (none with `no`), in the training data's prompt format:
+    `eval_dataset` when set (`toy`: the toy world's held-out split; else a local file or `save_to_disk` directory,
+    read as `dataset_name` would be), else the `dataset_test_split` split of `dataset_name` (`read_test_split`)."""
+    if cfg.eval_strategy != "steps":
         return []
-    if cfg.eval_dataset == "toy":
+    if not cfg.eval_dataset:
+        records, source = read_test_split(cfg)
+    elif cfg.eval_dataset == "toy":
         records, source = read_jsonl(toy_world(cfg).heldout_file), str(toy_world(cfg).heldout_file)
     else:
         local = SimpleNamespace(dataset_name=cfg.eval_dataset, data_files=None, dataset_config=None,
-                                      dataset_train_split="train")  # local files are the `train` split
+                                dataset_train_split="train")  # local files are the `train` split
         if not Path(cfg.eval_dataset).exists():
             raise ConfigError("eval_dataset", f"{cfg.eval_dataset!r} does not exist",
-                              "give a local data file or directory, or `toy`")
+                              "give a local data file or directory, or `toy`, or unset it to evaluate on "
+                              "dataset_test_split")
         dataset, source = _load_split(local)
         records = dataset.to_list()
     limit = prompt_length_limit(cfg, server_max_model_len)

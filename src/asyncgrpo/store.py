@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
+CARD_NAME = "README.md"  # the model card, as `save_pretrained` and the hub name it
 MANIFEST_NAME = "asyncgrpo_manifest.json"  # size and sha256 of each file, recorded at write, checked before a load
 _VERSION_DIR = re.compile(r"^v(\d{6})$")
 # `.tmp-v000001-<host>-<pid>`; the old `.tmp-v000001-<pid>` (no host) was always written by a writer on this host.
@@ -117,10 +118,12 @@ class AdapterStore:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def export_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], peft_config, base_model: str) -> Path:
+def export_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], peft_config, base_model: str,
+                   card: str | None = None) -> Path:
     """The adapter in PEFT's `save_pretrained` layout straight into `directory` (a run's output_dir, as TRL's
-    `save_model` writes it), beside whatever else is there. Both files are written and fsynced in a temporary
-    directory first, then renamed over the old ones, the config last: a reader never sees a half-written file."""
+    `save_model` writes it), beside whatever else is there, with `card` as its model card (README.md) when given.
+    Every file is written and fsynced in a temporary directory first, then renamed over the old one, the config
+    last: a reader never sees a half-written file."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".tmp-final-{host_name()}-{os.getpid()}"
@@ -130,8 +133,13 @@ def export_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], peft
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_NAME),
                   metadata={"format": "pt"})
         fsync_path(tmp / WEIGHTS_NAME)
+        names = [WEIGHTS_NAME, CONFIG_NAME]
+        if card is not None:
+            (tmp / CARD_NAME).write_text(card)
+            fsync_path(tmp / CARD_NAME)
+            names.insert(0, CARD_NAME)
         AdapterStore._write_config(tmp, peft_config, base_model)
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
+        for name in names:
             os.chmod(tmp / name, file_mode())
             os.replace(tmp / name, directory / name)
         fsync_path(directory)

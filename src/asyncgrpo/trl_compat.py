@@ -255,7 +255,7 @@ def _reward_path(name: str) -> str:
 # meaning (`per_device_eval_batch_size` is not `per_device_train_batch_size`).
 TRL_ONLY = frozenset("""
 attn_implementation bf16_full_eval cache_implementation cast_lm_head_to_fp32 data_seed dataset_streaming
-dataset_test_split disable_dropout entropy_coef eval_on_start fp16_full_eval fsdp fsdp_config
+disable_dropout entropy_coef eval_on_start fp16_full_eval fsdp fsdp_config
 generation_batch_size label_names load_best_model_at_end load_in_4bit load_in_8bit log_completions_hub_repo
 log_unique_prompts logging_dir lora_modules_to_save lora_target_parameters metric_for_best_model
 overwrite_output_dir pad_to_multiple_of per_device_eval_batch_size ref_model_mixup_alpha ref_model_sync_steps
@@ -280,8 +280,8 @@ def unknown_key(key: str, known) -> ConfigError:
 # TrainingArguments has under the same name (`--help` and docs/configuration.md say so beside each key).
 SAME_NAME = frozenset("""
 model_name_or_path lora_r lora_alpha lora_dropout lora_target_modules dataset_name dataset_config dataset_train_split
-data_files chat_template_kwargs reward_funcs reward_weights num_generations max_completion_length temperature top_p
-per_device_train_batch_size gradient_accumulation_steps learning_rate lr_scheduler_type warmup_steps
+dataset_test_split data_files chat_template_kwargs reward_funcs reward_weights num_generations max_completion_length
+temperature top_p per_device_train_batch_size gradient_accumulation_steps learning_rate lr_scheduler_type warmup_steps
 weight_decay adam_beta1 adam_beta2 max_grad_norm max_steps num_train_epochs num_iterations epsilon epsilon_high delta
 loss_type sapo_temperature_pos sapo_temperature_neg importance_sampling_level vllm_importance_sampling_correction
 vllm_importance_sampling_mode vllm_importance_sampling_cap vllm_importance_sampling_clip_min off_policy_mask_threshold

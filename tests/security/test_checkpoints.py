@@ -180,7 +180,7 @@ def test_a_save_that_fails_midway_leaves_no_temporary_directory(tmp_path, monkey
 
 
 def _adapter_weights(path) -> bytes:
-    return (path / "adapter" / "adapter_model.safetensors").read_bytes()
+    return (path / "adapter_model.safetensors").read_bytes()
 
 
 def test_a_same_step_resave_whose_rename_fails_keeps_the_old_checkpoint(tmp_path, monkeypatch):

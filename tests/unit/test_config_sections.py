@@ -33,11 +33,11 @@ def test_a_section_copy_holds_its_keys_alone_with_the_runs_values():
 
 
 def test_the_checks_of_the_first_and_the_last_section_both_run():
-    # lora_adapter_path "" is ModelSettings' check (the last base), eval_strategy steps without eval_dataset is
-    # EvalSettings' (an early base): both must be reported, each by its own section.
+    # lora_adapter_path "" is ModelSettings' check (the last base), an eval_dataset that no evaluation would read
+    # is EvalSettings' (an early base): both must be reported, each by its own section.
     with pytest.raises(ConfigErrors) as err:
-        AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="", eval_strategy="steps")
-    assert {e.field for e in err.value.errors} == {"lora_adapter_path", "eval_dataset"}
+        AsyncGRPOConfig(model_name_or_path="toy", lora_adapter_path="", eval_strategy="no", eval_dataset="toy")
+    assert {e.field for e in err.value.errors} == {"lora_adapter_path", "eval_strategy"}
 
 
 @pytest.mark.parametrize("section, values, field", [

@@ -13,12 +13,15 @@ def test_defaults_report_to_tensorboard_and_evaluate_nothing():
     assert cfg(eval_strategy="steps", eval_dataset="toy", logging_steps=3).evaluation_interval == 3
     assert cfg(eval_strategy="steps", eval_dataset="toy", eval_steps=4).evaluation_interval == 4
     assert cfg(eval_steps=4).eval_strategy == "no"  # a TRL config's eval_steps alone evaluates nothing, as in TRL
+    # Without eval_dataset, evaluation takes dataset_name's `dataset_test_split` (TRL's script argument and default).
+    assert cfg(eval_strategy="steps").dataset_test_split == "test"
 
 
 @pytest.mark.parametrize("values,key,fix", [
     ({"report_to": ["tensorbord"]}, "report_to", "use some of tensorboard, wandb"),
     ({"eval_strategy": "epoch"}, "eval_strategy", "use steps or no"),
-    ({"eval_strategy": "steps"}, "eval_dataset", "name held-out prompts"),
+    ({"eval_strategy": "steps", "dataset_name": "environment", "environment_factory": "agent_tools:Counter"},
+     "eval_dataset", "name held-out prompts"),
     ({"eval_dataset": "toy"}, "eval_strategy", "set `eval_strategy: steps`"),
     ({"eval_strategy": "steps", "eval_dataset": "toy", "eval_steps": 3, "weight_sync_steps": 2, "save_steps": 0},
      "eval_steps", "use a multiple of 2"),

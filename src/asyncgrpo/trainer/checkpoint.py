@@ -1,7 +1,8 @@
 """Checkpoints: an atomic save every `save_steps` optimizer steps, and resuming with `resume_from_checkpoint`.
 
-A checkpoint is `<output_dir>/checkpoint-<step>/`: the adapter, the optimizer state (or DeepSpeed's own partitioned
-checkpoint), the schedule, every rank's RNG states and, written last, a manifest of every file's size and sha256.
+A checkpoint is `<output_dir>/checkpoint-<step>/`: the adapter's PEFT files at its top (as TRL leaves them), the
+optimizer state (or DeepSpeed's own partitioned checkpoint), the schedule, every rank's RNG states, rank 0's extra
+files (trainer_state.json, README.md) and, written last, a manifest of every file's size and sha256.
 It is written in a temporary directory and renamed into place (a checkpoint of the same step is set aside first);
 only files the manifest lists, with the size and sha256 it records, are loaded, by torch's tensors-only unpickler.
 Backends: DDP, FSDP1, FSDP2, ZeRO-2, ZeRO-3. docs/trainer-internals.md: the layout and each backend's optimizer
@@ -30,15 +31,17 @@ import safetensors.torch
 from asyncgrpo.distributed import broadcast_object
 from asyncgrpo.errors import CheckpointError
 from asyncgrpo.files import HASH_CHUNK, fsync_path, sha256_file
-from asyncgrpo.store import AdapterStore
+from asyncgrpo.store import WEIGHTS_NAME, export_adapter
 from asyncgrpo.trainer.gather import backend_of, clean_fsdp_name, gather_lora_state, lora_parameters
 from asyncgrpo.trainer.schedule import restore_lr_scheduler
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the adapter's files at the checkpoint's top; 1: in `adapter/` (still resumed from)
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-ADAPTER_DIR = "adapter"
+LEGACY_ADAPTER_DIR = "adapter"  # format 1's place for the adapter
+TRAINER_STATE = "trainer_state.json"  # transformers' TrainerState as TRL's checkpoints hold it (rank 0 writes it)
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 SHARDED = ("fsdp1", "fsdp2")  # optimizer state and LoRA weights go through torch's distributed state-dict API
@@ -123,9 +126,10 @@ def read_manifest(path: Path, verify_files: bool = True) -> dict:
         TrainerState(**manifest["state"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable {MANIFEST} ({exc}). {fix}") from exc
-    if fmt != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format version {fmt}; this asyncgrpo reads version "
-                              f"{FORMAT_VERSION}. Fix: resume with the asyncgrpo version that wrote it")
+    if fmt not in READABLE_VERSIONS:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format version {fmt}; this asyncgrpo reads versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}. Fix: resume with the asyncgrpo version that "
+                              f"wrote it")
     outside = [name for name in files if Path(name).is_absolute() or ".." in Path(name).parts]
     if outside:  # a save lists only files inside the checkpoint
         raise CheckpointError(f"checkpoint {str(path)!r} has a {MANIFEST} that lists {outside[0]!r}, a file outside "
@@ -178,16 +182,20 @@ class Checkpointer:
         return step % self.every == 0 or (last_step and step % self.sync_every == 0 and step % self.batch_steps == 0)
 
     def save(self, acc, model, optimizer, state: TrainerState, *, peft_config, base_model: str,
-             lr_scheduler=None) -> Path | None:
+             lr_scheduler=None, texts=None) -> Path | None:
         """Collective: `save_checkpoint` into this run's output_dir, keeping at most `total_limit` checkpoints."""
         return save_checkpoint(acc, model, optimizer, state, output_dir=self.output_dir, peft_config=peft_config,
-                               base_model=base_model, total_limit=self.total_limit, lr_scheduler=lr_scheduler)
+                               base_model=base_model, total_limit=self.total_limit, lr_scheduler=lr_scheduler,
+                               texts=texts)
 
 
 def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: str | Path, peft_config,
-                    base_model: str, total_limit: int | None = None, lr_scheduler=None) -> Path | None:
-    """Collective: every rank joins the LoRA gather and writes its own RNG state; rank 0 writes the adapter, the
-    optimizer and, last, the manifest, then renames the directory into place. Returns the path on rank 0."""
+                    base_model: str, total_limit: int | None = None, lr_scheduler=None,
+                    texts=None) -> Path | None:
+    """Collective: every rank joins the LoRA gather and writes its own RNG state; rank 0 writes the adapter's PEFT
+    files at the top, the optimizer, the text files `texts(final_path)` returns (rank 0 only: file name -> content,
+    e.g. trainer_state.json and the model card) and, last, the manifest, then renames the directory into place.
+    Returns the path on rank 0."""
     tensors = gather_lora_state(acc, model)
     optim_state = _optimizer_state(acc, model, optimizer, state.backend)  # collective on FSDP
     final = checkpoint_path(output_dir, state.step)
@@ -203,7 +211,9 @@ def save_checkpoint(acc, model, optimizer, state: TrainerState, *, output_dir: s
             with deepspeed_enums_by_value():
                 model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, exclude_frozen_parameters=True)
         if acc.is_main_process:
-            _write_adapter(tmp / ADAPTER_DIR, tensors, peft_config, base_model)
+            export_adapter(tmp, tensors, peft_config, base_model)  # PeftModel.from_pretrained(base, checkpoint-N)
+            for name, text in (texts(final) if texts is not None else {}).items():
+                _write_file(tmp / name, lambda f, text=text: f.write(text.encode()))
             if optim_state is not None:
                 _write_file(tmp / OPTIMIZER, lambda f: torch.save(optim_state, f))
             if lr_scheduler is not None:
@@ -249,13 +259,6 @@ def _write_file(path: Path, write) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _write_adapter(directory: Path, tensors: dict[str, torch.Tensor], peft_config, base_model: str) -> None:
-    """The adapter as a PEFT directory, through the same atomic writer the published versions use."""
-    store = AdapterStore(directory.parent)
-    written = store.write(0, tensors, peft_config, base_model=base_model)
-    os.rename(written, directory)
 
 
 def _commit(tmp: Path, final: Path, state: TrainerState) -> None:
@@ -357,7 +360,7 @@ def _load_weights_and_optimizer(path: Path, manifest: dict, acc, model, optimize
     # Full shapes (FSDP2's DTensors report them, ZeRO-3 keeps them in ds_shape); an FSDP1 parameter is a flat view of
     # this rank's slice: names only.
     shapes = {k: None if current == "fsdp1" else getattr(p, "ds_shape", p.shape) for k, p in params.items()}
-    adapter = f"{ADAPTER_DIR}/adapter_model.safetensors"
+    adapter = adapter_file(manifest)
     # Checked, then read by name: safetensors holds tensors only, and its own reader's tensors are what FSDP2's
     # scatter expects (tensors made by safetensors.torch.load from the checked bytes broke its collectives).
     _open_listed(path, manifest, adapter).close()
@@ -388,6 +391,25 @@ def _load_weights_and_optimizer(path: Path, manifest: dict, acc, model, optimize
             param.copy_(tensors[key])
     optimizer.load_state_dict(optim_state)
     return state
+
+
+def adapter_file(manifest: dict) -> str:
+    """Where the checkpoint's LoRA weights are: at its top, or in `adapter/` in a format-1 checkpoint."""
+    return WEIGHTS_NAME if manifest["format_version"] >= 2 else f"{LEGACY_ADAPTER_DIR}/{WEIGHTS_NAME}"
+
+
+def read_trainer_state(path: Path) -> dict | None:
+    """Rank 0 on resume: the checkpoint's trainer_state.json (checked against the manifest), None in a checkpoint
+    that has none (written before it existed)."""
+    manifest = read_manifest(path, verify_files=False)  # the file itself is checked as it is read
+    if TRAINER_STATE not in manifest["files"] and not (path / TRAINER_STATE).exists():
+        return None
+    with _open_listed(path, manifest, TRAINER_STATE) as f:
+        try:
+            return json.loads(f.read())
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {TRAINER_STATE} is not JSON ({exc}). "
+                                  f"{_fix(path)}") from None
 
 
 def _open_listed(path: Path, manifest: dict, name: str):

@@ -30,18 +30,19 @@ from asyncgrpo.rewards import reward_name
 from asyncgrpo.transport.factory import open_rollout_side
 from asyncgrpo.transport.interface import RolloutInterface
 from asyncgrpo.shutdown import exit_code
-from asyncgrpo.store import export_adapter
+from asyncgrpo.store import CARD_NAME, export_adapter
 from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import (collate, pack_by_tokens, score_completions, split_by_tokens, to_device,
                                         with_positions)
-from asyncgrpo.trainer.checkpoint import (Checkpointer, TrainerState, check_backend, clean_partial, load_checkpoint,
-                                          resolve_checkpoint, restore_rng)
+from asyncgrpo.trainer.checkpoint import (TRAINER_STATE, Checkpointer, TrainerState, check_backend, clean_partial,
+                                          load_checkpoint, read_trainer_state, resolve_checkpoint, restore_rng)
 from asyncgrpo.trainer.completions import CompletionLog
 from asyncgrpo.trainer.evaluator import Evaluator
 from asyncgrpo.trainer.gather import backend_of, gather_lora_state
 from asyncgrpo.trainer.logprobs import sequence_logprobs
 from asyncgrpo.trainer.loss import LossSpec, grpo_loss, loss_normaliser
 from asyncgrpo.trainer.metrics import LossTotals, StepMetrics, summary_counters
+from asyncgrpo.trainer.outputs import LogHistory, model_card
 from asyncgrpo.trainer.policy import build_policy
 from asyncgrpo.trainer.schedule import build_lr_scheduler
 
@@ -80,6 +81,7 @@ class AsyncGRPOTrainer:
         self._published: dict[str, torch.Tensor] | None = None  # rank 0: the LoRA tensors of the last sync
         self.completion_log: CompletionLog | None = None  # rank 0 with log_completions
         self.eval_metrics: dict[str, float] = {}  # rank 0: the last evaluation's (eval_strategy: steps)
+        self.history = LogHistory()  # rank 0: what was logged, for trainer_state.json and the model card
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -166,7 +168,9 @@ class AsyncGRPOTrainer:
             if self.evaluator.should_evaluate(self.step, last_step=last_step):
                 # rank 0 evaluates the version just published; a failure stops every rank
                 evaluated = on_main(lambda: self.rollout.evaluate(self.step), "evaluating the held-out set")
-                self.eval_metrics = evaluated if self.main else self.eval_metrics
+                if self.main:
+                    self.eval_metrics = evaluated
+                    self.history.log(evaluated, self.step)
             saved = self.checkpointer.should_save(self.step, last_step=last_step)
             if saved:
                 self.save_checkpoint()
@@ -317,14 +321,14 @@ class AsyncGRPOTrainer:
     def save_final(self) -> None:
         """Collective: the run's result. Steps trained since the last sync are published first, so that the servers
         serve what is saved; once the last version is served, rank 0 writes it in PEFT format into output_dir itself
-        (store.export_adapter), where TRL's save_model puts it."""
+        (store.export_adapter), where TRL's save_model puts it, with its model card."""
         if self.step % self.cfg.weight_sync_steps:
             self.sync(wait=True)
 
         def write() -> None:
             self.rollout.wait_published()  # the run ends when its last version is served
             export_adapter(self.cfg.output_dir, self._published, self.peft_config,
-                           base_model_reference(self.model_path))
+                           base_model_reference(self.model_path), card=self._card(self.cfg.output_dir))
 
         on_main(write, "saving the final adapter")
 
@@ -335,7 +339,17 @@ class AsyncGRPOTrainer:
                              run_id=self.rollout.run_id if self.rollout is not None else "",
                              backend=backend_of(self.acc), world_size=self.world)
         self.checkpointer.save(self.acc, self.model, self.optimizer, state, peft_config=self.peft_config,
-                               base_model=base_model_reference(self.model_path), lr_scheduler=self.lr_scheduler)
+                               base_model=base_model_reference(self.model_path), lr_scheduler=self.lr_scheduler,
+                               texts=self._checkpoint_texts)
+
+    def _checkpoint_texts(self, path: Path) -> dict[str, str]:
+        """Rank 0: what a checkpoint holds for TRL's users beside the adapter: trainer_state.json and its card."""
+        return {TRAINER_STATE: self.history.trainer_state_json(self.cfg, self.step), CARD_NAME: self._card(path)}
+
+    def _card(self, adapter_dir) -> str:
+        """Rank 0: the model card of the adapter at this step, written into `adapter_dir` (outputs.py)."""
+        return model_card(self.cfg, base_model=base_model_reference(self.model_path), adapter_dir=adapter_dir,
+                          step=self.step, version=self.version, evaluation=self.history.last_evaluation())
 
     @property
     def stop_grace_s(self) -> float:
@@ -371,6 +385,8 @@ class AsyncGRPOTrainer:
         state = load_checkpoint(path, self.acc, self.model, self.optimizer, lr_scheduler=self.lr_scheduler)
         self.step, self.version, self.data_position = state.step, state.version, state.data_position
         self.resumed_from, self.previous_run_id = path, state.run_id
+        if self.main:  # the next checkpoint's log_history continues this one's
+            self.history = LogHistory.resumed(read_trainer_state(path))
         log.info("resuming from %s: step %d, policy version %d, data position %d", path, state.step, state.version,
                  state.data_position)
 
@@ -385,6 +401,7 @@ class AsyncGRPOTrainer:
         metrics.rollout(self.rollout.stats(), self.version)
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
             metrics.log(self.rollout, self.step)
+            self.history.log(metrics.values, self.step)
             if self.completion_log is not None:
                 rows = self.completion_log.table(self._batch.groups, self.step)
                 self.completion_log.append(rows)

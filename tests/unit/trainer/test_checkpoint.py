@@ -55,7 +55,7 @@ def test_round_trip_restores_weights_optimizer_state_and_counters(tmp_path):
     model, optimizer, config = make_model()
     train_one_step(model, optimizer)
     path = save(model, optimizer, config, tmp_path)
-    assert path == tmp_path / "checkpoint-3" and (path / "adapter" / "adapter_config.json").is_file()
+    assert path == tmp_path / "checkpoint-3" and (path / "adapter_config.json").is_file()
     expected_weights, expected_exp_avg = lora_state(model), [s["exp_avg"].clone() for s in optimizer.state.values()]
 
     fresh, fresh_optimizer, _ = make_model()  # the same base; the LoRA moved away, the optimizer state empty
@@ -237,7 +237,7 @@ def test_checkpoint_restores_the_schedule_where_it_stopped(tmp_path):
 
 
 # ---- corruption, RNG, a real Accelerator, a real kill --------------------------------------------------------------
-@pytest.mark.parametrize("name", ["optimizer.pt", "adapter/adapter_model.safetensors", "rng-rank0.pt"])
+@pytest.mark.parametrize("name", ["optimizer.pt", "adapter_model.safetensors", "rng-rank0.pt"])
 def test_a_same_size_corruption_is_caught_by_the_sha256(tmp_path, name):
     model, optimizer, config = make_model()
     path = save(model, optimizer, config, tmp_path)
@@ -263,8 +263,8 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
     path = save(model, optimizer, config, tmp_path)
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != ckpt.MANIFEST)
-    assert sorted(manifest["files"]) == on_disk == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
-                                                    "adapter/asyncgrpo_manifest.json", "optimizer.pt", "rng-rank0.pt"]
+    assert sorted(manifest["files"]) == on_disk == ["adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
+                                                    "rng-rank0.pt"]
     for name, entry in manifest["files"].items():
         data = (path / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -436,7 +436,7 @@ def test_a_save_creates_output_dir_records_the_base_model_and_replaces_the_same_
     model, optimizer, config = make_model()
     out = tmp_path / "runs" / "new"  # does not exist yet
     path = save(model, optimizer, config, out, step=3)
-    assert json.loads((path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
     (path / "stale-file").write_text("from the first save")
     train_one_step(model, optimizer)
     again = save(model, optimizer, config, out, step=3)  # a resumed run reaching step 3 again
@@ -482,9 +482,9 @@ def test_every_manifest_refusal_names_the_checkpoint_and_the_fix(tmp_path):
     (path / ckpt.MANIFEST).write_text(json.dumps({"format_version": 1, "files": {}}))  # no state
     assert refusal() == f"checkpoint {str(path)!r} has an unreadable manifest.json ('state'). {_fix(path)}"
     manifest = json.loads(manifest_text)
-    (path / ckpt.MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
-    assert refusal() == (f"checkpoint {str(path)!r} has format version 2; this asyncgrpo reads version 1. Fix: resume "
-                         f"with the asyncgrpo version that wrote it")
+    (path / ckpt.MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
+    assert refusal() == (f"checkpoint {str(path)!r} has format version 3; this asyncgrpo reads versions 1, 2. Fix: "
+                         f"resume with the asyncgrpo version that wrote it")
     (path / ckpt.MANIFEST).write_text(manifest_text)
     size = manifest["files"]["rng-rank0.pt"]["bytes"]
     (path / "rng-rank0.pt").write_bytes(b"x" * (size + 1))
@@ -795,3 +795,71 @@ def test_clean_partial_returns_removed_asides_then_temporaries(tmp_path):
     assert [p.name for p in ckpt.clean_partial(tmp_path)] == [".old-checkpoint-2-1", ".tmp-checkpoint-6-1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-checkpoint-8-1", "checkpoint-2", "checkpoint-4"]
     assert ckpt.clean_partial(tmp_path / "missing") == []
+
+
+# ---- the layout TRL's users expect, and the one before it ----------------------------------------------------------
+def test_a_checkpoint_loads_with_peft_directly_as_a_trl_checkpoint_does(tmp_path):
+    from peft import PeftModel
+
+    model, optimizer, config = make_model()
+    train_one_step(model, optimizer)
+    path = save(model, optimizer, config, tmp_path)
+    torch.manual_seed(0)  # tiny_lora's base for seed 0, without any adapter
+    loaded = PeftModel.from_pretrained(Tiny(8, 8), str(path))
+    x = torch.randn(3, 8)
+    assert torch.equal(loaded(x), model(x))  # the trained adapter, not an untrained or default one
+    with loaded.disable_adapter():
+        assert not torch.allclose(loaded(x), model(x), atol=1e-3)  # ... whose effect is not nil
+
+
+def as_format_1(path):
+    """Rewrite a checkpoint as asyncgrpo wrote it before format 2: the adapter in `adapter/` (the store's writer,
+    with its own manifest), and the checkpoint's manifest listing it there."""
+    from asyncgrpo.store import CONFIG_NAME, WEIGHTS_NAME, write_manifest
+
+    (path / "adapter").mkdir()
+    for name in (WEIGHTS_NAME, CONFIG_NAME):
+        os.rename(path / name, path / "adapter" / name)
+    write_manifest(path / "adapter", [WEIGHTS_NAME, CONFIG_NAME])
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != ckpt.MANIFEST)
+    manifest.update(format_version=1, files={str(p.relative_to(path)): {
+        "bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files})
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_the_format_before_still_resumes_exactly(tmp_path):
+    model, optimizer, config = make_model()
+    train_one_step(model, optimizer)
+    path = save(model, optimizer, config, tmp_path)
+    as_format_1(path)
+    fresh, fresh_optimizer, _ = make_model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.add_(1.0)  # the LoRA moved away from the checkpoint's
+    state = ckpt.load_checkpoint(path, ACC, fresh, fresh_optimizer)
+    assert state.step == 3 and all(torch.equal(a, b) for a, b in zip(lora_state(model).values(),
+                                                                     lora_state(fresh).values()))
+    (path / "adapter" / "adapter_model.safetensors").write_bytes(b"x" * 10)  # still checked where it is
+    with pytest.raises(CheckpointError, match="adapter/adapter_model.safetensors is corrupt"):
+        ckpt.load_checkpoint(path, ACC, fresh, fresh_optimizer)
+
+
+def test_rank_0_s_texts_go_into_the_checkpoint_listed_and_trainer_state_reads_back_checked(tmp_path):
+    model, optimizer, config = make_model()
+    state = ckpt.TrainerState(step=3, version=3, data_position=12, run_id="abcd1234")
+
+    def texts(final):  # the final path, not the temporary one: the card names where the adapter will be
+        return {ckpt.TRAINER_STATE: json.dumps({"global_step": 3, "log_history": [{"loss": 0.5, "step": 3}]}),
+                "README.md": f"card of {final}"}
+
+    path = ckpt.save_checkpoint(ACC, model, optimizer, state, output_dir=tmp_path, peft_config=config,
+                                base_model="tiny", texts=texts)
+    assert {ckpt.TRAINER_STATE, "README.md"} <= set(ckpt.read_manifest(path)["files"])
+    assert (path / "README.md").read_text() == f"card of {tmp_path / 'checkpoint-3'}"
+    assert ckpt.read_trainer_state(path) == {"global_step": 3, "log_history": [{"loss": 0.5, "step": 3}]}
+    (path / ckpt.TRAINER_STATE).write_text(json.dumps({"global_step": 9, "log_history": []}))
+    with pytest.raises(CheckpointError, match="trainer_state.json is corrupt"):
+        ckpt.read_trainer_state(path)
+    assert ckpt.read_trainer_state(save(model, optimizer, config, tmp_path / "plain")) is None  # none written

@@ -198,9 +198,8 @@ def check_whole_checkpoint(path: Path, loaded, kind: str) -> None:
     assert (loaded.step, loaded.version, loaded.data_position, loaded.backend, loaded.world_size) == (5, 5, 40, kind, 2)
     manifest = ckpt.read_manifest(path)
     # One whole checkpoint for both ranks: both RNG states, rank 0's adapter and optimizer, no per-rank shards.
-    assert sorted(manifest["files"]) == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
-                                         "adapter/asyncgrpo_manifest.json", "optimizer.pt", "rng-rank0.pt",
-                                         "rng-rank1.pt"], kind
+    assert sorted(manifest["files"]) == ["adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
+                                         "rng-rank0.pt", "rng-rank1.pt"], kind
     # The optimizer state is saved whole and keyed by parameter names (FSDP re-shards it on any number of ranks).
     optim = read_optimizer_file(path)
     assert len(optim["state"]) == 4, kind
@@ -209,7 +208,7 @@ def check_whole_checkpoint(path: Path, loaded, kind: str) -> None:
         expected = next(s for k, s in SHAPES.items() if k in name)
         assert tuple(entry["exp_avg"].shape) == tuple(entry["exp_avg_sq"].shape) == expected, name
         assert type(entry["exp_avg"]) is torch.Tensor and entry["exp_avg"].device.type == "cpu"  # not a DTensor
-    adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+    adapter = load_file(str(path / "adapter_model.safetensors"))
     assert {k: tuple(v.shape) for k, v in adapter.items()} == {
         f"base_model.model.{k}.weight": s for k, s in SHAPES.items()}
 

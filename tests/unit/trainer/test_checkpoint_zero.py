@@ -119,6 +119,9 @@ def test_zero_checkpoint_restores_lora_weights_fp32_masters_and_adam_state(one_r
     tagged = [n for n in ds_files if n.startswith("deepspeed/state/")]
     assert any(n.endswith("optim_states.pt") for n in tagged) and (path / "deepspeed/latest").read_text() == "state"
     assert ckpt.OPTIMIZER not in manifest["files"]  # the engine keeps the Adam state in its own files
+    # Beside it, the layout of every backend: the adapter's PEFT files at the top (PeftModel.from_pretrained).
+    assert sorted(n for n in manifest["files"] if "/" not in n) == ["adapter_config.json",
+                                                                     "adapter_model.safetensors", "rng-rank0.pt"]
     model_states = next(n for n in tagged if n.endswith("model_states.pt"))
     saved_module = torch.load(path / model_states, map_location="cpu", weights_only=False)["module"]
     assert saved_module and all("lora_" in k for k in saved_module), sorted(saved_module)[:4]

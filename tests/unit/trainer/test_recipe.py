@@ -14,6 +14,7 @@ from asyncgrpo.trainer.completions import CompletionLog
 from asyncgrpo.trainer.evaluator import Evaluator
 from asyncgrpo.trainer.loss import LossSpec
 from asyncgrpo.trainer.metrics import StepMetrics
+from asyncgrpo.trainer.outputs import LogHistory
 from asyncgrpo.trainer import recipe
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
@@ -85,7 +86,7 @@ class FakeBar:  # not in fakes.py: tqdm's progress bar, used here only
 def _trainer(tmp_path, **cfg_values):
     values = {"logging_steps": 2, "max_steps": 5, "output_dir": str(tmp_path), **cfg_values}
     return SimpleNamespace(cfg=SimpleNamespace(**values), rollout=FakeRollout(tmp_path), version=3, step=0,
-                           completion_log=None, eval_metrics={})
+                           completion_log=None, eval_metrics={}, history=LogHistory())
 
 
 def test_a_step_is_logged_with_the_rollout_counters_and_the_version_every_logging_steps_and_at_the_end(tmp_path):
@@ -100,6 +101,9 @@ def test_a_step_is_logged_with_the_rollout_counters_and_the_version_every_loggin
     assert values["policy/version"] == 3.0 and values["queue/dropped_stale_total"] == 3.0
     assert values["train/reward"] == 0.5 and values["time/wait_for_data_s"] == 0.25
     assert bar.postfix == {"reward": "0.500", "v": 3, "refresh": False} and bar.updates == 5
+    # trainer_state.json's log_history: the same steps, under transformers' names (`train/` dropped)
+    assert [e["step"] for e in trainer.history.entries] == [2, 4, 5]
+    assert trainer.history.entries[0]["reward"] == 0.5 and "train/reward" not in trainer.history.entries[0]
 
 
 def test_the_run_summary_keeps_its_keys_and_reads_the_rollout_counters(tmp_path, monkeypatch):
@@ -198,10 +202,12 @@ def test_the_final_adapter_is_the_last_served_version_with_unpublished_steps_pub
                               rollout=SimpleNamespace(wait_published=lambda: exported.append("waited")),
                               _published={"w": torch.zeros(1)}, peft_config="peft", model_path="org/model")
     trainer.sync = lambda wait=False: synced.append(wait)
-    monkeypatch.setattr(recipe, "export_adapter", lambda *args: exported.append(args))
+    trainer._card = lambda directory: f"the card of {directory} at step {trainer.step}"
+    monkeypatch.setattr(recipe, "export_adapter", lambda *args, card: exported.append((*args, card)))
     AsyncGRPOTrainer.save_final(trainer)
     assert synced == ([True] if publishes else [])  # steps 5: one step since the sync at 4 is published first
-    assert exported == ["waited", (str(tmp_path), trainer._published, "peft", "org/model")]  # once it is served
+    assert exported == ["waited", (str(tmp_path), trainer._published, "peft", "org/model",  # once it is served,
+                                   f"the card of {tmp_path} at step {step}")]  # with its model card
 
 
 # ---- SIGTERM with checkpoints on: stop at a step that can be resumed from, with a checkpoint --------------------------

@@ -9,6 +9,7 @@ import pytest
 from gloo import two_ranks
 
 from asyncgrpo.distributed import PeerFailed
+from asyncgrpo.trainer.outputs import LogHistory
 from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
 
@@ -31,7 +32,7 @@ def loop(rank: int, evaluation_fails: bool):
         _log=lambda metrics, bar: None,
         evaluator=SimpleNamespace(should_evaluate=lambda step, last_step: True),
         checkpointer=SimpleNamespace(should_save=lambda step, last_step: False), _stop_agreed=lambda: False,
-        save_final=lambda: None, _finish=lambda seconds: {})
+        save_final=lambda: None, _finish=lambda seconds: {}, history=LogHistory())
 
     def train_step():
         trainer.step += 1
@@ -42,7 +43,7 @@ def loop(rank: int, evaluation_fails: bool):
         AsyncGRPOTrainer.train(trainer)
     except (PeerFailed, RuntimeError) as exc:
         return type(exc).__name__, str(exc)
-    return "finished", trainer.eval_metrics
+    return "finished", trainer.eval_metrics, trainer.history.entries
 
 
 @pytest.fixture(scope="module")
@@ -59,4 +60,6 @@ def test_a_failed_evaluation_on_rank_0_stops_the_other_ranks_at_once_with_its_me
 
 
 def test_an_evaluation_that_succeeds_is_kept_on_rank_0_only(run):
-    assert run("loop", False) == (("finished", {"eval/reward": 0.5}), ("finished", {}))
+    # rank 0 also keeps it in trainer_state.json's log_history, under transformers' name
+    assert run("loop", False) == (("finished", {"eval/reward": 0.5}, [{"eval_reward": 0.5, "step": 1}]),
+                                  ("finished", {}, []))
