@@ -259,3 +259,29 @@ def test_a_missing_module_is_installed_from_the_wheels_into_a_private_folder_onl
 def test_nothing_is_carried_when_nothing_is_missing(tmp_path):
     args = gpu_check.parse_args(["--cpu-smoke", "--backends", "ddp", "--wheels", str(tmp_path / "none")])
     assert gpu_check.prepare_environment(args, tmp_path / "site") == ([], None)
+
+
+def _saved_update(work: Path, backend: str, before: dict, after: dict) -> None:
+    from safetensors.torch import save_file
+
+    (work / backend).mkdir(parents=True)
+    save_file(before, str(work / backend / "before.safetensors"))
+    save_file(after, str(work / backend / "update.safetensors"))
+
+
+def test_backends_updates_are_compared_with_ddps_as_a_relative_distance(tmp_path):
+    import torch
+
+    before = {"a": torch.zeros(4), "b": torch.ones(2)}
+    step = {"a": torch.tensor([3.0, 0.0, 0.0, 0.0]), "b": torch.tensor([0.0, 4.0])}  # DDP's update: norm 5
+    _saved_update(tmp_path, "ddp", before, {k: before[k] + step[k] for k in before})
+    near = {**step, "a": step["a"] + torch.tensor([0.0, 0.004, 0.0, 0.0])}  # 0.004 / 5 = 8e-4
+    far = {**step, "b": step["b"] + torch.tensor([0.006, 0.0])}  # 1.2e-3
+    _saved_update(tmp_path, "fsdp2", before, {k: before[k] + near[k] for k in before})
+    _saved_update(tmp_path, "zero3", before, {k: before[k] + far[k] for k in before})
+    done = {b: {"ok": True} for b in ("ddp", "fsdp2", "zero3")}
+    compared = gpu_check.compare_updates(tmp_path, done, "float32")
+    assert compared["update_rel_diff_vs_ddp"] == pytest.approx({"fsdp2": 8e-4, "zero3": 1.2e-3}, rel=1e-3)
+    assert not compared["ok"] and len(compared["failures"]) == 1 and "zero3" in compared["failures"][0]
+    assert gpu_check.compare_updates(tmp_path, done, "bfloat16")["ok"]  # 0.25 in bf16
+    assert gpu_check.compare_updates(tmp_path, {**done, "ddp": {"ok": False}}, "float32") is None  # no reference
