@@ -53,6 +53,9 @@ def cmd_check(args, overrides: list[str]) -> int:
 
 def cmd_demo(args, overrides: list[str]) -> int:
     if args.world == "agent":
+        if args.server:
+            raise AsyncGRPOError("`asyncgrpo demo --world agent` starts its own server; --server is for the toy "
+                                 "world only. Fix: drop --server, or drop --world agent")
         return run_agent_demo(args, overrides)
     return run_demo(args, overrides)
 
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--config", default=None, help="default: configs/demo.yaml")
     demo.add_argument("--num_processes", type=int, default=2)
     demo.add_argument("--port", type=int, default=0, help="vLLM port (0 = a free one)")
+    demo.add_argument("--server", default=None,
+                      help="train against the inference node already serving the toy model at this URL (e.g. a "
+                           "container: scripts/container_check.sh) instead of starting a local vLLM server")
     demo.add_argument("--world", default="toy", choices=["toy", "agent"],
                       help="toy: which of two numbers is larger (one turn); agent: answer through a lookup tool "
                            "over several turns (--config is then not read; `--key value` overrides still apply)")

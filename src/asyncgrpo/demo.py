@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -69,6 +70,22 @@ def heldout_rewards(cfg: AsyncGRPOConfig, client, model: str, world) -> dict[str
             "greedy": evaluate_served(client, model, rows, scorer, temperature=0.0, **common).reward}
 
 
+@contextlib.contextmanager
+def inference_node(args, cfg: AsyncGRPOConfig, model_dir, out: Path):
+    """Yields the inference node's base URL: the one given with `--server` (a node started elsewhere, which must
+    serve `model_dir` with LoRA hot reload), else a local vLLM CPU server started here and stopped on exit."""
+    if getattr(args, "server", None):
+        log.info("2/5 the inference node at %s (started elsewhere)", args.server)
+        yield args.server.rstrip("/")
+        return
+    port = args.port or find_free_port()
+    log.info("2/5 vLLM CPU server on 127.0.0.1:%d (log: %s)", port, out / "vllm.log")
+    server = VLLMServer(model_dir, port, max_lora_rank=served_lora_rank(max(8, cfg.lora_r)),
+                        max_loras=adapters_needed(cfg.max_staleness), max_model_len=256, log_path=out / "vllm.log")
+    with server:
+        yield server.base_url
+
+
 def run_demo(args, overrides: list[str]) -> int:
     from asyncgrpo.toy import ToyWorldSpec, build_toy_world  # heavy: the toy world imports torch and transformers
 
@@ -83,25 +100,20 @@ def run_demo(args, overrides: list[str]) -> int:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    port = args.port or find_free_port()
-    log.info("2/5 vLLM CPU server on 127.0.0.1:%d (log: %s)", port, out / "vllm.log")
-    server = VLLMServer(world.model_dir, port, max_lora_rank=served_lora_rank(max(8, cfg.lora_r)),
-                        max_loras=adapters_needed(cfg.max_staleness),
-                        max_model_len=256, log_path=out / "vllm.log")
-    with server:
-        client = InferenceClient(server.base_url, timeout_s=cfg.vllm_request_timeout)
+    with inference_node(args, cfg, world.model_dir, out) as base_url:
+        client = InferenceClient(base_url, timeout_s=cfg.vllm_request_timeout)
         log.info("3/5 held-out reward of the base model (%s)", world.heldout_file)
         before = heldout_rewards(cfg, client, client.base_model(), world)
         log.info("    base: %s", before)
 
         log.info("4/5 training: %d processes, %d steps", args.num_processes, cfg.max_steps)
-        train_overrides = [*overrides, "--vllm_server_base_url", server.base_url]
+        train_overrides = [*overrides, "--vllm_server_base_url", base_url]
         cmd = launch_command(args.num_processes, find_free_port(), config_path, train_overrides)
         t_train = time.perf_counter()
         proc = run_group(cmd, env=launch_environment())
         if proc.returncode != 0:
             raise AsyncGRPOError(f"training exited with code {proc.returncode}; see the log above "
-                                 f"(server log: {out / 'vllm.log'})")
+                                 f"(server log: {out / 'vllm.log'} when the demo started the server)")
         train_s = time.perf_counter() - t_train
         summary = json.loads((out / "run_summary.json").read_text())
 

@@ -4,7 +4,8 @@
         -m asyncgrpo.bench.backend_check --out DIR [--micro 2] [--KEY VALUE config overrides]
 
 No inference server: the batches are synthetic, the behaviour logprobs the model's own. Rank 0 writes DIR/result.json
-(`run_check`'s figures) and DIR/update.safetensors; `failures(result)` says what a result fails (docs/gpus.md).
+(`run_check`'s figures), DIR/before.safetensors and DIR/update.safetensors (the adapter before and after step A, for
+gpu_check's comparison of backends); `failures(result)` says what a result fails (docs/gpus.md).
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 # shapes and differ by bf16 rounding: 0.044 (FSDP1) and 0.047 (FSDP2) on the toy model under gloo.
 BOUNDS = {"float32": {"update_rel": 0.01, "chunked_abs": 1e-4, "on_policy_abs": 1e-4},
           "bfloat16": {"update_rel": 0.1, "chunked_abs": 0.05, "on_policy_abs": 0.05}}
+
+
+# Peak memory during step A, GiB: CUDA's peak allocation on the GPU, the process's peak resident set on CPU.
+# GPU (Qwen2.5-1.5B's shape, bf16, LoRA r16, 16 sequences of <= 768 tokens, no gradient checkpointing): estimated
+# ~25 GiB (the base 2.9 GiB; activations of ~10k tokens through 28 layers ~20 GiB; the chunked head keeps the
+# 151,936-word logits to one chunk); 48 GiB leaves the estimate room and still fails a base held twice in fp32 (+12
+# GiB) together with whole-batch fp32 logits (+7 GiB per copy). Not yet measured on a GPU: the first run's figure
+# goes to docs/gpus.md. CPU (the toy model, 2 gloo ranks): torch, transformers and DeepSpeed's imports dominate;
+# the highest measured was ~1.2 GiB (docs/gpus.md), bound 3 GiB.
+PEAK_MEMORY_GIB = {"cuda": 48.0, "cpu": 3.0}
 
 
 def synthetic_share(rank: int, world: int, groups_per_rank: int, generations: int, seed: int, vocab: int,
@@ -155,6 +166,7 @@ def run_check(cfg: AsyncGRPOConfig, out: Path, micro: int, shape: dict, audit=co
     from safetensors.torch import save_file  # heavy: only rank 0 writes the update
 
     save_file({k: v.contiguous() for k, v in update_a.items()}, str(out / "update.safetensors"))
+    save_file({k: v.contiguous() for k, v in before_step.items()}, str(out / "before.safetensors"))
     model = trainer.acc.unwrap_model(trainer.model)
     step_size = max(float((update_a[k].float() - before_step[k].float()).abs().max()) for k in update_a)
     a_vs_b = max(float((update_a[k].float() - update_b[k].float()).abs().max()) for k in update_a)
@@ -183,6 +195,7 @@ def run_check(cfg: AsyncGRPOConfig, out: Path, micro: int, shape: dict, audit=co
         "mixed_precision": trainer.acc.mixed_precision,
         "fsdp_reduce_dtype": str(getattr(policy, "reduce_dtype", None)),
         "deepspeed_gradient_clipping": ds.deepspeed_config.get("gradient_clipping") if ds else None,
+        "max_grad_norm": cfg.max_grad_norm,
     }
 
 
@@ -211,6 +224,16 @@ def failures(result: dict) -> list[str]:
         found.append(f"the gather moved {result['gathered_bytes']} bytes for a {result['adapter_bytes']}-byte adapter")
     if result["inv_freq_dtypes"] not in ([], ["torch.float32"]):
         found.append(f"rotary inv_freq is {result['inv_freq_dtypes']} after a forward, want float32")
+    bound = PEAK_MEMORY_GIB["cuda" if result["device"].startswith("cuda") else "cpu"]
+    if not result["peak_memory_gib"] <= bound:
+        found.append(f"peak memory {result['peak_memory_gib']} GiB during a step, above the bound of {bound} GiB")
+    if result["backend"].startswith("fsdp") and result["mixed_precision"] != "no" \
+            and result["fsdp_reduce_dtype"] != "torch.float32":
+        found.append(f"FSDP reduces gradients in {result['fsdp_reduce_dtype']} under {result['mixed_precision']} "
+                     "mixed precision, want torch.float32")
+    if result["backend"].startswith("zero") and result.get("deepspeed_gradient_clipping") != result.get("max_grad_norm"):
+        found.append(f"DeepSpeed clips at {result.get('deepspeed_gradient_clipping')}, not max_grad_norm "
+                     f"{result.get('max_grad_norm')}")
     return found
 
 

@@ -25,6 +25,9 @@ import zipfile
 from pathlib import Path
 
 BACKENDS = ("ddp", "fsdp1", "fsdp2", "zero2", "zero3")
+# What a run checks, in order: the collective helpers on their multi-rank path in a process group of one (NCCL; gloo
+# with --cpu-smoke), then each backend's step.
+CHECKS = ("collectives", *BACKENDS)
 REPO = Path(__file__).resolve().parents[3]
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # The batch per rank: GPU sizes are a real GRPO step's (2 groups x 8 completions of up to 512 tokens).
@@ -39,6 +42,15 @@ EXIT_CODES = {PASSED: "every backend passed", CHECK_FAILED: "a backend failed it
 # What the worker imports from the interpreter's environment (the lent image has them, or the carried wheels do).
 NEEDED = ("torch", "transformers", "accelerate", "peft", "safetensors", "yaml", "tqdm", "numpy", "psutil", "requests")
 ZERO_NEEDS = ("deepspeed", "pydantic")  # only ZeRO-2/3 launches import them
+# Every backend's step A on the same batch from the same start, against DDP's: the relative L2 distance of the updates
+# (after - before). fp32: the CPU variant measured 2.7e-5 (FSDP1, FSDP2, ZeRO-2) and 6.8e-5 (ZeRO-3) in Python 3.12
+# (docs/gpus.md); the bound leaves 15x of that. bf16: DDP
+# and FSDP run the forward under autocast, ZeRO with a bf16 base and fp32 LoRA weights without autocast (DeepSpeed's
+# bf16 mode is translated, distributed.py), so their matmuls round differently; Adam moves every weight by about the
+# learning rate whatever its gradient, so a weight whose gradient is rounding noise may flip sign. 0.25 of the norm is
+# an estimate (1 vs 2 micro-batches, a smaller change, gave ~0.05 on CPU in bf16); the first GPU run's figures are
+# recorded whatever they are.
+UPDATE_VS_DDP = {"float32": 1e-3, "bfloat16": 0.25}
 # Seconds a launch has to stop after SIGTERM (torch's launcher passes it on to its workers) before SIGKILL.
 GRACE_S = 20.0
 
@@ -46,7 +58,7 @@ GRACE_S = 20.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0],
                                 epilog="exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items()))
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, of " + ", ".join(BACKENDS))
+    p.add_argument("--backends", default=",".join(CHECKS), help="comma-separated, of " + ", ".join(CHECKS))
     p.add_argument("--model", default=None, help="default shape:qwen2.5-1.5b (GPU), toy (--cpu-smoke)")
     p.add_argument("--dtype", default=None, help="base weights: default bfloat16 (GPU), float32 (--cpu-smoke)")
     p.add_argument("--lora_r", type=int, default=16)
@@ -68,9 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(GPU), 900 (--cpu-smoke)")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
-    unknown = set(args.backends) - set(BACKENDS)
+    unknown = set(args.backends) - set(CHECKS)
     if unknown:
-        p.error(f"unknown backends {sorted(unknown)}: use {', '.join(BACKENDS)}")
+        p.error(f"unknown backends {sorted(unknown)}: use {', '.join(CHECKS)}")
     args.model = args.model or ("toy" if args.cpu_smoke else "shape:qwen2.5-1.5b")
     args.dtype = args.dtype or ("float32" if args.cpu_smoke else "bfloat16")
     args.budget = args.budget or (1800.0 if args.cpu_smoke else 480.0)
@@ -177,6 +189,11 @@ def launch_command(backend: str, args, out: Path) -> tuple[list[str], dict]:
     """One `accelerate launch` of backend_check for `backend` (its result lands in out/result.json), and its env."""
     from asyncgrpo.inference_node.vllm_server import find_free_port  # after the environment check: it imports requests
 
+    if backend == "collectives":  # one process that makes its own process group of one: no launcher
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env["PYTHONPATH"] = ":".join([str(REPO / "src"), *args.carried, env.get("PYTHONPATH", "")]).rstrip(":")
+        cmd = [sys.executable, "-m", "asyncgrpo.bench.collectives_check", "--out", str(out)]
+        return cmd + (["--cpu"] if args.cpu_smoke else []), env
     if args.cpu_smoke:
         from asyncgrpo.bench.sync import cpu_launch_env  # heavy: torch, only for the CPU variant's environment
 
@@ -195,7 +212,10 @@ def launch_command(backend: str, args, out: Path) -> tuple[list[str], dict]:
 
 def check_backend(backend: str, args, work: Path, log: Path, deadline_s: float) -> dict:
     """Launch one backend with `deadline_s` and judge its result: {ok, failures, figures...}."""
-    from asyncgrpo.bench.backend_check import failures  # heavy: the trainer (torch), after the argument checks
+    # heavy: the trainer (torch), after the argument checks
+    from asyncgrpo.bench import backend_check, collectives_check
+
+    failures = collectives_check.failures if backend == "collectives" else backend_check.failures
 
     out = work / backend
     out.mkdir()
@@ -213,8 +233,37 @@ def check_backend(backend: str, args, work: Path, log: Path, deadline_s: float) 
                 "log_tail": _tail(log)}
     result = json.loads(result_file.read_text())
     result.pop("audit", None)
+    result.pop("failures", None)  # judged here, by this checkout's rules
     found = failures(result)
     return {"ok": not found, "failures": found, "wall_s": wall, **result}
+
+
+def compare_updates(work: Path, done: dict, dtype: str) -> dict | None:
+    """Each passing backend's update against DDP's on the same batch (UPDATE_VS_DDP); None when DDP did not pass or
+    no other backend did."""
+    from safetensors.torch import load_file  # heavy: after the launches
+
+    ran = [b for b in BACKENDS if done.get(b, {}).get("ok") and (work / b / "update.safetensors").is_file()]
+    if "ddp" not in ran or len(ran) < 2:
+        return None
+
+    def update(backend: str) -> dict:
+        after, before = load_file(str(work / backend / "update.safetensors")), load_file(str(work / backend / "before.safetensors"))
+        return {k: after[k].double() - before[k].double() for k in after}
+
+    reference = update("ddp")
+    norm = sum(float(v.square().sum()) for v in reference.values()) ** 0.5
+    bound = UPDATE_VS_DDP["float32" if dtype == "float32" else "bfloat16"]
+    rel, found = {}, []
+    for backend in ran[1:]:
+        mine = update(backend)
+        if set(mine) != set(reference):
+            found.append(f"{backend}'s adapter has other tensors than DDP's: {sorted(set(mine) ^ set(reference))[:3]}")
+            continue
+        rel[backend] = sum(float((mine[k] - reference[k]).square().sum()) for k in reference) ** 0.5 / norm
+        if not rel[backend] <= bound:
+            found.append(f"{backend}'s update differs from DDP's by {rel[backend]:.3g} of its norm, more than {bound}")
+    return {"ok": not found, "failures": found, "reference": "ddp", "update_rel_diff_vs_ddp": rel, "bound": bound}
 
 
 def _tail(log: Path, chars: int = 3000) -> str:
@@ -319,6 +368,15 @@ def _run(args, results: Results, started: float) -> tuple[int, dict]:
             print(f"gpu_check: could not start: {why}")
             return COULD_NOT_START, {"started": False, "why": why}
         done = run_backends(args, results, Path(work), started)
+        try:
+            compared = compare_updates(Path(work), done, args.dtype)
+        except Exception as e:  # noqa: BLE001 - the backends' own lines are kept whatever happens here
+            compared = {"ok": False, "failures": [f"comparing the updates raised {type(e).__name__}: {e}"]}
+        if compared is not None:
+            done["cross_backend"] = compared
+            results.add({"backend": "cross_backend", **compared})
+            print(f"gpu_check: cross_backend: {'passed' if compared['ok'] else 'FAILED'} "
+                  f"{'; '.join(compared['failures'])}")
     passed = all(r["ok"] for r in done.values())
     return (PASSED if passed else CHECK_FAILED), {"started": True, "passed": passed, "backends": done,
                                                   "wall_s": round(time.monotonic() - started, 1), **versions()}

@@ -27,7 +27,9 @@ def passing(**changes) -> dict:
               "optimizer_steps_a": 1, "optimizer_steps_b": 1, "tokens_a": 40.0, "tokens_b": 40.0,
               "step_size": 1e-3, "max_abs_diff_a_b": 1e-8, "update_rel_diff_a_b": 1e-4, "chunked_vs_full_max_abs": 1e-6,
               "on_policy_max_abs_log_ratio": 0.0, "gathered_bytes": 1000, "adapter_bytes": 1000,
-              "inv_freq_dtypes": ["torch.float32"]}
+              "inv_freq_dtypes": ["torch.float32"], "device": "cpu", "peak_memory_gib": 1.0, "backend": "ddp",
+              "mixed_precision": "no", "fsdp_reduce_dtype": "None", "deepspeed_gradient_clipping": None,
+              "max_grad_norm": 0.05}
     return {**result, **changes}
 
 
@@ -47,10 +49,22 @@ def test_a_good_result_passes():
     ({"on_policy_max_abs_log_ratio": 2e-4}, "on-policy"),
     ({"gathered_bytes": 1051}, "gather moved"),
     ({"inv_freq_dtypes": ["torch.bfloat16"]}, "inv_freq"),
+    ({"peak_memory_gib": 3.01}, "peak memory"),
+    ({"device": "cuda:0", "peak_memory_gib": 48.5}, "peak memory"),
+    ({"backend": "fsdp2", "mixed_precision": "bf16", "fsdp_reduce_dtype": "torch.bfloat16"}, "reduces gradients"),
+    ({"backend": "fsdp1", "mixed_precision": "bf16", "fsdp_reduce_dtype": "None"}, "reduces gradients"),
+    ({"backend": "zero2", "deepspeed_gradient_clipping": 1.0}, "clips at 1.0"),
+    ({"backend": "zero3", "deepspeed_gradient_clipping": "auto"}, "clips at auto"),
 ])
 def test_each_kind_of_failure_is_named(changes, says):
     found = failures(passing(**changes))
     assert len(found) == 1 and says in found[0], found
+
+
+def test_what_is_judged_per_backend_passes_where_it_is_right():
+    assert failures(passing(device="cuda:0", peak_memory_gib=47.9)) == []
+    assert failures(passing(backend="fsdp1", mixed_precision="bf16", fsdp_reduce_dtype="torch.float32")) == []
+    assert failures(passing(backend="zero3", deepspeed_gradient_clipping=0.05)) == []
 
 
 def test_bf16_bounds_are_looser():
@@ -66,7 +80,8 @@ def test_the_gather_may_move_five_percent_more_than_the_adapter_and_no_more():
 
 def test_defaults_are_the_real_shape_on_gpu_and_the_toy_on_cpu():
     gpu = gpu_check.parse_args([])
-    assert (gpu.backends, gpu.model, gpu.dtype) == (list(gpu_check.BACKENDS), "shape:qwen2.5-1.5b", "bfloat16")
+    assert (gpu.backends, gpu.model, gpu.dtype) == (["collectives", *gpu_check.BACKENDS], "shape:qwen2.5-1.5b",
+                                                    "bfloat16")
     cpu = gpu_check.parse_args(["--cpu-smoke", "--backends", "ddp,zero3"])
     assert (cpu.backends, cpu.model, cpu.dtype) == (["ddp", "zero3"], "toy", "float32")
     with pytest.raises(SystemExit):
@@ -244,3 +259,29 @@ def test_a_missing_module_is_installed_from_the_wheels_into_a_private_folder_onl
 def test_nothing_is_carried_when_nothing_is_missing(tmp_path):
     args = gpu_check.parse_args(["--cpu-smoke", "--backends", "ddp", "--wheels", str(tmp_path / "none")])
     assert gpu_check.prepare_environment(args, tmp_path / "site") == ([], None)
+
+
+def _saved_update(work: Path, backend: str, before: dict, after: dict) -> None:
+    from safetensors.torch import save_file
+
+    (work / backend).mkdir(parents=True)
+    save_file(before, str(work / backend / "before.safetensors"))
+    save_file(after, str(work / backend / "update.safetensors"))
+
+
+def test_backends_updates_are_compared_with_ddps_as_a_relative_distance(tmp_path):
+    import torch
+
+    before = {"a": torch.zeros(4), "b": torch.ones(2)}
+    step = {"a": torch.tensor([3.0, 0.0, 0.0, 0.0]), "b": torch.tensor([0.0, 4.0])}  # DDP's update: norm 5
+    _saved_update(tmp_path, "ddp", before, {k: before[k] + step[k] for k in before})
+    near = {**step, "a": step["a"] + torch.tensor([0.0, 0.004, 0.0, 0.0])}  # 0.004 / 5 = 8e-4
+    far = {**step, "b": step["b"] + torch.tensor([0.006, 0.0])}  # 1.2e-3
+    _saved_update(tmp_path, "fsdp2", before, {k: before[k] + near[k] for k in before})
+    _saved_update(tmp_path, "zero3", before, {k: before[k] + far[k] for k in before})
+    done = {b: {"ok": True} for b in ("ddp", "fsdp2", "zero3")}
+    compared = gpu_check.compare_updates(tmp_path, done, "float32")
+    assert compared["update_rel_diff_vs_ddp"] == pytest.approx({"fsdp2": 8e-4, "zero3": 1.2e-3}, rel=1e-3)
+    assert not compared["ok"] and len(compared["failures"]) == 1 and "zero3" in compared["failures"][0]
+    assert gpu_check.compare_updates(tmp_path, done, "bfloat16")["ok"]  # 0.25 in bf16
+    assert gpu_check.compare_updates(tmp_path, {**done, "ddp": {"ok": False}}, "float32") is None  # no reference
