@@ -1,6 +1,6 @@
 # The inference node's image for hosts without GPUs: the trainer image plus vLLM's CPU build, installed as
 # scripts/setup.sh installs it (the demo, the tests and `make container-check` serve the toy model with it through
-# `python -m asyncgrpo.inference.server`). GPU inference nodes run the stock vllm/vllm-openai image instead
+# `python -m asyncgrpo.inference_node.vllm_server`). GPU inference nodes run the stock vllm/vllm-openai image instead
 # (launch/vllm/serve.sh, docs/gpus.md).
 #
 #   podman build -t asyncgrpo-vllm:cpu --build-arg TRAINER_IMAGE=asyncgrpo:cpu -f launch/vllm/cpu.Dockerfile launch/vllm
@@ -16,4 +16,4 @@ RUN if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi \
     && (pip uninstall -y torchvision torchaudio torchcodec || true) \
     && python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 ENV VLLM_NO_USAGE_STATS=1
-CMD ["python", "-m", "asyncgrpo.inference.server", "--help"]
+CMD ["python", "-m", "asyncgrpo.inference_node.vllm_server", "--help"]
