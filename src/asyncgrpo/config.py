@@ -351,6 +351,17 @@ class AsyncGRPOConfig:
     False (default): a completion finishes on the version it started on. Single-turn completions only (episodes move
     between turns with `episode_version: latest`). What vLLM does to requests in flight and what this costs:
     docs/rollout-internals.md, "Weights updated in flight"."""
+    rollout_mode: str = "batch"
+    """When the rollout side may send a group. `batch` (default): a group is sent for a given batch, once the server
+    serves a version close enough to the one that batch will be trained at (the most it can send without generating
+    a group that must be dropped as too old). `stream`: a group is sent whenever the groups in flight plus those
+    queued are fewer than `rollout_capacity`, and only when at least the trainer's next batch could still take it;
+    the trainer takes the oldest complete groups within `max_staleness`. TRL has no equivalent. Each mode's staleness
+    guarantee: docs/rollout-internals.md, "When a request may be sent"."""
+    rollout_capacity: int | None = None
+    """With `rollout_mode: stream`: groups in flight plus queued, at most. Unset: (`max_staleness` + 1) x the groups
+    of one step, the most that can all be trained within the bound when sent at the trainer's version. Requests in
+    flight are further capped by `max_inflight_requests` (sized from the servers)."""
     sync_pause_mode: str = "keep"
     """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
     `wait` (drain first), `abort` (end them; their generations are lost and counted, their prompts sent again)."""
@@ -511,6 +522,13 @@ class AsyncGRPOConfig:
         steps_ahead = min(self.max_staleness + 1, 2)
         return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
 
+    def stream_capacity(self, groups_per_step: int) -> int:
+        """With `rollout_mode: stream`: groups in flight plus queued, at most (`rollout_capacity`, or one step's
+        groups for every version of staleness allowed and the current one)."""
+        if self.rollout_capacity is not None:
+            return self.rollout_capacity
+        return (self.max_staleness + 1) * groups_per_step
+
     def task_problems(self) -> list[ConfigError]:
         """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of
         `validate`: a config may be built in code before its model and data are known; the trainer checks it."""
@@ -570,6 +588,8 @@ class AsyncGRPOConfig:
             raise ConfigError("episode_version", f"unknown choice {self.episode_version!r}", "use pinned or latest")
         if self.sync_mode not in ("pause", "versioned"):
             raise ConfigError("sync_mode", f"unknown mode {self.sync_mode!r}", "use pause or versioned")
+        if self.rollout_mode not in ("batch", "stream"):
+            raise ConfigError("rollout_mode", f"unknown mode {self.rollout_mode!r}", "use batch or stream")
         if self.sync_pause_mode not in ("keep", "wait", "abort"):
             raise ConfigError("sync_pause_mode", f"unknown mode {self.sync_pause_mode!r}",
                               "use one of keep, wait, abort")
@@ -887,6 +907,7 @@ VALUE_RANGES: dict[str, Range] = {
     "beta": Range(0, fix="use 0 (no KL) or a small value like 0.04"),
     "seed": Range(0, fix="use a seed >= 0, e.g. 0"),
     "max_tokens_per_microbatch": Range(0, fix="use 0 (off) or a token budget such as 16384"),
+    "rollout_capacity": Range(1, fix="use at least the groups of one step, or unset it to size it from the staleness"),
     "max_staleness": Range(0, fix="use 0 for synchronous training or 1-4 for asynchronous"),
     "weight_sync_steps": Range(1, fix="use 1 or num_iterations"),
     "keep_adapter_versions": Range(1, fix="use 3 (the default)"),
