@@ -348,9 +348,10 @@ class AsyncGRPOConfig:
     """Move completions still being sampled onto each new policy version (partial rollouts): when a version goes
     live, a completion in flight is stopped and continued from its tokens on the new adapter; every token keeps the
     version and behaviour logprob it was sampled with, and a group is as old as its oldest token for `max_staleness`.
-    False (default): a completion finishes on the version it started on. Single-turn completions only (episodes move
-    between turns with `episode_version: latest`). What vLLM does to requests in flight and what this costs:
-    docs/rollout-internals.md, "Weights updated in flight"."""
+    False (default): a completion finishes on the version it started on. With episodes (tools,
+    `environment_factory`) each turn moves the same way, and needs `episode_version: latest` (every turn then starts
+    on the newest version). What vLLM does to requests in flight and what this costs: docs/rollout-internals.md,
+    "Weights updated in flight"."""
     rollout_mode: str = "batch"
     """When the rollout side may send a group. `batch` (default): a group is sent for a given batch, once the server
     serves a version close enough to the one that batch will be trained at (the most it can send without generating
@@ -654,10 +655,10 @@ class AsyncGRPOConfig:
                 if not isinstance(ref, str) or ":" not in ref:
                     raise ConfigError(key, f"{ref!r} is not of the form package.module:name",
                                       "write e.g. `my_agent.tools:lookup` (a function) or `my_agent.env:MyEnv` (a class)")
-        if self.uses_tools and self.inflight_weight_updates:
-            raise ConfigError("inflight_weight_updates", "moves single-turn completions only; episodes (tools/"
-                              "environment_factory) move onto new versions between turns",
-                              "set `episode_version: latest` instead, and `inflight_weight_updates: false`")
+        if self.uses_tools and self.inflight_weight_updates and self.episode_version != "latest":
+            raise ConfigError("inflight_weight_updates", "moves an episode's turn onto each new version while it is "
+                              "sampled, but `episode_version: pinned` would send its next turn back to the version "
+                              "the group started on", "set `episode_version: latest` as well")
         if self.uses_tools and self.reward_workers:
             raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
                               "are scored in the rollout process, where their environments live",

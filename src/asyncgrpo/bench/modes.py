@@ -2,8 +2,8 @@
 their JSON: how much generation was wasted or re-sampled, and the speedup over the synchronous run.
 
 Modes: `batch` and `stream` are `rollout_mode`'s values; `stream+inflight` is stream with completions moved onto
-each new version mid-generation (`inflight_weight_updates`), or for episodes, whose turns cannot move mid-generation
-yet, each turn on the newest version (`episode_version: latest`). What each mode does: docs/rollout-internals.md.
+each new version mid-generation (`inflight_weight_updates`; for episodes with `episode_version: latest`, which it
+needs there). What each mode does: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def mode_settings(mode: str, *, episodes: bool) -> dict:
         return {"rollout_mode": "batch", "inflight_weight_updates": False}
     if mode == "stream":
         return {"rollout_mode": "stream", "inflight_weight_updates": False}
-    if episodes:
-        return {"rollout_mode": "stream", "inflight_weight_updates": False, "episode_version": "latest"}
+    if episodes:  # turns move mid-generation, and each starts on the newest version
+        return {"rollout_mode": "stream", "inflight_weight_updates": True, "episode_version": "latest"}
     return {"rollout_mode": "stream", "inflight_weight_updates": True}
 
 

@@ -11,13 +11,13 @@ from asyncgrpo.cli import main
 from asyncgrpo.rollout.inflight import InflightStats
 
 
-def test_each_mode_sets_its_keys_and_episodes_move_between_turns_instead_of_mid_generation():
+def test_each_mode_sets_its_keys_and_episodes_moved_mid_turn_start_each_turn_on_the_newest_version():
     assert modes.mode_settings("batch", episodes=False) == {"rollout_mode": "batch", "inflight_weight_updates": False}
     assert modes.mode_settings("stream", episodes=True) == {"rollout_mode": "stream", "inflight_weight_updates": False}
     assert modes.mode_settings("stream+inflight", episodes=False) == {"rollout_mode": "stream",
                                                                       "inflight_weight_updates": True}
     assert modes.mode_settings("stream+inflight", episodes=True) == {
-        "rollout_mode": "stream", "inflight_weight_updates": False, "episode_version": "latest"}
+        "rollout_mode": "stream", "inflight_weight_updates": True, "episode_version": "latest"}
     assert modes.parse_modes("stream+inflight, batch") == ("stream+inflight", "batch")
     with pytest.raises(ValueError, match="'pipeline'.*choose from batch, stream, stream\\+inflight"):
         modes.parse_modes("batch,pipeline")
