@@ -3,10 +3,9 @@
 `rollout_mode: batch`: a request whose group will land in batch b is sent only once the server serves a version close
 enough to the one batch b will be trained at (`version_needed`). `stream`: a request is sent whenever fewer than a
 capacity of groups are in flight or queued, and the trainer's next batch could still take it. Either way it is
-tagged with the version served when it was sent. The queue
-reports what leaves it (`removed`), the producer what it sends (`claim`), what came back (`finished`) and what it
-lost (`lost`). Lock order: the queue calls `removed` with its own lock held; admission never calls the queue.
-Why this bounds staleness: docs/rollout-internals.md.
+tagged with the version served when it was sent. The queue reports what leaves it (`removed`), the producer what it
+sends (`claim`), what came back (`finished`) and what it lost (`lost`). Lock order: the queue calls `removed` with
+its own lock held; admission never calls the queue. Why this bounds staleness: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
