@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 from asyncgrpo.bench import run_bench
+from asyncgrpo.bench.modes import parse_modes
 from asyncgrpo.check import run_check
 from asyncgrpo.config import AsyncGRPOConfig, read_values, reference, trl_notice
 from asyncgrpo.demo import run_demo
@@ -69,6 +70,14 @@ def cmd_doctor(args, overrides: list[str]) -> int:
 def _ints(text: str) -> tuple[int, ...]:
     """`0,2,4` -> (0, 2, 4)."""
     return tuple(int(v) for v in text.split(","))
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    """`batch,stream+inflight` -> ("batch", "stream+inflight"); argparse reports an unknown name with the choices."""
+    try:
+        return parse_modes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def cmd_bench(args, overrides: list[str]) -> int:
@@ -170,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                             "docs/benchmarks.md)")
     bench.add_argument("--grid", type=_ints, default=None,
                        help="staleness, agent: max_staleness values, e.g. 0,2,4 (agent: 0,1,2 by default)")
+    bench.add_argument("--staleness", type=_ints, default=None,
+                       help="throughput, agent: max_staleness values, e.g. 0,1,2 (the default)")
+    bench.add_argument("--modes", type=_modes, default=None,
+                       help="throughput, agent: rollout modes, comma-separated, of batch, stream, stream+inflight "
+                            "(batch alone by default)")
     bench.add_argument("--compare_versions", action="store_true",
                        help="agent: also run `episode_version: latest` at each max_staleness above 0")
     bench.add_argument("--tool_latency", type=float, default=None,

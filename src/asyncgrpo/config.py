@@ -41,6 +41,7 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_FORMATS = ("auto", "chat", "raw")
 EPISODE_VERSIONS = ("pinned", "latest")
 SYNC_MODES = ("pause", "versioned")
+ROLLOUT_MODES = ("batch", "stream")
 SYNC_PAUSE_MODES = ("keep", "wait", "abort")
 ADAPTER_DELIVERIES = ("shared_fs", "http")
 EVAL_STRATEGIES = ("steps", "no")
@@ -630,9 +631,21 @@ class AsyncSettings(Section):
     """Move completions still being sampled onto each new policy version (partial rollouts): when a version goes
     live, a completion in flight is stopped and continued from its tokens on the new adapter; every token keeps the
     version and behaviour logprob it was sampled with, and a group is as old as its oldest token for `max_staleness`.
-    False (default): a completion finishes on the version it started on. Single-turn completions only (episodes move
-    between turns with `episode_version: latest`). What vLLM does to requests in flight and what this costs:
-    docs/rollout-internals.md, "Weights updated in flight"."""
+    False (default): a completion finishes on the version it started on. With episodes (tools,
+    `environment_factory`) each turn moves the same way, and needs `episode_version: latest` (every turn then starts
+    on the newest version). What vLLM does to requests in flight and what this costs: docs/rollout-internals.md,
+    "Weights updated in flight"."""
+    rollout_mode: str = "batch"
+    """When the rollout side may send a group. `batch` (default): a group is sent for a given batch, once the server
+    serves a version close enough to the one that batch will be trained at (the most it can send without generating
+    a group that must be dropped as too old). `stream`: a group is sent whenever the groups in flight plus those
+    queued are fewer than `rollout_capacity`, and only when at least the trainer's next batch could still take it;
+    the trainer takes the oldest complete groups within `max_staleness`. TRL has no equivalent. Each mode's staleness
+    guarantee: docs/rollout-internals.md, "When a request may be sent"."""
+    rollout_capacity: int | None = None
+    """With `rollout_mode: stream`: groups in flight plus queued, at most. Unset: (`max_staleness` + 1) x the groups
+    of one step, the most that can all be trained within the bound when sent at the trainer's version. Requests in
+    flight are further capped by `max_inflight_requests` (sized from the servers)."""
     sync_pause_mode: str = "keep"
     """How `/pause` treats requests in flight during a sync: `keep` (freeze, continue after resume),
     `wait` (drain first), `abort` (end them; their generations are lost and counted, their prompts sent again)."""
@@ -656,12 +669,21 @@ class AsyncSettings(Section):
 
     RANGES: ClassVar[dict[str, Range]] = {
         "max_staleness": Range(0, fix="use 0 for synchronous training or 1-4 for asynchronous"),
+        "rollout_capacity": Range(1, fix="use at least the groups of one step, or unset it to size it from the staleness"),
         "weight_sync_steps": Range(1, fix="use 1 or num_iterations"),
         "keep_adapter_versions": Range(1, fix="use 3 (the default)"),
     }
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"sync_mode": SYNC_MODES, "sync_pause_mode": SYNC_PAUSE_MODES}
-    CHOICE_FIX: ClassVar[dict[str, str]] = {"sync_mode": "use pause or versioned"}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"sync_mode": SYNC_MODES, "rollout_mode": ROLLOUT_MODES,
+                                                     "sync_pause_mode": SYNC_PAUSE_MODES}
+    CHOICE_FIX: ClassVar[dict[str, str]] = {"sync_mode": "use pause or versioned", "rollout_mode": "use batch or stream"}
+
+    def stream_capacity(self, groups_per_step: int) -> int:
+        """With `rollout_mode: stream`: groups in flight plus queued, at most (`rollout_capacity`, or one step's
+        groups for every version of staleness allowed and the current one)."""
+        if self.rollout_capacity is not None:
+            return self.rollout_capacity
+        return (self.max_staleness + 1) * groups_per_step
 
     def check(self) -> None:
         if self.rollout_address is None:
@@ -981,10 +1003,10 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
                               f"{self.num_iterations}), or allow staleness with max_staleness: 1")
 
     def _check_agents(self) -> None:
-        if self.uses_tools and self.inflight_weight_updates:
-            raise ConfigError("inflight_weight_updates", "moves single-turn completions only; episodes (tools/"
-                              "environment_factory) move onto new versions between turns",
-                              "set `episode_version: latest` instead, and `inflight_weight_updates: false`")
+        if self.uses_tools and self.inflight_weight_updates and self.episode_version != "latest":
+            raise ConfigError("inflight_weight_updates", "moves an episode's turn onto each new version while it is "
+                              "sampled, but `episode_version: pinned` would send its next turn back to the version "
+                              "the group started on", "set `episode_version: latest` as well")
         if self.uses_tools and self.reward_workers:
             raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
                               "are scored in the rollout process, where their environments live",

@@ -31,14 +31,16 @@ def run_bench(args, overrides: list[str]) -> int:
         elif args.name in ("rank0", "policy_equivalence"):
             result = module.run(server_url=args.server, overrides=overrides)
         elif args.name == "throughput":
-            result = module.run(server_url=args.server, overrides=overrides, plot=args.plot)
+            extra = {k: v for k, v in (("stalenesses", args.staleness), ("modes", args.modes)) if v is not None}
+            result = module.run(server_url=args.server, overrides=overrides, plot=args.plot, **extra)
         elif args.name == "staleness":
             grid = {k: v for k, v in (("stalenesses", args.grid), ("corrections", args.corrections),
                                       ("seeds", args.seeds)) if v is not None}
             result = module.run(server_url=args.server, overrides=overrides, plot=args.plot,
                                 num_iterations=args.num_iterations or 1, **grid)
         elif args.name == "agent":
-            extra = {k: v for k, v in (("stalenesses", args.grid), ("tool_latency_s", args.tool_latency),
+            extra = {k: v for k, v in (("stalenesses", args.staleness or args.grid), ("modes", args.modes),
+                                       ("tool_latency_s", args.tool_latency),
                                        ("num_iterations", args.num_iterations)) if v is not None}
             result = module.run(server_url=args.server, overrides=overrides, compare_versions=args.compare_versions,
                                 **extra)

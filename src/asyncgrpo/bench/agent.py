@@ -1,10 +1,13 @@
-"""`asyncgrpo bench agent --json [--compare_versions] [--grid 0,1,2]`: does asynchrony pay off on episodes?
+"""`asyncgrpo bench agent --json [--compare_versions] [--staleness 0,1,2] [--modes batch,stream]`: does asynchrony
+pay off on episodes?
 
 The toy agent world (docs/agents.md) with its long-tailed episodes (1-4 hops, so 2-5 turns) and `TOOL_LATENCY_S` of
 simulated latency per tool call, trained at `max_staleness` 0, 1 and 2 (same seed, same number of optimizer steps)
 against one vLLM CPU server, server and trainer on separate cores as in `bench throughput`. Per run: steps/s, the
 speedup over the synchronous run, the trainer's idle fraction, and the final adapter's held-out success measured as
-the agent demo measures it. `--compare_versions` adds runs with `episode_version: latest` at each staleness above 0.
+the agent demo measures it, and the generation wasted or re-sampled. `--modes` runs each staleness in each rollout
+mode (bench/modes.py; `batch` alone by default). `--compare_versions` adds runs with `episode_version: latest` at
+each staleness above 0.
 The workload and the figures: docs/benchmarks.md ("`bench agent`").
 """
 
@@ -18,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from asyncgrpo.bench.throughput import (max_sequences, process_tree_cpu_s, run_summary, split_cores,
+from asyncgrpo.bench import modes as rollout_modes
+from asyncgrpo.bench.throughput import (max_sequences, process_tree_cpu_s, rollout_figures, run_summary, split_cores,
                                        start_pinned_server, step_history)
 from asyncgrpo.config import parse_overrides
 from asyncgrpo.demo_agent import agent_config, episode_figures, load_agent_config
@@ -52,11 +56,7 @@ def run_config(world, work: Path, staleness: int, server_url: str, overrides: di
 def compare_to_sync(runs: list[dict]) -> list[dict]:
     """Each run's speedup over the synchronous run (max_staleness 0) and its held-out success minus the synchronous
     one's (None without a synchronous run, as with `--grid 1,2`)."""
-    sync = next((r for r in runs if r["max_staleness"] == 0), None)
-    for r in runs:
-        r["speedup_over_sync"] = round(r["steps_per_s"] / sync["steps_per_s"], 3) if sync else None
-        r["heldout_success_minus_sync"] = round(r["heldout_success"] - sync["heldout_success"], 4) if sync else None
-    return runs
+    return rollout_modes.compare_to_sync(runs, "heldout_success")
 
 
 def run_one(cfg, world, server_pid: int | None) -> dict:
@@ -73,28 +73,29 @@ def run_one(cfg, world, server_pid: int | None) -> dict:
         busy = trainer.rollout.parts.producer.server_busy.snapshot(t0, t1)
         generated = trainer.rollout.parts.producer.generated_tokens
         stats = trainer.rollout.stats()
-        dropped = trainer.rollout.parts.queue.dropped_stale
+        figures = rollout_figures(trainer.rollout.parts)
     finally:
         trainer.cleanup()
     result = run_summary(staleness=cfg.max_staleness, steps=trainer.step, t0=t0, t1=t1, waits=waits, busy=busy,
                          history=step_history(Path(cfg.output_dir) / "tensorboard"), generated_tokens=generated)
     heldout = episode_figures(world.model_dir, world.read_rows(heldout=True), Path(summary["adapter_path"]))
     sampled = heldout["sampled"]
-    return {"max_staleness": cfg.max_staleness, "episode_version": cfg.episode_version, **result,
+    return {"rollout_mode": cfg.rollout_mode, "inflight_weight_updates": cfg.inflight_weight_updates,
+            "max_staleness": cfg.max_staleness, "episode_version": cfg.episode_version, **result,
             "heldout_success": round(sampled["success"], 4),
             "heldout_greedy_success": round(heldout["greedy"]["success"], 4),
             "turns_mean": round(sampled["turns_mean"], 3), "tool_calls_per_episode": round(sampled["tool_calls_mean"], 3),
             "train_turns_mean": round(stats.get("episodes/turns_mean", 0.0), 3),
-            "train_episodes": stats.get("episodes/total"), "groups_dropped_stale": dropped,
+            "train_episodes": stats.get("episodes/total"), **figures,
             "server_cpu_s_per_step": round(server_cpu / max(trainer.step, 1), 4) if server_cpu is not None else None}
 
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, stalenesses=STALENESS,
         tool_latency_s: float = TOOL_LATENCY_S, num_iterations: int = NUM_ITERATIONS,
-        compare_versions: bool = False) -> dict:
+        compare_versions: bool = False, modes=("batch",)) -> dict:
     """Find (or build) the toy agent world, start a pinned vLLM server unless `server_url` is given, warm it up
-    (untimed), then train at each staleness (and, with `compare_versions`, again with `episode_version: latest`
-    at each staleness above 0)."""
+    (untimed), then train at each staleness in each of `modes` (and, with `compare_versions`, again with
+    `episode_version: latest` at each staleness above 0)."""
     LookupEnv.latency_s = tool_latency_s  # the environments run in this process's rollout threads
     world = build_agent_world()
     values = parse_overrides(overrides)
@@ -120,19 +121,23 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
             warm.train()
         finally:
             warm.cleanup()
-        plan = [(s, base.episode_version) for s in stalenesses]
-        plan += [(s, "latest") for s in stalenesses if compare_versions and s > 0 and base.episode_version != "latest"]
+        plan = [(mode, s, {"episode_version": base.episode_version, **rollout_modes.mode_settings(mode, episodes=True)})
+                for mode in modes for s in stalenesses]
+        plan += [("batch", s, {"episode_version": "latest"}) for s in stalenesses
+                 if compare_versions and s > 0 and base.episode_version != "latest"]
         runs = []
-        for staleness, version in plan:
-            name = f"s{staleness}-{version}"
+        for mode, staleness, settings in plan:
+            name = f"s{staleness}-{settings['episode_version']}" if modes == ("batch",) else \
+                f"{mode}-s{staleness}-{settings['episode_version']}"
             shutil.rmtree(work / name / "tensorboard", ignore_errors=True)  # this run's steps only
-            cfg = run_config(world, work, staleness, server_url, values, name, **per_run, episode_version=version)
+            cfg = run_config(world, work, staleness, server_url, values, name, **per_run, **settings)
             runs.append(run_one(cfg, world, server_pid))
             with open(work / "runs.jsonl", "a") as f:  # a long bench: each run kept as it finishes
                 f.write(json.dumps(runs[-1]) + "\n")
             print(f"[bench agent] {name}: {runs[-1]['steps_per_s']} steps/s, held-out success "
                   f"{runs[-1]['heldout_success']} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
-    return {"runs": compare_to_sync(runs), "settings": {**WORKLOAD, **values, "tool_latency_s": tool_latency_s,
+    return {"default_rollout_mode": rollout_modes.default_rollout_mode(), "runs": compare_to_sync(runs),
+            "settings": {**WORKLOAD, **values, "tool_latency_s": tool_latency_s,
                                                         "num_iterations": base.num_iterations,
                                                         "weight_sync_steps": base.weight_sync_steps,
                                        "episode_version": base.episode_version, "max_turns": base.max_turns,

@@ -1,8 +1,10 @@
-"""`asyncgrpo bench throughput --json [--plot docs/throughput.png] [--max_steps 120]`: does asynchrony pay off?
+"""`asyncgrpo bench throughput --json [--plot docs/throughput.png] [--modes batch,stream] [--staleness 0,1,2]`:
+does asynchrony pay off?
 
-The same toy workload and number of optimizer steps trained with `max_staleness` 0, 1 and 2 against one vLLM CPU
-server, server and trainer pinned to separate cores; per run: steps/s, the idle fractions of trainer and server,
-staleness, held-out reward. The workload (`BALANCE`) and every figure: docs/benchmarks.md ("`bench throughput`").
+The same toy workload and number of optimizer steps trained with `max_staleness` 0, 1 and 2 (in each rollout mode
+asked for, `batch` alone by default) against one vLLM CPU server, server and trainer pinned to separate cores; per
+run: steps/s, the idle fractions of trainer and server, staleness, held-out reward, the generation wasted or
+re-sampled. The workload (`BALANCE`) and every figure: docs/benchmarks.md ("`bench throughput`").
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from asyncgrpo.bench.modes import compare_to_sync, default_rollout_mode, generation_figures, mode_settings
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path, heldout_rewards
@@ -173,16 +176,27 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
         busy = trainer.rollout.parts.producer.server_busy.snapshot(t0, t1)
         generated = trainer.rollout.parts.producer.generated_tokens
         adapter = trainer.rollout.adapter_name
+        figures = rollout_figures(trainer.rollout.parts)
     finally:
         trainer.cleanup()
     summary = run_summary(staleness=cfg.max_staleness, steps=trainer.step, t0=t0, t1=t1, waits=waits, busy=busy,
                           history=step_history(Path(cfg.output_dir) / "tensorboard"), generated_tokens=generated)
     rewards = heldout_rewards(cfg, client, adapter, world)
+    summary = {"rollout_mode": cfg.rollout_mode, "inflight_weight_updates": cfg.inflight_weight_updates, **summary}
     summary.update(heldout_reward=round(rewards["sampled"], 4), heldout_greedy_accuracy=round(rewards["greedy"], 4),
-                   groups_dropped_stale=trainer.rollout.parts.queue.dropped_stale,
-                   cpu_s_per_step={k: round(v / max(trainer.step, 1), 4) for k, v in cpu.items()})
+                   **figures, cpu_s_per_step={k: round(v / max(trainer.step, 1), 4) for k, v in cpu.items()})
     record = timeline_record(cfg.max_staleness, t0, t1, waits, busy) | {"steps_per_s": summary["steps_per_s"]}
     return summary, record
+
+
+def rollout_figures(parts) -> dict:
+    """What a finished run's rollout side counted: groups dropped as too old, and the shares of its generated tokens
+    wasted in them or re-sampled after a move onto a newer version (bench/modes.py)."""
+    producer, queue = parts.producer, parts.queue
+    return {"groups_dropped_stale": queue.dropped_stale,
+            **generation_figures(generated_tokens=producer.generated_tokens,
+                                 dropped_stale_tokens=queue.dropped_stale_tokens,
+                                 tokens_moved=producer.inflight_stats.tokens_moved)}
 
 
 def start_pinned_server(stack, model_dir, work, cores: dict, **server_args) -> tuple[str, int]:
@@ -202,8 +216,9 @@ def start_pinned_server(stack, model_dir, work, cores: dict, **server_args) -> t
 
 
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, plot: str | None = None,
-        stalenesses=STALENESS) -> dict:
-    """Build the toy world, start a pinned vLLM server unless `server_url` is given, run each staleness."""
+        stalenesses=STALENESS, modes=("batch",)) -> dict:
+    """Build the toy world, start a pinned vLLM server unless `server_url` is given, run each staleness in each
+    rollout mode (modes outer: `batch` at 0 first, the synchronous reference)."""
     base = AsyncGRPOConfig.load(default_config_path(), [*BALANCE, *overrides])
     world = toy_world(base)
     cores = split_cores() if server_url is None else {"note": f"external server {server_url}: nothing pinned"}
@@ -232,18 +247,17 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
         finally:
             warm.cleanup()
         runs, records = [], []
-        for staleness in stalenesses:
-            shutil.rmtree(work / f"s{staleness}" / "tensorboard", ignore_errors=True)  # this run's steps only
-            summary, record = run_one(config(staleness, f"s{staleness}"), world, client, server_pid)
-            runs.append(summary)
-            records.append(record)
+        for mode in modes:
+            settings = [f"--{k}={v}" for k, v in mode_settings(mode, episodes=False).items()]
+            for staleness in stalenesses:
+                name = f"s{staleness}" if modes == ("batch",) else f"{mode}-s{staleness}"
+                shutil.rmtree(work / name / "tensorboard", ignore_errors=True)  # this run's steps only
+                summary, record = run_one(config(staleness, name, *settings), world, client, server_pid)
+                runs.append(summary)
+                records.append(record)
         (work / "timelines.json").write_text(json.dumps(records))
-        sync = runs[0]["steps_per_s"] if runs and runs[0]["max_staleness"] == 0 else None
-        for r in runs:
-            r["speedup_over_sync"] = round(r["steps_per_s"] / sync, 3) if sync else None
-            if runs[0]["max_staleness"] == 0:
-                r["heldout_reward_minus_sync"] = round(r["heldout_reward"] - runs[0]["heldout_reward"], 4)
-        result = {"runs": runs, "cores": cores, "balance": BALANCE_NOTE,
+        compare_to_sync(runs, "heldout_reward")
+        result = {"default_rollout_mode": default_rollout_mode(), "runs": runs, "cores": cores, "balance": BALANCE_NOTE,
                   "config": dict(zip(BALANCE[::2], BALANCE[1::2])),
                   "overrides": overrides, "loadavg_before": [round(x, 2) for x in load_before],
                   "loadavg_after": [round(x, 2) for x in os.getloadavg()],

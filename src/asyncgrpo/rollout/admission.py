@@ -1,10 +1,11 @@
 """Admission: what the producer may send, for which batch, at which policy version. One object, one lock.
 
-A request whose group will land in batch b is sent only once the server serves a version close enough to the one
-batch b will be trained at (`version_needed`), and is tagged with the version served when it was sent. The queue
-reports what leaves it (`removed`), the producer what it sends (`claim`), what came back (`finished`) and what it
-lost (`lost`). Lock order: the queue calls `removed` with its own lock held; admission never calls the queue.
-Why this bounds staleness: docs/rollout-internals.md.
+`rollout_mode: batch`: a request whose group will land in batch b is sent only once the server serves a version close
+enough to the one batch b will be trained at (`version_needed`). `stream`: a request is sent whenever fewer than a
+capacity of groups are in flight or queued, and the trainer's next batch could still take it. Either way it is
+tagged with the version served when it was sent. The queue reports what leaves it (`removed`), the producer what it
+sends (`claim`), what came back (`finished`) and what it lost (`lost`). Lock order: the queue calls `removed` with
+its own lock held; admission never calls the queue. Why this bounds staleness: docs/rollout-internals.md.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+
+from asyncgrpo.errors import ConfigError
 
 
 def version_needed(batch: int, cfg) -> int:
@@ -31,6 +34,12 @@ class Admission:
                  servers_up: Callable[[], bool] = lambda: True, batches_taken: int = 0):
         self.cfg = cfg
         self.groups_per_step = groups_per_step
+        self.stream = cfg.rollout_mode == "stream"
+        self.capacity = cfg.stream_capacity(groups_per_step)  # stream: groups in flight + queued, at most
+        if self.stream and self.capacity < groups_per_step:
+            raise ConfigError("rollout_capacity", f"is {self.capacity}, fewer than the {groups_per_step} groups of "
+                              "one step: the trainer would never find a whole batch queued",
+                              f"use at least {groups_per_step}, or unset it")
         self.max_inflight = max_inflight  # requests in flight at once, at most
         self.servers_up = servers_up
         self.cond = threading.Condition()
@@ -69,14 +78,17 @@ class Admission:
 
     # ---- the producer ---------------------------------------------------------------------------------------
     def may_send(self) -> bool:
-        """With `cond` held: is there room for one more request, and is its batch's version served? (True once
-        stopped, so that a waiting `claim` returns.)"""
+        """With `cond` held: is there room for one more request, and may it be sent at the version served? (True once
+        stopped, so that a waiting `claim` returns.) batch: the version its batch needs is served. stream: fewer
+        than `capacity` groups are in flight or queued, and the next batch the trainer takes could still train it."""
         if self.stopped:
             return True
         if self.inflight >= self.max_inflight or self.version < 0:
             return False
         if not self.servers_up():
             return False  # every server is down: wait for one to be recovered
+        if self.stream:
+            return self.pending < self.capacity and self.version >= version_needed(self.batches_taken, self.cfg)
         return self.version >= version_needed(self.next_batch(), self.cfg)
 
     def next_batch(self) -> int:

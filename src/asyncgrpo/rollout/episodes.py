@@ -21,6 +21,7 @@ from asyncgrpo.rollout.scoring import decode_completion
 from asyncgrpo.rollout import tool_process
 from asyncgrpo.rollout.environments import EnvironmentPool, close_environment
 from asyncgrpo.rollout.environments import called as _called
+from asyncgrpo.rollout.inflight import InflightStats, sample_across_versions
 from asyncgrpo.rollout.tool_guard import HUNG, cut_tokens
 from asyncgrpo.rollout.tools import ToolResult, environment_tools, run_tool_calls, tool_schema
 
@@ -138,12 +139,14 @@ class Episode:
     def schemas_by_name(self) -> dict[str, dict]:
         return {s["function"]["name"]: s for s in self.schemas}
 
-    def append(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
-        """Sampled ids (with their logprobs) or, with None, context ids: logprob 0.0 and no loss."""
+    def append(self, ids: list[int], logprobs: list[float] | None, version: int,
+               versions: list[int] | None = None) -> None:
+        """Sampled ids (with their logprobs) or, with None, context ids: logprob 0.0 and no loss. Each id is tagged
+        `version`, or its own entry of `versions` (a turn that moved onto newer versions while it was sampled)."""
         self.ids += ids
         self.loss_mask += [0 if logprobs is None else 1] * len(ids)
         self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
-        self.versions += [version] * len(ids)
+        self.versions += [version] * len(ids) if versions is None else versions
 
 
 class EpisodeStats:
@@ -191,6 +194,15 @@ def reset_environment(environment, row: PromptRow) -> str | None:
 
 Latest = Callable[[], ContextManager[tuple[int, str]]]
 """`episode_version: latest`: gives the (version, adapter) served now, held in use while its turn runs."""
+
+
+@dataclass(frozen=True)
+class MidTurn:
+    """`inflight_weight_updates` for episodes: a turn still being sampled moves onto each new version. `served()` is
+    the version served now; `stats` counts what the moves cost (rollout/inflight.py)."""
+
+    served: Callable[[], int]
+    stats: InflightStats
 
 
 def process_refs(cfg, names: list[str]) -> dict[str, str]:
@@ -266,27 +278,29 @@ class EpisodeRunner:
 
     # ---- running --------------------------------------------------------------------------------------------
     def run_group(self, client, row: PromptRow, *, n: int, adapter: str, version: int,
-                  seed: int | None, latest: Latest | None = None) -> list[Episode]:
-        """`n` episodes of `row`, all turns on `adapter`, or each on what `latest()` gives. Raises what a turn's
-        request raised (the producer loses and resends the group on a server fault) or TurnAborted."""
+                  seed: int | None, latest: Latest | None = None, mid_turn: MidTurn | None = None) -> list[Episode]:
+        """`n` episodes of `row`, all turns on `adapter`, or each on what `latest()` gives (and, with `mid_turn`,
+        moved onto each new version while it is sampled). Raises what a turn's request raised (the producer loses
+        and resends the group on a server fault) or TurnAborted."""
         episodes: list[Episode] = []
         try:
             for _ in range(n):
                 episodes.append(self.start(row))
-            return self._run_all(client, row, episodes, adapter=adapter, version=version, seed=seed, latest=latest)
+            return self._run_all(client, row, episodes, adapter=adapter, version=version, seed=seed, latest=latest,
+                                 mid_turn=mid_turn)
         except BaseException:
             self.release(episodes)  # the group is lost: its environments are reset before their next use
             raise
 
     def _run_all(self, client, row: PromptRow, episodes: list[Episode], *, adapter: str, version: int,
-                 seed: int | None, latest: Latest | None) -> list[Episode]:
+                 seed: int | None, latest: Latest | None, mid_turn: MidTurn | None) -> list[Episode]:
         n = len(episodes)
         errors: list[BaseException] = []
 
         def one(j: int) -> None:
             try:
                 self.run(client, episodes[j], adapter=adapter, version=version,
-                         seed=None if seed is None else seed + j, latest=latest)
+                         seed=None if seed is None else seed + j, latest=latest, mid_turn=mid_turn)
             except BaseException as exc:  # noqa: BLE001 - raised again in the group's thread
                 errors.append(exc)
 
@@ -314,10 +328,13 @@ class EpisodeRunner:
         return self.cfg.max_completion_length if left is None else min(self.cfg.max_completion_length, left)
 
     def run(self, client, e: Episode, *, adapter: str, version: int, seed: int | None,
-            latest: Latest | None = None) -> None:
+            latest: Latest | None = None, mid_turn: MidTurn | None = None) -> None:
         """One episode, turn after turn, until it answers without a tool call, its environment is done, `max_turns`
-        or a token budget is reached. Each turn on `adapter` (pinned) or on what `latest()` gives then."""
+        or a token budget is reached. Each turn on `adapter` (pinned) or on what `latest()` gives then; with
+        `mid_turn` (which needs `latest`), a turn still being sampled when a new version is served goes on from its
+        tokens on that version."""
         cfg = self.cfg
+        assert mid_turn is None or latest is not None, "a turn moves onto the version `latest` gives"
         while True:
             room = self._room(e)
             if room < 1:
@@ -326,12 +343,21 @@ class EpisodeRunner:
             turn_seed = None if seed is None else (seed + 7919 * e.turns) % 2**31
             policy = contextlib.nullcontext((version, adapter)) if latest is None else latest()
             with policy as (turn_version, turn_adapter):  # the turn's adapter stays loaded until its answer is in
-                (c,) = client.complete(turn_adapter, e.prompt_ids + e.ids, n=1, max_tokens=room,
-                                       temperature=cfg.temperature, top_p=cfg.top_p, seed=turn_seed)
+                if mid_turn is None:
+                    (c,) = client.complete(turn_adapter, e.prompt_ids + e.ids, n=1, max_tokens=room,
+                                           temperature=cfg.temperature, top_p=cfg.top_p, seed=turn_seed)
+                else:  # a sampled turn that ends as the server would have ended it (an abort is continued)
+                    (c,) = sample_across_versions(client, e.prompt_ids + e.ids, n=1, max_tokens=room,
+                                                  first=(turn_version, turn_adapter), policy=latest,
+                                                  served=mid_turn.served, stats=mid_turn.stats,
+                                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=turn_seed)
             if c.finish_reason == "abort":
                 raise TurnAborted(f"turn {e.turns + 1} was aborted by a sync")
             context = e.prompt_ids + e.ids
-            e.append(c.token_ids, c.logprobs, turn_version)
+            turn_versions = getattr(c, "versions", None)  # per token, when the turn could move
+            e.append(c.token_ids, c.logprobs, turn_version, versions=turn_versions)
+            if turn_versions:
+                turn_version = turn_versions[-1]  # the tool suffix (context, no loss) is tagged as the turn ended
             e.turns += 1
             message = self.fmt.parse(context, c.token_ids, list(e.tools.values()))
             e.messages.append(message)

@@ -36,11 +36,13 @@ class Sampled:
 @dataclass
 class InflightStats:
     """What moving onto new versions cost: continuation requests sent, and tokens sampled past a completion's budget
-    and cut (a continuation of several completions asks for the longest one's remaining budget)."""
+    and cut (a continuation of several completions asks for the longest one's remaining budget); and how much of
+    what was kept the newer versions sampled."""
 
     continuations: int = 0
     completions_moved: int = 0
     tokens_cut: int = 0
+    tokens_moved: int = 0  # tokens kept that were sampled after their completion moved onto a newer version
 
 
 def sample_across_versions(client: InferenceClient, prompt_ids: list[int], *, n: int, max_tokens: int,
@@ -56,6 +58,7 @@ def sample_across_versions(client: InferenceClient, prompt_ids: list[int], *, n:
                                         temperature=temperature, top_p=top_p, extra=extra,
                                         interrupted=lambda: served() != version)
     _extend(out, range(n), completions, version, max_tokens, stats)
+    first_tokens = sum(len(s.token_ids) for s in out)
     while unfinished := [i for i, s in enumerate(out) if not s.done]:
         stats.continuations += 1
         stats.completions_moved += len(unfinished)
@@ -66,6 +69,7 @@ def sample_across_versions(client: InferenceClient, prompt_ids: list[int], *, n:
                                                 top_p=top_p, extra=extra,
                                                 interrupted=lambda: served() != version)
         _extend(out, unfinished, completions, version, max_tokens, stats)
+    stats.tokens_moved += sum(len(s.token_ids) for s in out) - first_tokens
     return out
 
 

@@ -21,7 +21,7 @@ from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.timeline import Timeline
 from asyncgrpo.contracts import Group, finish_reason_from_tokens, scored_advantages
-from asyncgrpo.rollout.episodes import EpisodeRunner, TurnAborted, episode_group
+from asyncgrpo.rollout.episodes import EpisodeRunner, MidTurn, TurnAborted, episode_group
 from asyncgrpo.rollout.inflight import InflightStats, sample_across_versions
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.admission import Admission
@@ -318,10 +318,12 @@ class RolloutProducer:
         """`_generate` for episodes (rollout/episodes.py): every turn of the group's episodes on `adapter`, or on
         the newest served one with `episode_version: latest`."""
         latest = self.admission.latest if self.cfg.episode_version == "latest" else None
+        mid_turn = MidTurn(served=lambda: self.admission.version, stats=self.inflight_stats) \
+            if self.cfg.inflight_weight_updates else None
         self.server_busy.enter()
         try:
             episodes = self.episodes.run_group(client, row, n=self.cfg.num_generations, adapter=adapter,
-                                               version=version, seed=seed, latest=latest)
+                                               version=version, seed=seed, latest=latest, mid_turn=mid_turn)
         except TurnAborted:
             episodes = None
         finally:

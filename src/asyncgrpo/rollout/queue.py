@@ -23,6 +23,7 @@ class RolloutQueue:
         self.scale_rewards = scale_rewards  # `batch`: advantages are scaled over the batch `take` returns
         self.dynamic_sampling = dynamic_sampling  # drop groups whose rewards are all equal (DAPO)
         self.dropped_stale = 0
+        self.dropped_stale_tokens = 0  # sampled tokens of the groups dropped as too old: generated for nothing
         self.dropped_zero_std = 0  # groups dropped by dynamic sampling (the producer generated others instead)
         self._groups: deque[Group] = deque()
         self.cond = threading.Condition()  # guards the queue; `take` waits on it
@@ -61,6 +62,8 @@ class RolloutQueue:
         keep = deque(g for g in self._groups if trainer_version - g.version <= self.max_staleness)
         dropped = len(self._groups) - len(keep)
         if dropped:
+            self.dropped_stale_tokens += sum(g.n_sampled_tokens for g in self._groups
+                                             if trainer_version - g.version > self.max_staleness)
             self._groups = keep
             self.dropped_stale += dropped
             self._removed_locked(dropped, batch=False)  # the producer refills what was dropped

@@ -160,7 +160,8 @@ class RolloutSide:
                 "queue/inflight_requests": producer.inflight,
                 **({"rollout/inflight_continuations_total": producer.inflight_stats.continuations,
                     "rollout/inflight_completions_moved_total": producer.inflight_stats.completions_moved,
-                    "rollout/inflight_tokens_cut_total": producer.inflight_stats.tokens_cut}
+                    "rollout/inflight_tokens_cut_total": producer.inflight_stats.tokens_cut,
+                    "rollout/inflight_tokens_moved_total": producer.inflight_stats.tokens_moved}
                    if self.cfg.inflight_weight_updates else {})}
 
     def _logged_metrics(self) -> dict[str, float]:

@@ -15,6 +15,7 @@ import pytest
 from fakes import DigitTokenizer, FakeVLLM, ParkingCondition, cfg
 
 from asyncgrpo.data import PromptRow, PromptStream
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.build import build_producer
 from asyncgrpo.rollout.producer import request_seed
@@ -258,3 +259,67 @@ def test_the_schedule_alone_resumes_at_its_batch_frees_lost_slots_and_waits_for_
     assert (s.inflight, s.adapters_in_use()) == (2, {"pol-v3"})
     s.stop()
     assert s.claim() is None
+
+
+# ---- rollout_mode: stream ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode,after_take", [("batch", (2, 0, 4)), ("stream", (4, 0, 6))])
+def test_stream_refills_as_soon_as_a_batch_is_taken_where_batch_waits_for_the_next_version(harness, mode, after_take):
+    # max_staleness 1, two groups per step: both modes start with two batches' worth under version 0. Once batch 0 is
+    # taken, batch mode's next group is batch 2's, which needs version 1; stream refills the freed capacity at once,
+    # because the trainer's next batch (1) may still take a version-0 group.
+    h = harness(max_staleness=1, max_inflight=8, rollout_mode=mode)
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (4, 0, 4)
+    h.release(2)
+    assert h.settled() == (2, 2, 4)  # queued groups count toward the capacity too
+    h.queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)
+    assert h.settled() == after_take
+
+
+def test_stream_groups_sent_ahead_of_the_version_are_trained_late_or_dropped_as_too_old(harness):
+    # The price of sending ahead: after batch 0 is taken, stream sends two more groups under version 0 (indices 4, 5).
+    # With the trainer at version 1 the oldest-first take trains groups 2 and 3 (one version stale: allowed); at
+    # version 2 the queue has only 4 and 5 left, two versions stale: dropped, and counted with their tokens.
+    h = harness(max_staleness=1, max_inflight=8, rollout_mode="stream")
+    h.settled(lambda: h.producer.set_policy(0, "pol-v0"))
+    h.release(2)
+    h.settled()
+    assert [g.index for g in h.queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)] == [0, 1]
+    assert h.settled() == (4, 0, 6)
+    h.release(4)
+    assert [(g.index, g.version) for g in h.queue.take(2, trainer_version=1, timeout_s=DEADLINE_S)] == \
+        [(2, 0), (3, 0)]
+    with pytest.raises(TimeoutError):
+        h.queue.take(2, trainer_version=2, timeout_s=0.01)
+    assert (h.queue.dropped_stale, h.queue.dropped_stale_tokens) == (2, 8)  # 2 groups x 4 one-token completions
+
+
+def test_stream_with_no_staleness_still_waits_for_the_version_that_trains_the_next_batch(harness):
+    # Capacity (0 + 1) x 2: one batch. Once it is taken, the next batch needs version 1: a group sent under version 0
+    # could only be dropped.
+    h = harness(max_staleness=0, max_inflight=8, rollout_mode="stream")
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (2, 0, 2)
+    h.release(2)
+    h.queue.take(2, trainer_version=0, timeout_s=DEADLINE_S)
+    assert h.settled() == (0, 0, 2)
+    assert h.settled(lambda: h.producer.set_policy(1, "pol-v1")) == (2, 0, 4)
+
+
+def test_stream_capacity_can_be_set_and_max_inflight_requests_still_caps_what_is_in_flight(harness):
+    h = harness(max_staleness=2, max_inflight=8, rollout_mode="stream", rollout_capacity=3)
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (3, 0, 3)  # default would be 3 x 2
+    h2 = harness(max_staleness=2, max_inflight=4, rollout_mode="stream")
+    assert h2.settled(lambda: h2.producer.set_policy(0, "pol-v0")) == (4, 0, 4)  # capacity 6, in flight at most 4
+
+
+def test_a_stream_producer_resumed_at_batch_3_waits_for_the_version_that_batch_may_be_trained_with(harness):
+    h = harness(max_staleness=0, max_inflight=8, start_batch=3, rollout_mode="stream")
+    assert h.settled(lambda: h.producer.set_policy(2, "pol-v2")) == (0, 0, 0)
+    assert h.settled(lambda: h.producer.set_policy(3, "pol-v3")) == (2, 0, 2)
+
+
+def test_a_stream_capacity_below_one_step_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="rollout_capacity.*fewer than the 4 groups of one step"):
+        Admission(cfg(num_generations=4, per_device_train_batch_size=16, rollout_mode="stream", rollout_capacity=3),
+                  groups_per_step=4, max_inflight=8)
+    with pytest.raises(ConfigError, match="rollout_mode.*use batch or stream"):
+        cfg(rollout_mode="streaming")

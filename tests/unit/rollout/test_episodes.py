@@ -732,3 +732,58 @@ def test_an_environment_factory_may_be_any_callable_and_its_reward_is_named_afte
                     environment_factory="agent_tools:make_nothing")
     with pytest.raises(ConfigError, match="agent_tools:make_nothing returned a object, which has no reset"):
         broken.start(ROW)
+
+
+class MovingClient:
+    """`complete_until` for episodes whose first turn is interrupted after its first token by a new version: the
+    version served moves from 1 to 2 at that point; every other request answers whole. Turn k is `turns[k]` + eos."""
+
+    def __init__(self, turns: list[str], served: list[int]):
+        self.turns, self.served, self.calls = turns, served, []
+        self.base_url = "http://moving"
+
+    def complete_until(self, model, prompts, *, n, max_tokens, interrupted, temperature=1.0, top_p=1.0, seed=None,
+                       extra=None):
+        (prompt,) = prompts
+        self.calls.append((model, list(prompt), max_tokens))
+        k = TOK.decode(prompt).count("<|im_start|>tool")
+        whole = ids(self.turns[min(k, len(self.turns) - 1)]) + [EOS]
+        if len(self.calls) == 1:  # the first turn: one token streamed, then version 2 goes live
+            self.served[0] = 2
+            assert interrupted()
+            return [Completion(whole[:1], [-0.5], "", "", model)]
+        if len(self.calls) == 2:  # its continuation: the rest of the turn, on version 2
+            return [Completion(whole[1:], [-0.25] * (len(whole) - 1), "", "stop", model)]
+        return [Completion(whole, [-0.125] * len(whole), "", "stop", model)]
+
+
+def test_a_turn_interrupted_by_a_new_version_goes_on_from_its_tokens_and_each_token_keeps_its_version():
+    from asyncgrpo.rollout.episodes import MidTurn
+    from asyncgrpo.rollout.inflight import InflightStats
+
+    served = [1]
+    stats = InflightStats()
+    r = runner(max_turns=2, max_completion_length=20, episode_version="latest", inflight_weight_updates=True)
+    client = MovingClient(["45", "7"], served)
+    e = r.start(ROW)
+
+    def latest():
+        from contextlib import nullcontext
+        return nullcontext((served[0], f"a-v{served[0]}"))
+
+    r.run(client, e, adapter="a-v1", version=1, seed=None, latest=latest,
+          mid_turn=MidTurn(served=lambda: served[0], stats=stats))
+    turn1 = ids("45") + [EOS]
+    (m1, p1, _), (m2, p2, budget2), (m3, p3, _) = client.calls
+    assert (m1, m2, m3) == ("a-v1", "a-v2", "a-v2")  # the turn moved onto version 2; the next turn started there
+    assert p2 == p1 + turn1[:1] and budget2 == 20 - 1  # continued from its one token, with the turn's budget left
+    assert p3[:len(p1) + len(turn1)] == p1 + turn1  # the next turn sees the whole first turn, never re-tokenized
+    sampled = [(v, lp) for v, lp, m in zip(e.versions, e.logprobs, e.loss_mask) if m]
+    assert sampled[:len(turn1)] == [(1, -0.5)] + [(2, -0.25)] * (len(turn1) - 1)
+    assert all(v == 2 for v, m in zip(e.versions[len(turn1):], e.loss_mask[len(turn1):]))  # suffix and turn 2
+    assert (stats.continuations, stats.completions_moved, stats.tokens_moved) == (1, 1, len(turn1) - 1)
+
+
+def test_moving_turns_mid_generation_needs_episode_version_latest():
+    with pytest.raises(ConfigError, match="inflight_weight_updates.*set `episode_version: latest`"):
+        make_cfg(tools=["agent_format:lookup"], inflight_weight_updates=True)
