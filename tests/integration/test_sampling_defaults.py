@@ -2,9 +2,10 @@
 Qwen2.5-Instruct ships) does not bias training: the client sends every sampling field, the launch files serve with
 `--generation-config vllm`, and `doctor` refuses a server that applies the model's defaults.
 
-Two real vLLM servers on the toy-world variant with those defaults, one after the other: first one started like a
-stock `vllm serve` (`--generation-config auto`, where the defaults are live), then one with our launch flags, which
-an on-policy training run uses."""
+Two real vLLM servers on the toy-world variant with those defaults, started side by side (a vLLM start is one Python
+process at a time: two take about as long as one on 2 cores): one started like a stock `vllm serve`
+(`--generation-config auto`, where the defaults are live), stopped after its tests, and one with our launch flags,
+which an on-policy training run uses."""
 
 from __future__ import annotations
 
@@ -34,11 +35,34 @@ def qwen_like(world):
     return variant
 
 
-def serve(model_dir, tmp_path_factory, generation_config: str):
-    log = tmp_path_factory.mktemp(f"vllm-gen-{generation_config}") / "vllm.log"
-    with make_server(model_dir, find_free_port(), max_model_len=256, generation_config=generation_config,
-                     log_path=log) as server, InferenceClient(server.base_url) as client:
-        yield client
+START_S = 600  # a vLLM CPU start takes ~30 s on 2 quiet cores, minutes on a loaded one
+
+
+@pytest.fixture(scope="module")
+def servers(qwen_like, tmp_path_factory):
+    """generation_config -> its server, both started at once (each class's fixture waits for its own)."""
+    made = {}
+    try:
+        for generation_config in ("auto", "vllm"):
+            log = tmp_path_factory.mktemp(f"vllm-gen-{generation_config}") / "vllm.log"
+            made[generation_config] = make_server(qwen_like.model_dir, find_free_port(), max_model_len=256,
+                                                  generation_config=generation_config, log_path=log)
+            made[generation_config].start()
+        yield made
+    finally:
+        for server in made.values():
+            server.stop()
+
+
+def serve(servers, generation_config: str):
+    """A client of that server once it is ready; the server is stopped after the class that asked for it."""
+    server = servers[generation_config]
+    try:
+        server.wait_ready(START_S)
+        with InferenceClient(server.base_url) as client:
+            yield client
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +90,15 @@ def doctor_ctx(client, model_dir, *, read_back: bool) -> ServerContext:
 
 
 @pytest.fixture(scope="class")
-def stock(qwen_like, tmp_path_factory):
+def stock(servers):
     """`--generation-config auto`, vLLM's default: the model's top_k and repetition_penalty fill omitted fields."""
-    yield from serve(qwen_like.model_dir, tmp_path_factory, "auto")
+    yield from serve(servers, "auto")
 
 
 @pytest.fixture(scope="class")
-def served(qwen_like, tmp_path_factory):
+def served(servers):
     """Served the way launch/vllm/serve.sh and VLLMServer serve: `--generation-config vllm`."""
-    yield from serve(qwen_like.model_dir, tmp_path_factory, "vllm")
+    yield from serve(servers, "vllm")
 
 
 class TestStockServer:
@@ -108,7 +132,7 @@ class TestStockServer:
 
 
 class TestLaunchFlags:
-    """A server with our launch flags, started after the stock one has stopped."""
+    """A server with our launch flags (the stock one has stopped by now)."""
 
     def test_doctor_passes_with_generation_config_vllm(self, served, qwen_like):
         assert check_generation_config(doctor_ctx(served, qwen_like.model_dir, read_back=True)).detail == \
