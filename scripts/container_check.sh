@@ -104,7 +104,7 @@ say "toy world at $model_dir"
 port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 made_containers+=("$tag-vllm")
 podman run -d --name "$tag-vllm" "${common[@]}" "$vllm" \
-    python -m asyncgrpo.inference.server --model "$model_dir" --host 127.0.0.1 --port "$port" \
+    python -m asyncgrpo.inference_node.vllm_server --model "$model_dir" --host 127.0.0.1 --port "$port" \
     --max-lora-rank 8 --max-loras 4 --max-model-len 256 --timeout "$HEALTH_TIMEOUT" --log-path "$shared/vllm.log" \
     >/dev/null
 t=$SECONDS
