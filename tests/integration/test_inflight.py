@@ -61,8 +61,10 @@ def test_a_publish_mid_completion_moves_it_onto_the_new_adapter_and_each_token_k
 def test_a_publish_mid_turn_moves_an_episodes_turn_onto_the_new_adapter_and_each_token_keeps_its_versions_logprob(
         world, client, tmp_path, random_adapter):
     """A 2-turn episode (tests/agent_format.py: the toy model knows no tool format, so every non-empty turn is a
-    `lookup` call and max_turns 2 ends it): version 2 goes live after the first turn's first streamed token, so that
-    turn goes on on version 2, and the second turn starts there."""
+    `lookup` call and max_turns 2 ends it): version 1 is the base model, which answers the toy's question with digits
+    (a random adapter may end the turn at once, and an empty turn calls no tool); version 2, a random adapter, goes
+    live after the first turn's first streamed token, so that turn goes on on version 2, and the second turn starts
+    there."""
     from agent_format import agent_tokenizer, lookup
     from fakes import cfg as make_cfg
 
@@ -70,7 +72,10 @@ def test_a_publish_mid_turn_moves_an_episodes_turn_onto_the_new_adapter_and_each
     from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, MidTurn
 
     tok = agent_tokenizer()
-    names = load_two_versions(client, world, tmp_path, random_adapter, "inflight-turn", seeds=(21, 22))
+    adapter = f"inflight-turn-{uuid.uuid4().hex[:6]}"
+    client.load_adapter(adapter, AdapterStore(tmp_path).write(2, *random_adapter(seed=22),
+                                                              base_model=str(world.model_dir)))
+    names = {1: client.base_model(), 2: adapter}
     asked = []
 
     def served() -> int:
@@ -95,8 +100,7 @@ def test_a_publish_mid_turn_moves_an_episodes_turn_onto_the_new_adapter_and_each
         whole = e.prompt_ids + e.ids
         scores = {v: client.score(names[v], whole)[len(e.prompt_ids):] for v in names}
     finally:
-        for name in names.values():
-            client.unload_adapter(name)
+        client.unload_adapter(adapter)
 
     assert e.turns == 2 and stats.continuations >= 1
     first_turn = e.loss_mask.index(0)  # the first turn's sampled ids end where its tool suffix begins
