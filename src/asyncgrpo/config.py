@@ -366,6 +366,16 @@ class AsyncGRPOConfig:
     `ASYNCGRPO_ROLLOUT_KEY` (required, at least 32 characters, e.g. `openssl rand -hex 32`), over TLS. That side uses
     this config, which rank 0 sends it, except the paths it resolves itself (docs/running.md). None: the rollout side
     is rank 0's."""
+    served_check_every: int = 1
+    """Check every this many published versions that each server serves what was trained: the trainer's logprobs of
+    a short probe from its first batch (prompt end + sampled completion) are compared with each server's under the
+    new adapter name before the version is used; a difference above `served_check_tolerance` stops the run with an
+    error naming the server, the version and the likely cause (the base served, an older adapter, a wrong rank,
+    alpha or targets). One forward of <= 96 tokens on every rank per check. 0: off (docs/publish-internals.md)."""
+    served_check_tolerance: float | None = None
+    """The largest served - trained logprob difference on the probe a correct version may show. None: by
+    `torch_dtype`, from measurement (1e-3 for float32, 0.1 for bfloat16/float16); raise it if the server runs a
+    lower precision than the trainer."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
     keep_final_adapter: bool = True
@@ -890,6 +900,9 @@ VALUE_RANGES: dict[str, Range] = {
     "max_staleness": Range(0, fix="use 0 for synchronous training or 1-4 for asynchronous"),
     "weight_sync_steps": Range(1, fix="use 1 or num_iterations"),
     "keep_adapter_versions": Range(1, fix="use 3 (the default)"),
+    "served_check_every": Range(0, fix="use 1 (every version, the default), N (every N-th) or 0 (off)"),
+    "served_check_tolerance": Range(0, low_open=True, fix="unset it (by torch_dtype), or e.g. 0.2 for a bf16 server "
+                                    "behind an fp32 trainer"),
     "vllm_server_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 240"),
     "vllm_request_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 120"),
     "logging_steps": Range(1, fix="use 1 or more"),

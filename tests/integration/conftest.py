@@ -8,6 +8,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _HERE = Path(__file__).parent
+# A toy server is ready in ~30 s on an idle machine; on a shared 2-core one with other servers starting, over 180 s.
+READY_S = 600.0
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,9 +33,14 @@ def _serve(world, tmp_path_factory, name: str, max_lora_rank: int):
     from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
     log = tmp_path_factory.mktemp(name) / "vllm.log"
-    with VLLMServer(world.model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
-                    log_path=log) as server:
+    server = VLLMServer(world.model_dir, find_free_port(), max_lora_rank=max_lora_rank, max_loras=4, max_model_len=256,
+                        log_path=log)
+    try:
+        server.start()
+        server.wait_ready(timeout_s=READY_S)
         yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
