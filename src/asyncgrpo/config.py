@@ -363,7 +363,7 @@ class AsyncGRPOConfig:
     """`host:port` of a rollout side already running on its own (`asyncgrpo rollout-serve --listen HOST:PORT`, e.g.
     on another host): rank 0 connects to it over TCP instead of running or spawning one, with `rollout_process`'s
     interface and failure reports. Both ends take the connection key from the environment variable
-    `ASYNCGRPO_ROLLOUT_KEY` (required, at least 32 characters, e.g. `openssl rand -hex 32`), over TLS. That side uses
+    `ASYNCGRPO_ROLLOUT_KEY` (required, made by `asyncgrpo keygen`), over TLS. That side uses
     this config, which rank 0 sends it, except the paths it resolves itself (docs/running.md). None: the rollout side
     is rank 0's."""
     served_check_every: int = 1
