@@ -15,8 +15,8 @@ from asyncgrpo.errors import ServedPolicyError
 log = logging.getLogger(__name__)
 
 # The largest |served - trained| logprob a correct sync may show on the probe, by the run's torch_dtype, from
-# measurement (docs/publish-internals.md): fp32 trainer and fp32 server agreed to 8.3e-7 on the toy, while one
-# optimizer step moved the probe by 0.020-0.048; a bf16 trainer against an fp32 server to 0.023 on the toy, and bf16
+# measurement (docs/publish-internals.md): fp32 trainer and fp32 server agreed to 1.1e-6 on the toy, while one
+# optimizer step moved the probe by 0.012-0.048; a bf16 trainer against an fp32 server to 0.023 on the toy, and bf16
 # against bf16 to 0.063 over 512 tokens of a 0.5B model. In bf16 a version is told from the previous one only when a
 # step moves the probe by more than the bound (`sync/served_probe_change` says by how much it did).
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
