@@ -119,6 +119,16 @@ def config_keys_help() -> str:
     return "\n".join(lines)
 
 
+def cmd_keygen(args, overrides) -> int:
+    """A new rollout link key on stdout (transport/link.py: generate_key), nothing else."""
+    from asyncgrpo.transport.link import generate_key  # the standard library only: no torch for a key
+
+    if overrides:
+        raise ConfigError("keygen", f"takes no arguments, got {' '.join(overrides)}", "run `asyncgrpo keygen` alone")
+    print(generate_key())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__.split("\n\n")[0])
     # The `deepspeed` launcher puts --local_rank=N before the subcommand; each rank reads LOCAL_RANK instead.
@@ -195,12 +205,13 @@ def main(argv: list[str] | None = None) -> int:
                                                  "(`rollout_address`), e.g. on another host (docs/running.md)")
     serve.add_argument("--listen", required=True, metavar="HOST:PORT",
                        help="address to listen on (port 0: a free one; the address is logged). Needs the key in "
-                            "ASYNCGRPO_ROLLOUT_KEY (at least 32 characters, e.g. `openssl rand -hex 32`), the same "
-                            "on the trainer's host")
+                            "ASYNCGRPO_ROLLOUT_KEY (made by `asyncgrpo keygen`), the same on the trainer's host")
     for name, text in ROLLOUT_SERVE_PATHS.items():
         serve.add_argument(f"--{name}", nargs="+" if name == "data_files" else None, default=None, help=text)
+    sub.add_parser("keygen", help="print a new key for ASYNCGRPO_ROLLOUT_KEY (256 random bits and a checksum): "
+                                  "export ASYNCGRPO_ROLLOUT_KEY=$(asyncgrpo keygen)")
     args, overrides = parser.parse_known_args(argv)
-    handlers = {"train": cmd_train, "check": cmd_check, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor,
+    handlers = {"keygen": cmd_keygen, "train": cmd_train, "check": cmd_check, "demo": cmd_demo, "bench": cmd_bench, "doctor": cmd_doctor,
                 "rollout-serve": cmd_rollout_serve}
     # train and rollout-serve handle signals themselves (resume paused servers first); for the others a signal exits
     # through their `finally` blocks, which stop the vLLM servers and launches they started (children.py).

@@ -658,9 +658,19 @@ class AsyncSettings(Section):
     """`host:port` of a rollout side already running on its own (`asyncgrpo rollout-serve --listen HOST:PORT`, e.g.
     on another host): rank 0 connects to it over TCP instead of running or spawning one, with `rollout_process`'s
     interface and failure reports. Both ends take the connection key from the environment variable
-    `ASYNCGRPO_ROLLOUT_KEY` (required, at least 32 characters, e.g. `openssl rand -hex 32`), over TLS. That side uses
+    `ASYNCGRPO_ROLLOUT_KEY` (required, made by `asyncgrpo keygen`), over TLS. That side uses
     this config, which rank 0 sends it, except the paths it resolves itself (docs/running.md). None: the rollout side
     is rank 0's."""
+    served_check_every: int = 1
+    """Check every this many published versions that each server serves what was trained: the trainer's logprobs of
+    a short probe from its first batch (prompt end + sampled completion) are compared with each server's under the
+    new adapter name before the version is used; a difference above `served_check_tolerance` stops the run with an
+    error naming the server, the version and the likely cause (the base served, an older adapter, a wrong rank,
+    alpha or targets). One forward of <= 96 tokens on every rank per check. 0: off (docs/publish-internals.md)."""
+    served_check_tolerance: float | None = None
+    """The largest served - trained logprob difference on the probe a correct version may show. None: by
+    `torch_dtype`, from measurement (1e-3 for float32, 0.1 for bfloat16/float16); raise it if the server runs a
+    lower precision than the trainer."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
     keep_final_adapter: bool = True
@@ -672,6 +682,9 @@ class AsyncSettings(Section):
         "rollout_capacity": Range(1, fix="use at least the groups of one step, or unset it to size it from the staleness"),
         "weight_sync_steps": Range(1, fix="use 1 or num_iterations"),
         "keep_adapter_versions": Range(1, fix="use 3 (the default)"),
+        "served_check_every": Range(0, fix="use 1 (every version, the default), N (every N-th) or 0 (off)"),
+        "served_check_tolerance": Range(0, low_open=True, fix="unset it (by torch_dtype), or e.g. 0.2 for a bf16 server "
+                                        "behind an fp32 trainer"),
     }
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"sync_mode": SYNC_MODES, "rollout_mode": ROLLOUT_MODES,

@@ -1,4 +1,5 @@
-"""The data that crosses from the rollout side to the trainer: a scored `Group` and its advantages.
+"""The data that crosses between the rollout side and the trainer: a scored `Group` and its advantages, and the
+`ServedProbe` a published version carries so that the rollout side can check the servers serve it.
 
 A group is built by the producer (in rank 0, a child, or another host), sent over the rollout link (transport/wire.py)
 and trained on by every rank, so it depends on nothing but the standard library.
@@ -51,6 +52,19 @@ class Group:
                                    reward_parts={k: [v[j]] for k, v in self.reward_parts.items()},
                                    masked=self.masked[j:j + 1], loss_mask=self.loss_mask[j:j + 1],
                                    versions=self.versions[j:j + 1])
+
+
+@dataclass
+class ServedProbe:
+    """A short fixed token sequence and the trainer's logprobs of its last tokens under one version's weights, sent
+    with that version: the rollout side asks each server for the same logprobs under the version's adapter name and
+    compares (rollout/served_check.py). Raw logprobs (temperature 1, no sampling processor): what vLLM's
+    `prompt_logprobs` reports."""
+
+    token_ids: list[int]  # the whole sequence both sides score
+    start: int  # the first scored position: logprobs[i] is token_ids[start + i]'s, given the tokens before it
+    logprobs: list[float]  # the trainer's, under the version this probe is sent with
+    base_logprobs: list[float] | None = None  # the same tokens with the adapter off: set on a probe's first sending
 
 
 def finish_reason_from_tokens(finish_reason: str, token_ids: list[int], end_token_ids: frozenset[int]) -> str:

@@ -71,6 +71,11 @@ class SyncError(AsyncGRPOError):
     """Publishing a new adapter version to the inference server failed; the previous version keeps serving."""
 
 
+class ServedPolicyError(SyncError):
+    """A server's logprobs under a version's adapter name differ from the trainer's beyond the run's bound
+    (`served_check_every`): it does not serve what was trained, and training on its samples would be off-policy."""
+
+
 class CheckpointError(AsyncGRPOError):
     """A checkpoint cannot be saved or resumed from (missing, incomplete, corrupt, or an unsupported backend)."""
 

@@ -104,10 +104,12 @@ def _dial_tls(address: str) -> ssl.SSLSocket:
 # ---- the key ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key, problem", [
     (None, f"{ROLLOUT_KEY_ENV} is not set"),
-    (OLD_BUILT_IN_KEY, f"{ROLLOUT_KEY_ENV} is too weak (26 characters"),
-    ("0123456789abcdef0123456789abcde", f"{ROLLOUT_KEY_ENV} is too weak (31 characters"),  # one short of 32
-    ("ab" * 20, f"{ROLLOUT_KEY_ENV} is too weak (40 characters, 2 different"),
-], ids=["unset", "old-built-in", "short", "repetitive"])
+    (OLD_BUILT_IN_KEY, f"{ROLLOUT_KEY_ENV} is too weak (it is not a generated key"),
+    # 32 characters of 14 different ones, which the old length rule accepted: a passphrase, not a random key
+    ("password password password 12345", f"{ROLLOUT_KEY_ENV} is too weak (it is not a generated key"),
+    ("0123456789abcdef0123456789abcde", f"{ROLLOUT_KEY_ENV} is too weak (31 hex digits"),  # one short of 32
+    ("ab" * 20, f"{ROLLOUT_KEY_ENV} is too weak (only 2 different hex digits"),
+], ids=["unset", "old-built-in", "passphrase", "short", "repetitive"])
 def test_a_missing_old_or_weak_key_is_refused_at_both_ends_before_any_connection(key, problem, tmp_path,
                                                                                    monkeypatch, capsys):
     if key is None:
@@ -118,7 +120,7 @@ def test_a_missing_old_or_weak_key_is_refused_at_both_ends_before_any_connection
     assert main(["rollout-serve", "--listen", "127.0.0.1:0"]) == 2
     err = capsys.readouterr().err
     assert f"config `--listen`: {problem}" in err and "there is no built-in key" in err
-    assert f"Fix: export {ROLLOUT_KEY_ENV}=$(openssl rand -hex 32)" in err
+    assert f"Fix: export {ROLLOUT_KEY_ENV}=$(asyncgrpo keygen)" in err
     # The trainer: refuses before dialling (a listener it would reach sees no connection).
     with socket.create_server(("127.0.0.1", 0)) as listener:
         with pytest.raises(ConfigError) as refused:
@@ -133,7 +135,7 @@ def test_a_client_proving_the_old_built_in_key_is_refused_and_the_real_trainer_s
     server = RolloutServer()
     with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
         with _dial_tls(server.address) as tls:  # speaks the protocol, with the key every old copy knew
-            with pytest.raises(link.KeyMismatch, match="the server refused this end's key"):
+            with pytest.raises(link.KeyMismatch, match="the server could not prove it holds this end's key"):
                 link.prove_client(tls, OLD_BUILT_IN_KEY.encode(), time.monotonic() + BOUND_S)
         proxy = _proxy(tmp_path, server.address)
         returns_within(proxy.start, BOUND_S, "the real trainer's start after a refused client")
@@ -145,10 +147,13 @@ def test_a_client_proving_the_old_built_in_key_is_refused_and_the_real_trainer_s
     assert server.ended == [True] and server.side.calls == ["start", "close"]
 
 
-def test_a_server_that_cannot_prove_the_key_gets_no_hello(tmp_path):
-    """An impersonator: TLS and the challenge are easy, the proof of the key is not. The trainer refuses it and sends
-    nothing more, so its config never reaches it."""
-    context, _ = link.server_tls()
+def test_a_fake_server_gets_nothing_from_the_trainer_to_guess_the_key_from(tmp_path):
+    """An impersonator at `rollout_address` (a squatted port, a spoofed name): TLS and the challenge are easy, the
+    proof of the key is not. It records every byte the trainer sends until the trainer hangs up: the trainer's nonce
+    and zeros, nothing computed from the key, so there is nothing to test guesses against offline (before, the
+    trainer proved itself first and a 33-character passphrase fell to an offline guess in microseconds). The
+    trainer refuses it, so its config never reaches it."""
+    context, fingerprint = link.server_tls()
     listener = socket.create_server(("127.0.0.1", 0))
     seen = {}
 
@@ -156,10 +161,16 @@ def test_a_server_that_cannot_prove_the_key_gets_no_hello(tmp_path):
         sock, _ = listener.accept()
         with context.wrap_socket(sock, server_side=True) as tls:
             tls.settimeout(BOUND_S)
-            tls.sendall(link.MAGIC + secrets.token_bytes(link.NONCE_BYTES))
-            seen["response"] = len(link.recv_exactly(tls, link.RESPONSE_BYTES))
-            tls.sendall(b"Y" + secrets.token_bytes(link.MAC_BYTES))  # "accepted", with a proof it cannot make
-            seen["after"] = tls.recv(1)  # b"": the trainer closed without a hello
+            seen["challenge"] = link.MAGIC + secrets.token_bytes(link.NONCE_BYTES)
+            tls.sendall(seen["challenge"])
+            received = b""
+            while len(received) < link.NONCE_BYTES:
+                received += tls.recv(4096)
+            tls.sendall(secrets.token_bytes(link.MAC_BYTES))  # a proof of the key it cannot make (today's protocol)
+            tls.sendall(b"Y" + secrets.token_bytes(link.MAC_BYTES))  # "accepted" (the protocol before this one)
+            while chunk := tls.recv(4096):  # everything until the trainer closes
+                received += chunk
+            seen["received"] = received
 
     thread = threading.Thread(target=impersonate, daemon=True)
     thread.start()
@@ -168,9 +179,15 @@ def test_a_server_that_cannot_prove_the_key_gets_no_hello(tmp_path):
         returns_within(_proxy(tmp_path, address).start, BOUND_S, "a start against an impersonator")
     thread.join(BOUND_S)
     listener.close()
+    received, nonce_s = seen["received"], seen["challenge"][len(link.MAGIC):]
+    nonce_c = received[:link.NONCE_BYTES]
+    assert received[link.NONCE_BYTES:] == bytes(link.MAC_BYTES)  # then zeros, and the trainer hung up
+    # The attacker's offline test: does any 32 bytes the trainer sent equal an HMAC of the transcript under a guess?
+    # Even the right guess (the key itself) finds none.
+    proofs = {link._proof(KEY, who, fingerprint, nonce_s, nonce_c) for who in (b"trainer", b"server")}
+    assert not any(received[i:i + link.MAC_BYTES] in proofs for i in range(len(received) - link.MAC_BYTES + 1))
     assert "could not prove it holds this end's key" in str(failure.value)
     assert f"Fix: set {ROLLOUT_KEY_ENV} to the same secret on both hosts" in str(failure.value)
-    assert seen == {"response": link.RESPONSE_BYTES, "after": b""}
 
 
 def test_a_man_in_the_middle_with_its_own_certificate_is_refused_by_both_ends(tmp_path, caplog):
@@ -186,15 +203,16 @@ def test_a_man_in_the_middle_with_its_own_certificate_is_refused_by_both_ends(tm
         with context.wrap_socket(sock, server_side=True) as trainer, _dial_tls(server.address) as upstream:
             trainer.settimeout(BOUND_S)
             trainer.sendall(link.recv_exactly(upstream, link.CHALLENGE_BYTES))
-            upstream.sendall(link.recv_exactly(trainer, link.RESPONSE_BYTES))
-            verdict = bytes(link.recv_exactly(upstream, link.VERDICT_BYTES))
-            relayed["verdict"] = verdict[:1]
-            trainer.sendall(verdict)
+            upstream.sendall(link.recv_exactly(trainer, link.NONCE_BYTES))
+            trainer.sendall(link.recv_exactly(upstream, link.MAC_BYTES))  # the server's proof, over its certificate
+            upstream.sendall(link.recv_exactly(trainer, link.MAC_BYTES))  # the trainer's answer: zeros
+            relayed["verdict"] = bytes(link.recv_exactly(upstream, link.VERDICT_BYTES))
 
     thread = threading.Thread(target=middle, daemon=True)
     thread.start()
     with caplog.at_level(logging.ERROR, logger="asyncgrpo.transport.remote"):
-        with pytest.raises(RolloutProcessError, match="different connection keys .*the server refused this end's key"):
+        with pytest.raises(RolloutProcessError,
+                           match="different connection keys .*the server could not prove it holds this end's key"):
             returns_within(_proxy(tmp_path, "127.0.0.1:%d" % front.getsockname()[1]).start, BOUND_S,
                            "a start through a man in the middle")
         thread.join(BOUND_S)

@@ -2,8 +2,9 @@
 
 `AdapterPublisher.publish` checks the version's files, hands them to the delivery (rollout/delivery.py), then on
 every server at once loads it under its own name (`{prefix}-v{N}`), pausing the server around the load in `pause`
-mode, and reads it back. A failure leaves every server resumed and serving the previous version; `halt()` (the
-SIGTERM handler) resumes whatever a sync in progress has paused. docs/publish-internals.md says why it works so.
+mode, reads it back, and with a probe checks the server's logprobs against the trainer's (rollout/served_check.py).
+A failure leaves every server resumed and serving the previous version; `halt()` (the SIGTERM handler) resumes
+whatever a sync in progress has paused. docs/publish-internals.md says why it works so.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncgrpo.config import SYNC_MODES
-from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
+from asyncgrpo.contracts import ServedProbe
+from asyncgrpo.errors import InferenceServerError, ServedPolicyError, ServerUnreachableError, SyncError
 from asyncgrpo.inference.recovery import ServerGoneError
 from asyncgrpo.rollout.delivery import SharedFsDelivery
 from asyncgrpo.store import verify_adapter_files
@@ -44,6 +46,10 @@ class PublishTiming:
     # Each server's own activation time, summed: what one server after another would have cost at the same
     # per-server speed (server_sum_s / server_s is how much the concurrency overlapped).
     server_sum_s: float = 0.0
+    # With a probe: the largest |served - trained| logprob over the servers (None: this version was not checked).
+    served_logprob_max_diff: float | None = None
+    # How far the trainer's own probe logprobs moved since the last checked version: what the check can tell apart.
+    served_probe_change: float | None = None
 
 
 _VERSION_MARK = "-v"  # between a run's prefix and a version number
@@ -92,13 +98,15 @@ class AdapterPublisher:
     """
 
     def __init__(self, clients, prefix: str, sync_mode: str = "pause", pause_mode: str = "keep", recovery=None,
-                 adapter_root: str | Path | None = None, delivery=None):
+                 adapter_root: str | Path | None = None, delivery=None, served_check=None):
         assert sync_mode in SYNC_MODES, sync_mode
         # How the files reach each server (`adapter_delivery`, rollout/delivery.py): read in place, or uploaded.
         self.delivery = delivery if delivery is not None else SharedFsDelivery()
         # Every path sent to a server must resolve inside this directory (`lora_adapter_path`); None: no check.
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
         self.recovery = recovery  # a ServerRecovery: wait for a server that went away (None: fail at once)
+        self.served_check = served_check  # a ServedCheck (served_check_every), or None: probes are not compared
+        self._probe: ServedProbe | None = None  # the current version's probe, for a server that is restored
         self.clients = list(clients)
         self.prefix = prefix
         self.sync_mode = sync_mode
@@ -170,10 +178,15 @@ class AdapterPublisher:
     def name(self, version: int) -> str:
         return version_name(self.prefix, version)
 
-    def publish(self, version: int, path: Path) -> PublishTiming:
+    def publish(self, version: int, path: Path, probe: ServedProbe | None = None) -> PublishTiming:
         """Serve the adapter in `path` as version `version` on every server. On failure every server is
-        resumed and still serves the previous version, and a SyncError says which server failed and why."""
+        resumed and still serves the previous version, and a SyncError says which server failed and why. With
+        `probe` (and a served check), each server's logprobs of it must match the trainer's before the version is
+        taken into use: a ServedPolicyError (a SyncError) otherwise."""
         path = contained_adapter_path(path, self.adapter_root)
+        if self.served_check is None:
+            probe = None
+        change = self.served_check.expect(version, probe) if probe is not None else None
         try:
             verify_adapter_files(path)  # once, before any server is asked to read it
         except SyncError as exc:
@@ -190,7 +203,7 @@ class AdapterPublisher:
             others = "".join(f"\n  {c.base_url} failed too: {e}" for c, e in failed[1:])
             raise SyncError(f"delivering {path} to {client.base_url} failed: {exc}{others}\n  No server was asked to "
                             f"load it; the servers still serve {self.current_name or 'no adapter'}.") from exc
-        outcomes = self._activate_all(name, path)
+        outcomes = self._activate_all(name, path, probe)
         failed = [(client, exc) for client, _, exc in outcomes if exc is not None]
         if failed:
             for client, _, exc in outcomes:  # all servers or none: take the new version off those that got it
@@ -200,15 +213,20 @@ class AdapterPublisher:
             if not isinstance(exc, Exception):
                 raise exc  # KeyboardInterrupt, SystemExit: propagate as they are, after the clean-up
             others = "".join(f"\n  {c.base_url} failed too: {e}" for c, e in failed[1:])
-            raise SyncError(f"publishing {path} to {client.base_url} failed: {exc}\n  "
-                            f"{self._state_after_failure(client, exc)}{others}") from exc
+            kind = ServedPolicyError if isinstance(exc, ServedPolicyError) else SyncError  # the cause's type kept
+            raise kind(f"publishing {path} to {client.base_url} failed: {exc}\n  "
+                       f"{self._state_after_failure(client, exc)}{others}") from exc
         self.loaded[name] = path
         self.current_name = name
+        self._probe = (version, probe) if probe is not None else None
         timings = [t for _, t, _ in outcomes]
+        diffs = [t.served_logprob_max_diff for t in timings if t.served_logprob_max_diff is not None]
         return PublishTiming(server_s=time.perf_counter() - t0, paused_s=max(t.paused_s for t in timings),
-                             load_s=max(t.load_s for t in timings), server_sum_s=sum(t.server_s for t in timings))
+                             load_s=max(t.load_s for t in timings), server_sum_s=sum(t.server_s for t in timings),
+                             served_logprob_max_diff=max(diffs) if diffs else None, served_probe_change=change)
 
-    def _activate_all(self, name: str, path: Path) -> list[tuple[object, PublishTiming, BaseException | None]]:
+    def _activate_all(self, name: str, path: Path,
+                      probe: ServedProbe | None) -> list[tuple[object, PublishTiming, BaseException | None]]:
         """`_activate_recovering` on every server at once, one thread each; waits for all of them (a server that
         fails does not cut the others short: all-or-nothing needs to know which got the new version). Returns
         (client, its timing, its error or None) per server, in `self.clients` order. Daemon threads: a call stuck
@@ -219,7 +237,7 @@ class AdapterPublisher:
             timing = PublishTiming()
             t0 = time.perf_counter()
             try:
-                timing.paused_s = self._activate_recovering(client, name, path, timing)
+                timing.paused_s = self._activate_recovering(client, name, path, timing, probe)
                 outcomes[i] = (client, timing, None)
             except BaseException as exc:  # noqa: BLE001 - handed to publish(), which cleans up and re-raises
                 outcomes[i] = (client, timing, exc)
@@ -247,22 +265,25 @@ class AdapterPublisher:
         verify_adapter_files(path)
         self.delivery.load(client, name, path)  # http: the receiver's copy, uploaded again only if it lost it
         self._check_served(client, name, path)
+        if self._probe is not None:  # the restored copy must serve what was trained, as the first one did
+            self.served_check.verify(client, name, *self._probe)
         log.warning("re-registered %s (%s) on %s", name, path, client.base_url)
 
-    def _activate_recovering(self, client, name: str, path: Path, timing: PublishTiming | None = None) -> float:
+    def _activate_recovering(self, client, name: str, path: Path, timing: PublishTiming | None = None,
+                             probe: ServedProbe | None = None) -> float:
         """`_activate`; if the server is unreachable, wait for it to come back (and get the current version
         back), then once more."""
         seen = self.recovery.epoch(client) if self.recovery is not None else 0
         try:
-            return self._activate(client, name, path, timing)
+            return self._activate(client, name, path, timing, probe)
         except ServerUnreachableError as exc:
             if self.recovery is None:
                 raise
             self.recovery.recover(client, seen, cause=exc)
         if client.adapter_paths().get(name) is not None:  # the load went through before the connection broke
-            self._check_served(client, name, path)
+            self._verify(client, name, path, timing, probe)
             return 0.0
-        return self._activate(client, name, path, timing)
+        return self._activate(client, name, path, timing, probe)
 
     def _load(self, client, name: str, path: Path, timing: PublishTiming | None) -> None:
         t0 = time.perf_counter()
@@ -270,7 +291,8 @@ class AdapterPublisher:
         if timing is not None:
             timing.load_s += time.perf_counter() - t0
 
-    def _activate(self, client, name: str, path: Path, timing: PublishTiming | None = None) -> float:
+    def _activate(self, client, name: str, path: Path, timing: PublishTiming | None = None,
+                  probe: ServedProbe | None = None) -> float:
         """Load `name` on one server (pausing it in pause mode), then read it back; returns the seconds paused."""
         paused_s = 0.0
         if self.current_name is None or self.sync_mode == "versioned":
@@ -292,11 +314,24 @@ class AdapterPublisher:
         # Read back (after resuming: no request uses `name` before publish() returns, so the check need not hold up
         # generation); a failed check takes the new version off before anyone sees it.
         try:
-            self._check_served(client, name, path)
+            self._verify(client, name, path, timing, probe)
         except BaseException:
             self._unload_quietly(client, name)
             raise
         return paused_s
+
+    def _verify(self, client, name: str, path: Path, timing: PublishTiming | None, probe: ServedProbe | None) -> None:
+        """The server reports `name` at the right path and, with a probe, scores it as the trainer does."""
+        self._check_served(client, name, path)
+        if probe is not None:
+            diff = self.served_check.verify(client, name, self.prefix_version(name), probe)
+            if timing is not None:
+                timing.served_logprob_max_diff = diff
+
+    @staticmethod
+    def prefix_version(name: str) -> int:
+        """The version number in a version's name (`version_name`)."""
+        return int(name.rpartition(_VERSION_MARK)[2])
 
     def _state_after_failure(self, client, exc: BaseException) -> str:
         """What a failed sync left on `client`, as far as is known (a dead server serves nothing)."""

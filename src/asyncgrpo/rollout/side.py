@@ -16,7 +16,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from asyncgrpo.contracts import Group
+from asyncgrpo.contracts import Group, ServedProbe
 from asyncgrpo.data import base_model_reference
 from asyncgrpo.inference.recovery import evaluation_wait_s
 from asyncgrpo.rollout.build import RolloutParts, build_parts
@@ -109,34 +109,48 @@ class RolloutSide:
         """The trainer-side directory of the live version."""
         return self.parts.store.path(self.version) if self.version is not None else None
 
-    def publish(self, version: int, tensors: dict, step: int, wait: bool = False) -> float:
+    def publish(self, version: int, tensors: dict, step: int, wait: bool = False,
+                probe: ServedProbe | None = None) -> float:
         """Hand version `version`'s LoRA tensors to the publish thread (atomic write, then activation on every
         server), after the previous publish: versions go live in order, and a failed publish is raised here, by
         the next call. `wait` (or `publish_in_background: false`): return once the servers serve it. `step`: the
-        trainer step its timings are logged at. Returns the seconds spent waiting for the previous publish."""
+        trainer step its timings are logged at. `probe`: the trainer's logprobs to check every server against
+        (served_check_every). Returns the seconds spent waiting for the previous publish."""
         t0 = time.perf_counter()
         self.wait_published()  # raises here if the previous publish failed
         waited = time.perf_counter() - t0
-        self._publishing = self._publish_thread.submit(self._publish, version, tensors, step)
+        self._publishing = self._publish_thread.submit(self._publish_or_fail, version, tensors, step, probe)
         if wait or not self.cfg.publish_in_background:
             self.wait_published()
         return waited
 
-    def _publish(self, version: int, tensors: dict, step: int) -> None:
+    def _publish_or_fail(self, version: int, tensors: dict, step: int, probe: ServedProbe | None) -> None:
+        """`_publish`; its failure also goes to the queue, so that a trainer waiting in `take` for this version's
+        groups (max_staleness 0 waits for them) gets the error now instead of a timeout."""
+        try:
+            self._publish(version, tensors, step, probe)
+        except BaseException as exc:
+            self.parts.queue.fail(exc)
+            raise
+
+    def _publish(self, version: int, tensors: dict, step: int, probe: ServedProbe | None) -> None:
         """On the publish thread: write the version, activate it, point new requests at it, retire what nothing
         uses; its timings go to the trackers at `step`."""
         store, publisher, producer = self.parts.store, self.parts.publisher, self.parts.producer
         t0 = time.perf_counter()
         path = store.write(version, tensors, self.peft_config, base_model=base_model_reference(self.model_path))
         written = time.perf_counter()
-        timing = publisher.publish(version, path)
+        timing = publisher.publish(version, path, probe)
         self.version = version
         self.parts.scorer.at_step(step, version)  # reward functions' trainer_state, from the next group scored on
         producer.set_policy(version, publisher.current_name)  # new requests go to the new version
         publisher.retire(in_use=producer.adapters_in_use())
         store.prune(self.cfg.keep_adapter_versions, in_use=set(publisher.loaded.values()))
+        checked = {name: value for name, value in (("sync/served_logprob_max_diff", timing.served_logprob_max_diff),
+                                                   ("sync/served_probe_change", timing.served_probe_change))
+                   if value is not None}
         self.log({"sync/write_s": written - t0, "sync/server_s": timing.server_s, "sync/paused_s": timing.paused_s,
-                  "sync/load_s": timing.load_s}, step)
+                  "sync/load_s": timing.load_s, **checked}, step)
 
     def wait_published(self) -> None:
         """Block until the publish in progress (if any) is done; re-raises its error."""

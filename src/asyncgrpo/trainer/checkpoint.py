@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -375,9 +376,9 @@ def _load_weights_and_optimizer(path: Path, manifest: dict, acc, model, optimize
                               f"checkpoint was saved with (DDP, FSDP and ZeRO checkpoints do not mix; FSDP1 and FSDP2 "
                               f"do, on any number of ranks; ZeRO needs the same stage and number of ranks)")
     if state.backend in DEEPSPEED:  # the engine restores the LoRA weights, their fp32 masters and Adam state
-        _check_deepspeed_files(path, manifest)
-        loaded, _ = model.load_checkpoint(str(path / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_module_strict=False,
-                                          load_optimizer_states=True, load_lr_scheduler_states=False)
+        with private_deepspeed_copy(path, manifest) as copy:  # DeepSpeed unpickles in full what it is pointed at
+            loaded, _ = model.load_checkpoint(str(copy), tag=DEEPSPEED_TAG, load_module_strict=False,
+                                              load_optimizer_states=True, load_lr_scheduler_states=False)
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {str(path / DEEPSPEED_DIR)!r}. Fix: resume from "
                                   f"another checkpoint-<step> (this one is incomplete)")
@@ -475,23 +476,50 @@ def deepspeed_enums_by_value():
             copyreg.dispatch_table[ZeroStageEnum] = previous
 
 
-def _check_deepspeed_files(path: Path, manifest: dict) -> None:
+@contextlib.contextmanager
+def private_deepspeed_copy(path: Path, manifest: dict):
+    """DeepSpeed reads its checkpoint by path, with the full unpickler, so it is pointed at a private copy instead of
+    `path/deepspeed`: every file there the manifest lists, copied into a directory only this process's user can
+    enter (mkdtemp: 0700) and hashed as it is copied, so the copy holds exactly the bytes that were checked; then
+    `_check_deepspeed_files` on the copy. A file swapped in `output_dir` after the check is never read. Yields the
+    copy's `deepspeed/` directory, removed afterwards. The copy is adapter-sized (saved without frozen weights)."""
+    root = Path(tempfile.mkdtemp(prefix="asyncgrpo-deepspeed-"))
+    try:
+        for name in sorted(n for n in manifest["files"] if Path(n).parts[0] == DEEPSPEED_DIR):
+            copy = root / name
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            with _open_listed(path, manifest, name) as source, open(copy, "xb") as target:
+                digest = hashlib.sha256()
+                while chunk := source.read(HASH_CHUNK):
+                    digest.update(chunk)
+                    target.write(chunk)
+            if digest.hexdigest() != manifest["files"][name]["sha256"]:  # changed in place since _open_listed's hash
+                raise CheckpointError(f"checkpoint {str(path)!r}: {name} changed while it was read. {_fix(path)}")
+        _check_deepspeed_files(path, manifest, files=root)
+        yield root / DEEPSPEED_DIR
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _check_deepspeed_files(path: Path, manifest: dict, files: Path | None = None) -> None:
     """DeepSpeed reads what it finds in `deepspeed/` with the full unpickler: every file there must be listed in the
     manifest (read_manifest checked those), and every torch file may name only torch's safe globals and
-    DEEPSPEED_GLOBALS."""
-    for file in sorted((path / DEEPSPEED_DIR).rglob("*")):
-        name = str(file.relative_to(path))
-        if not file.is_file():
-            continue
-        if name not in manifest["files"]:
-            raise CheckpointError(f"checkpoint {str(path)!r}: {name} is not listed in its {MANIFEST} (added after the "
-                                  f"save, or the manifest was edited), so it is not loaded. {_fix(path)}")
-        if file.suffix != ".pt":  # `latest`, DeepSpeed's conversion scripts: text DeepSpeed does not unpickle
+    DEEPSPEED_GLOBALS. `files`: where the files are read (a private copy of `path`'s), `path` itself by default; the
+    errors name `path`."""
+    unlisted = [str(f.relative_to(path)) for f in sorted((path / DEEPSPEED_DIR).rglob("*")) if f.is_file()
+                and str(f.relative_to(path)) not in manifest["files"]]
+    if unlisted:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {unlisted[0]} is not listed in its {MANIFEST} (added after "
+                              f"the save, or the manifest was edited), so it is not loaded. {_fix(path)}")
+    for file in sorted(((files or path) / DEEPSPEED_DIR).rglob("*")):
+        name = str(file.relative_to(files or path))
+        if not file.is_file() or file.suffix != ".pt":  # `latest`: text DeepSpeed does not unpickle
             continue
         try:
             unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(file)) - DEEPSPEED_GLOBALS
-        except (ValueError, RuntimeError) as exc:  # not torch.save's zip format: its names cannot be read first
-            unsafe = {f"an unreadable file ({exc})"}
+        except (ValueError, RuntimeError, pickle.UnpicklingError) as exc:  # not torch.save's zip format, or a
+            # pickle protocol its name reader does not know (torch.save(..., pickle_protocol=4)): names unreadable
+            unsafe = {f"an unreadable file ({type(exc).__name__}: {exc})"}
         if unsafe:
             raise CheckpointError(f"checkpoint {str(path)!r}: {name} holds objects a DeepSpeed checkpoint never saves "
                                   f"({', '.join(sorted(unsafe))}), so it is not loaded. Fix: resume only from "

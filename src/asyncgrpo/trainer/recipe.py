@@ -44,6 +44,7 @@ from asyncgrpo.trainer.loss import LossSpec, grpo_loss, loss_normaliser
 from asyncgrpo.trainer.metrics import LossTotals, StepMetrics, summary_counters
 from asyncgrpo.trainer.outputs import LogHistory, model_card
 from asyncgrpo.trainer.policy import build_policy
+from asyncgrpo.trainer.probe import make_probe, probe_sequence
 from asyncgrpo.trainer.schedule import build_lr_scheduler
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ class AsyncGRPOTrainer:
         self.completion_log: CompletionLog | None = None  # rank 0 with log_completions
         self.eval_metrics: dict[str, float] = {}  # rank 0: the last evaluation's (eval_strategy: steps)
         self.history = LogHistory()  # rank 0: what was logged, for trainer_state.json and the model card
+        # Every rank: the served check's probe (probe.py), fixed from the first batch; None until then.
+        self.probe: tuple[list[int], int] | None = None
+        self._probe_sent = False  # every rank: the base's logprobs went with a probe already (sent once)
 
     # ---- setup ----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -208,6 +212,8 @@ class AsyncGRPOTrainer:
 
         groups = on_main(take, "taking a batch from the rollout queue") or []
         share = scatter_object(split_by_tokens(groups, self.world) if self.main else None)  # each rank only its own
+        if self.probe is None:
+            self.probe = probe_sequence(share, self.pad_id)
         micro_batches = self._micro_batches(share)
         metrics.micro_batches(len(micro_batches))
         return TrainBatch(groups, micro_batches)
@@ -308,15 +314,27 @@ class AsyncGRPOTrainer:
         tensors = gather_lora_state(self.acc, self.model, gather_stats)
         gathered = time.perf_counter()
         version = self.version if first else self.version + 1
+        probe = self._served_probe(version) if not first else None
 
         def publish() -> None:
             self._published = tensors
-            waited = self.rollout.publish(version, tensors, self.step, wait=first or wait)
+            waited = self.rollout.publish(version, tensors, self.step, wait=first or wait, probe=probe)
             if metrics is not None:
                 metrics.sync(gathered - t0, waited, gather_stats["gathered_bytes"])
 
         on_main(publish, f"publishing policy version {version}")  # the other ranks wait here (a failure stops all)
         self.version = version
+
+    def _served_probe(self, version: int):
+        """Collective when due (every `served_check_every` versions, once a batch fixed the probe; the same on every
+        rank): the probe's logprobs under the weights being published, for the rollout side to check every server
+        against (rank 0's; the others' forward only keeps FSDP/ZeRO-3 in step)."""
+        every = self.cfg.served_check_every
+        if not every or version % every or self.probe is None:
+            return None
+        with_base = not self._probe_sent  # the same on every rank: the first due sync after the probe was fixed
+        self._probe_sent = True
+        return make_probe(self.acc, self.model, self.scoring_head, *self.probe, self.pad_id, with_base=with_base)
 
     def save_final(self) -> None:
         """Collective: the run's result. Steps trained since the last sync are published first, so that the servers

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from asyncgrpo.contracts import Group
+from asyncgrpo.contracts import Group, ServedProbe
 
 
 @runtime_checkable
@@ -31,11 +31,13 @@ class RolloutInterface(Protocol):
         and return them (oldest version first, then data order). Raises the producer's failure, or TimeoutError
         after `timeout_s`."""
 
-    def publish(self, version: int, tensors: dict, step: int, wait: bool = False) -> float:
+    def publish(self, version: int, tensors: dict, step: int, wait: bool = False,
+                probe: ServedProbe | None = None) -> float:
         """Hand version `version`'s LoRA tensors over to be written and served, after the previous publish (versions
         go live in order; a failed publish is raised by the next call). `wait` (or `publish_in_background: false`):
-        return once the servers serve it. `step`: the trainer step its timings are logged at. Returns the seconds
-        spent waiting for the previous publish."""
+        return once the servers serve it. `step`: the trainer step its timings are logged at. `probe`: the
+        trainer's logprobs of a fixed sequence under this version, which every server must match before the version
+        is used (ServedPolicyError otherwise). Returns the seconds spent waiting for the previous publish."""
 
     def wait_published(self) -> None:
         """Block until the publish in progress (if any) is done; raises its error."""

@@ -1,13 +1,14 @@
 """The rollout link's protection over TCP (`rollout_address` <-> `asyncgrpo rollout-serve`): the shared key
-(`rollout_key`, checked at both ends), TLS 1.3 from the standard library's `ssl` with a certificate the server makes
-for its run (`server_tls`, `client_tls`), the mutual proof of the key bound to that certificate (`prove_server`,
-`prove_client`), and `Link`, the framed pickled messages over the TLS socket, with multiprocessing Connection's
+(`rollout_key`, checked at both ends; `generate_key` makes one), TLS 1.3 from the standard library's `ssl` with a
+certificate the server makes for its run (`server_tls`, `client_tls`), the mutual proof of the key bound to that
+certificate, the server's first (`prove_server`, `prove_client`), and `Link`, the framed pickled messages over the TLS socket, with multiprocessing Connection's
 methods. The spawned child (`rollout_process: true`) uses a socketpair instead and needs none of this. Why TLS and
 how the proof works: docs/rollout-internals.md, "Over TCP".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import hmac
@@ -25,16 +26,23 @@ from pathlib import Path
 from asyncgrpo.config import ROLLOUT_KEY_ENV
 from asyncgrpo.errors import ConfigError
 
-KEY_MIN_CHARS = 32  # `openssl rand -hex 16`'s length: 128 random bits at the least; `-hex 32` (64) is what we print
-KEY_MIN_DISTINCT = 8  # a key of few different characters ("aaaa...", "abab...") is no secret, whatever its length
-KEY_FIX = (f"export {ROLLOUT_KEY_ENV}=$(openssl rand -hex 32) on one host and the same value on the other (the "
-           f"trainer's and rollout-serve's), keeping it out of command lines")
-MAGIC = b"AGRPOL1\n"  # opens the server's challenge: a client talking to some other TLS server learns so at once
+# Keys: `asyncgrpo keygen`'s (KEY_PREFIX, 256 random bits in hex, a checksum), or bare hex as `openssl rand -hex N`
+# prints it. Nothing else: no code can tell a passphrase's randomness from its text, and whoever gets one key proof
+# (see prove_server) can test guesses offline at millions a second. How a hex key is judged: `key_problem`.
+KEY_PREFIX = "agk1-"
+KEY_RANDOM_BYTES = 32
+KEY_CHECK_BYTES = 4
+KEY_MIN_HEX = 32  # `openssl rand -hex 16`: 128 bits, if random; `asyncgrpo keygen` makes 256
+KEY_MIN_DISTINCT = 10  # of 16 hex digits: 32 random ones show fewer than 10 with probability ~1e-4
+KEY_MAX_PATTERN = 7  # a repeated or counting run this long (2 in 100,000 random 64-digit keys) is a made-up key
+KEY_FIX = (f"export {ROLLOUT_KEY_ENV}=$(asyncgrpo keygen) on one host and the same value on the other (the trainer's "
+           f"and rollout-serve's), keeping it out of command lines")
+MAGIC = b"AGRPOL2\n"  # opens the server's challenge: a client talking to some other TLS server learns so at once
 NONCE_BYTES = 32
 MAC_BYTES = 32  # HMAC-SHA256
-CHALLENGE_BYTES = len(MAGIC) + NONCE_BYTES  # server -> client
-RESPONSE_BYTES = NONCE_BYTES + MAC_BYTES  # client -> server
-VERDICT_BYTES = 1 + MAC_BYTES  # server -> client: b"Y" + its own proof, or b"N" + zeros
+CHALLENGE_BYTES = len(MAGIC) + NONCE_BYTES  # server -> client: magic + its nonce
+# client -> server: its nonce (NONCE_BYTES); server -> client: its proof (MAC_BYTES); client -> server: its proof
+VERDICT_BYTES = 1  # server -> client: b"Y" or b"N"
 _HEADER = struct.Struct("!Q")  # a message's length before its pickle
 
 
@@ -42,18 +50,70 @@ class KeyMismatch(Exception):
     """The other end does not prove the key this end holds (another key, or a man in the middle)."""
 
 
+def generate_key() -> str:
+    """A new key (`asyncgrpo keygen`): KEY_PREFIX, KEY_RANDOM_BYTES from the OS's generator in hex, `-`, a checksum
+    that tells a truncated or mistyped key from another one."""
+    body = secrets.token_bytes(KEY_RANDOM_BYTES).hex()
+    return f"{KEY_PREFIX}{body}-{_key_check(body)}"
+
+
+def _key_check(body: str) -> str:
+    return hashlib.sha256(b"asyncgrpo key|" + body.encode()).digest()[:KEY_CHECK_BYTES].hex()
+
+
+def _pattern(key: str) -> str | None:
+    """A repeated stretch or a counting run of KEY_MAX_PATTERN characters in `key`, if it has one."""
+    n = KEY_MAX_PATTERN
+    seen = set()
+    for i in range(len(key) - n + 1):
+        chunk = key[i:i + n]
+        if chunk in seen:
+            return f"{chunk!r} comes twice"
+        seen.add(chunk)
+        steps = {int(b, 16) - int(a, 16) for a, b in zip(chunk, chunk[1:])}
+        if steps <= {1} or steps <= {-1} or steps <= {0}:
+            return f"{chunk!r} counts or repeats"
+    return None
+
+
+def key_problem(key: str) -> str | None:
+    """Why `key` cannot be the link's key, or None. A generated key (KEY_PREFIX) must carry its checksum; any other
+    must be hex of KEY_MIN_HEX digits or more (at least 128 bits) that looks drawn at random: KEY_MIN_DISTINCT of the
+    16 digits or more, and no stretch of KEY_MAX_PATTERN digits that repeats, counts up or down, or is one digit."""
+    if key.startswith(KEY_PREFIX):
+        body, _, check = key[len(KEY_PREFIX):].rpartition("-")
+        if len(body) != 2 * KEY_RANDOM_BYTES or not _is_hex(body) or check != _key_check(body):
+            return "it starts like `asyncgrpo keygen`'s keys but its checksum does not match (cut short or mistyped)"
+        return None
+    if not _is_hex(key):
+        return ("it is not a generated key: only `asyncgrpo keygen`'s keys or hex from `openssl rand -hex 32` are "
+                "accepted, because a passphrase's randomness cannot be judged from its text")
+    if len(key) < KEY_MIN_HEX:
+        return f"{len(key)} hex digits are {4 * len(key)} bits at most; at least {KEY_MIN_HEX} are needed"
+    distinct = len(set(key.lower()))
+    if distinct < KEY_MIN_DISTINCT:
+        return f"only {distinct} different hex digits: random ones show {KEY_MIN_DISTINCT} or more"
+    pattern = _pattern(key.lower())
+    if pattern is not None:
+        return f"{pattern}: it was typed or made up, not drawn at random"
+    return None
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and all(c in "0123456789abcdefABCDEF" for c in text)
+
+
 def rollout_key(role: str) -> bytes:
-    """ASYNCGRPO_ROLLOUT_KEY, required at both ends, at least KEY_MIN_CHARS long; `role` names the setting that
-    needs it for the error ("--listen" or "rollout_address")."""
+    """ASYNCGRPO_ROLLOUT_KEY, required at both ends and judged by `key_problem`; `role` names the setting that needs
+    it for the error ("--listen" or "rollout_address")."""
     key = os.environ.get(ROLLOUT_KEY_ENV, "").strip()
     why = ("the rollout connection carries pickles, so whoever holds the key can run code on either end; there is "
            "no built-in key")
     if not key:
         raise ConfigError(role, f"{ROLLOUT_KEY_ENV} is not set: {why}", KEY_FIX)
-    if len(key) < KEY_MIN_CHARS or len(set(key)) < KEY_MIN_DISTINCT:
-        raise ConfigError(role, f"{ROLLOUT_KEY_ENV} is too weak ({len(key)} characters, {len(set(key))} different; "
-                          f"at least {KEY_MIN_CHARS} characters and {KEY_MIN_DISTINCT} different ones are needed): "
-                          f"{why}", KEY_FIX)
+    problem = key_problem(key)
+    if problem is not None:
+        raise ConfigError(role, f"{ROLLOUT_KEY_ENV} is too weak ({problem}): {why}", KEY_FIX)
     return key.encode()
 
 
@@ -113,41 +173,54 @@ def _proof(key: bytes, who: bytes, fingerprint: bytes, nonce_s: bytes, nonce_c: 
 
 
 def prove_server(sock: ssl.SSLSocket, key: bytes, fingerprint: bytes, deadline: float) -> None:
-    """The server's half: challenge the client, check its proof, prove ours. Raises KeyMismatch (then tell the
-    client with `refuse`), TimeoutError once `deadline` (time.monotonic()) passes, OSError/EOFError for a broken
-    connection."""
+    """The server's half: challenge the client, take its nonce, prove the key first, then check the client's proof.
+    Raises KeyMismatch (then tell the client with `refuse`), TimeoutError once `deadline` (time.monotonic())
+    passes, OSError/EOFError for a broken connection.
+
+    The server proves first so that the trainer, which dials whatever answers at `rollout_address`, never gives a
+    key-derived byte to a server that has not proven the key: an impersonator gets a random nonce and nothing to
+    guess from. Without a PAKE one end must prove first, and what it sends lets whoever reads it test guesses of the
+    key offline; here that is a client of the rollout server, one proof per handshake, through the accept loop's
+    throttle (throttle.py). What makes such a guess useless is the key: 256 random bits (`generate_key`), or at
+    least 128 judged random (`key_problem`). docs/security.md."""
     nonce_s = secrets.token_bytes(NONCE_BYTES)
     _send_within(sock, MAGIC + nonce_s, deadline)
-    answer = recv_exactly(sock, RESPONSE_BYTES, deadline)
-    nonce_c, theirs = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+    nonce_c = recv_exactly(sock, NONCE_BYTES, deadline)
+    _send_within(sock, _proof(key, b"server", fingerprint, nonce_s, nonce_c), deadline)
+    theirs = recv_exactly(sock, MAC_BYTES, deadline)
     if not hmac.compare_digest(theirs, _proof(key, b"trainer", fingerprint, nonce_s, nonce_c)):
         raise KeyMismatch("the client's key proof does not match this server's key and certificate")
-    _send_within(sock, b"Y" + _proof(key, b"server", fingerprint, nonce_s, nonce_c), deadline)
+    _send_within(sock, b"Y", deadline)
 
 
 def refuse(sock: ssl.SSLSocket, deadline: float) -> None:
     """Tell a client whose proof failed (prove_server's KeyMismatch) that it was refused: its error then names the
     key, not a closed connection. Best effort: it may be gone already."""
     try:
-        _send_within(sock, b"N" + bytes(MAC_BYTES), deadline)
+        _send_within(sock, b"N", deadline)
     except OSError:
         pass
 
 
 def prove_client(sock: ssl.SSLSocket, key: bytes, deadline: float) -> None:
-    """The client's half, over the certificate the server showed. Raises KeyMismatch if the server refused our proof
-    or cannot prove the key itself, ValueError if it does not speak this protocol, TimeoutError, OSError, EOFError."""
+    """The client's half, over the certificate the server showed: its nonce, the server's proof checked, then its
+    own proof (never sent to a server that did not prove the key: prove_server says why). Raises KeyMismatch if the
+    server cannot prove the key or refused ours, ValueError if it does not speak this protocol, TimeoutError,
+    OSError, EOFError."""
     fingerprint = hashlib.sha256(sock.getpeercert(binary_form=True)).digest()
     challenge = recv_exactly(sock, CHALLENGE_BYTES, deadline)
     if challenge[:len(MAGIC)] != MAGIC:
         raise ValueError("the server does not speak the asyncgrpo rollout protocol")
     nonce_s, nonce_c = challenge[len(MAGIC):], secrets.token_bytes(NONCE_BYTES)
-    _send_within(sock, nonce_c + _proof(key, b"trainer", fingerprint, nonce_s, nonce_c), deadline)
-    verdict = recv_exactly(sock, VERDICT_BYTES, deadline)
-    if verdict[:1] != b"Y":
-        raise KeyMismatch("the server refused this end's key")
-    if not hmac.compare_digest(verdict[1:], _proof(key, b"server", fingerprint, nonce_s, nonce_c)):
+    _send_within(sock, nonce_c, deadline)
+    theirs = recv_exactly(sock, MAC_BYTES, deadline)
+    if not hmac.compare_digest(theirs, _proof(key, b"server", fingerprint, nonce_s, nonce_c)):
+        with contextlib.suppress(OSError):  # zeros, not a proof: a real server with another key logs the mismatch
+            _send_within(sock, bytes(MAC_BYTES), deadline)
         raise KeyMismatch("the server could not prove it holds this end's key")
+    _send_within(sock, _proof(key, b"trainer", fingerprint, nonce_s, nonce_c), deadline)
+    if recv_exactly(sock, VERDICT_BYTES, deadline) != b"Y":
+        raise KeyMismatch("the server refused this end's key")
 
 
 def _bound(sock: socket.socket, deadline: float) -> None:

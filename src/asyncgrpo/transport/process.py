@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from asyncgrpo.contracts import Group
+from asyncgrpo.contracts import Group, ServedProbe
 from asyncgrpo.errors import RolloutProcessError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.transport.rollout_server import serve
@@ -57,11 +57,12 @@ class RolloutProcess:
     def take(self, n: int, version: int, timeout_s: float) -> list[Group]:
         return decode_groups(self._call("take", n, version, timeout_s, timeout_s=timeout_s + TAKE_GRACE_S))
 
-    def publish(self, version: int, tensors: dict, step: int, wait: bool = False) -> float:
+    def publish(self, version: int, tensors: dict, step: int, wait: bool = False,
+                probe: ServedProbe | None = None) -> float:
         from safetensors.torch import save  # heavy: safetensors, needed only once a version is published
 
         blob = save({k: v.detach().contiguous() for k, v in tensors.items()})
-        return self._call("publish", version, blob, step, wait)
+        return self._call("publish", version, blob, step, wait, probe)
 
     def wait_published(self) -> None:
         self._call("wait_published")

@@ -179,10 +179,10 @@ def _take(side: RolloutSide, n: int, version: int, timeout_s: float) -> bytes:
     return encode_groups(side.take(n, version, timeout_s))  # one binary blob (wire.py), not pickled groups
 
 
-def _publish(side: RolloutSide, version: int, blob: bytes, step: int, wait: bool) -> float:
+def _publish(side: RolloutSide, version: int, blob: bytes, step: int, wait: bool, probe=None) -> float:
     from safetensors.torch import load  # heavy: safetensors, needed only once a version is published
 
-    return side.publish(version, load(blob), step, wait=wait)
+    return side.publish(version, load(blob), step, wait=wait, probe=probe)
 
 
 def _tensorboard_dir(side: RolloutSide):

@@ -11,6 +11,7 @@ first engine of a machine (~20 s to 2 minutes, cached under TORCH_EXTENSIONS_DIR
 from __future__ import annotations
 
 import json
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -223,3 +224,52 @@ def test_the_zero_stage_enum_is_saved_by_value_even_where_python_pickles_enums_b
     import copyreg
 
     assert ZeroStageEnum not in copyreg.dispatch_table  # left as it was found
+
+
+def test_a_deepspeed_file_swapped_after_the_check_is_never_read(one_rank, tmp_path, monkeypatch):
+    """The attack: whoever can write output_dir swaps a file of `deepspeed/` for a payload after asyncgrpo checked
+    it and before DeepSpeed reads it (by path, with the full unpickler). DeepSpeed is given a private copy of the bytes
+    that were checked: the payload never runs, and the checkpoint's own state comes back."""
+    monkeypatch.chdir(tmp_path)  # where the payload would create its file
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the private copy is made
+    (tmp_path / "tmp").mkdir()
+    acc = accelerator(2)
+    first = engine(2, seed=1)
+    step(first)
+    path = save(acc, first, tmp_path / "out", 2)
+    weights, moments = gather_lora_state(acc, first), adam_state(first)
+    name = "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    second = engine(2, seed=2)
+    load = second.load_checkpoint
+
+    def swapped_then_loaded(*args, **kwargs):  # the attacker's swap lands in the window, just before DeepSpeed reads
+        torch.save(_RunsCode(), path / name)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(second, "load_checkpoint", swapped_then_loaded)
+    ckpt.load_checkpoint(path, acc, second, second.optimizer)
+    assert not (tmp_path / "never-created").exists()
+    got = gather_lora_state(acc, second)
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+    assert all(torch.equal(a, b) for a, b in zip(adam_state(second), moments))
+    assert not list((tmp_path / "tmp").iterdir())  # the private copy is gone
+
+
+def test_a_deepspeed_file_in_a_pickle_protocol_the_check_cannot_read_is_refused_as_a_checkpoint_error(
+        one_rank, tmp_path):
+    """torch.save(..., pickle_protocol=4) writes opcodes torch's name reader does not know: a CheckpointError naming
+    the file, not a bare UnpicklingError."""
+    import hashlib
+
+    first = engine(2, seed=1)
+    path = save(accelerator(2), first, tmp_path, 2)
+    name = "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save(torch.load(path / name, weights_only=False), path / name, pickle_protocol=4)
+    data = (path / name).read_bytes()
+    edit_manifest(path, lambda m: m["files"].update({name: {"bytes": len(data),
+                                                            "sha256": hashlib.sha256(data).hexdigest()}}))
+    second = engine(2, seed=2)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_checkpoint(path, accelerator(2), second, second.optimizer)
+    assert f"{name} holds objects a DeepSpeed checkpoint never saves (an unreadable file (UnpicklingError" in \
+        str(err.value)

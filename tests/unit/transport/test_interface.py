@@ -17,6 +17,7 @@ from fakes import cfg
 from liveness import returns_within
 from safetensors.torch import save
 
+from asyncgrpo.contracts import ServedProbe
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.errors import RolloutProcessError
 from asyncgrpo.transport import rollout_server
@@ -100,9 +101,11 @@ def test_the_serve_loop_answers_every_member_of_the_interface():
     for name, kind in MEMBERS.items():
         side.calls.clear()
         if name == "publish":
-            assert rollout_server._handle(side, name, (3, blob, 7, True)) == "publish done"
-            ((_, (version, tensors, step, wait)),) = side.calls
+            probe = ServedProbe(token_ids=[5, 6, 7], start=1, logprobs=[-0.5, -1.5])
+            assert rollout_server._handle(side, name, (3, blob, 7, True, probe)) == "publish done"
+            ((_, (version, tensors, step, wait, got)),) = side.calls
             assert (version, list(tensors), tensors["w"].tolist(), step, wait) == (3, ["w"], [1.0, 1.0], 7, True)
+            assert got == probe  # the served check's probe reaches the side with its version
         elif name == "take":
             assert isinstance(rollout_server._handle(side, name, (2, 0, 1.5)), bytes)  # the binary batch (wire.py)
             assert side.calls == [("take", (2, 0, 1.5))]
@@ -161,7 +164,8 @@ def test_a_call_through_the_proxy_reaches_the_side_as_the_trainer_made_it(tmp_pa
                            peer=PipePeer(side))
     proxy.start()
     assert proxy.take(2, version=1, timeout_s=5.0) == []
-    proxy.publish(4, {"w": torch.zeros(3)}, step=9)
+    probe = ServedProbe(token_ids=[1, 2], start=1, logprobs=[-0.25], base_logprobs=[-0.5])
+    proxy.publish(4, {"w": torch.zeros(3)}, step=9, probe=probe)
     proxy.wait_published()
     proxy.log({"train/loss": 0.5}, step=2)
     assert (proxy.adapter_name, proxy.adapter_path, proxy.stats()) == ("the adapter_name", "the adapter_path",
@@ -172,5 +176,5 @@ def test_a_call_through_the_proxy_reaches_the_side_as_the_trainer_made_it(tmp_pa
     assert names == ["start", "take", "publish", "wait_published", "log", "stats", "close"]
     assert side.calls[1] == ("take", (2, 1, 5.0)) and side.calls[4] == ("log", ({"train/loss": 0.5}, 2))
     assert side.calls[2][1][0] == 4 and side.calls[2][1][1]["w"].tolist() == [0.0] * 3 and side.calls[2][1][2:] == (
-        9, False)
+        9, False, probe)
     assert side.calls[-1] == ("close", (True,))

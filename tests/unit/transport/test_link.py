@@ -87,21 +87,39 @@ class Trickle:
 
 
 # ---- the key ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("key, accepted", [
-    ("0123456789abcdef0123456789abcdef", True),  # 32 characters: the shortest accepted
-    ("01234567" * 4, True),  # 32 characters, 8 different ones: the fewest accepted
-    ("0123456789abcdef0123456789abcde", False),  # 31 characters, however varied
-    ("0123456" * 6, False),  # 42 characters of 7 different ones
-], ids=["32-chars", "8-different", "31-chars", "7-different"])
-def test_the_key_needs_32_characters_and_8_different_ones(key, accepted, monkeypatch):
+GENERATED = link.generate_key()
+
+
+@pytest.mark.parametrize("key, problem", [
+    (GENERATED, None),  # `asyncgrpo keygen`'s
+    ("3e7a9c1f5b2d8e4a6c0f9b3d7e1a5c8f", None),  # 32 hex digits that look random: the shortest accepted
+    (GENERATED[:-1] + ("0" if GENERATED[-1] != "0" else "1"), "its checksum does not match"),  # one digit mistyped
+    (GENERATED[:40], "its checksum does not match"),  # cut short
+    ("password password password 12345", "it is not a generated key"),  # 32 characters, not hex
+    ("3e7a9c1f5b2d8e4a6c0f9b3d7e1a5c8", "31 hex digits are 124 bits at most; at least 32 are needed"),
+    ("0123456789abcdef0123456789abcdef", "'0123456' counts or repeats"),
+    ("deadbeefcafe1234deadbeefcafe5678", "'deadbee' comes twice"),
+    ("01234567" * 4, "only 8 different hex digits"),
+], ids=["generated", "random-hex", "mistyped", "cut-short", "passphrase", "31-hex", "counting", "repeated", "8-digits"])
+def test_keys_are_generated_or_random_looking_hex_of_128_bits(key, problem, monkeypatch):
     monkeypatch.setenv(ROLLOUT_KEY_ENV, f" {key}\n")  # as `export` of a file's line may leave it
-    if accepted:
+    if problem is None:
         assert link.rollout_key("rollout_address") == key.encode()
         return
     with pytest.raises(ConfigError) as refused:
         link.rollout_key("rollout_address")
     assert refused.value.field == "rollout_address"
-    assert f"is too weak ({len(key)} characters, {len(set(key))} different;" in str(refused.value)
+    assert f"{ROLLOUT_KEY_ENV} is too weak (" in str(refused.value) and problem in str(refused.value)
+    assert f"Fix: export {ROLLOUT_KEY_ENV}=$(asyncgrpo keygen)" in str(refused.value)
+
+
+def test_generated_keys_carry_256_random_bits_and_differ_every_time():
+    keys = {link.generate_key() for _ in range(50)}
+    assert len(keys) == 50
+    for key in keys:
+        prefix, body, check = key.split("-")
+        assert prefix + "-" == link.KEY_PREFIX and len(bytes.fromhex(body)) == 32 and len(check) == 8
+        assert link.key_problem(key) is None
 
 
 # ---- the certificate ---------------------------------------------------------------------------------------------
@@ -139,13 +157,28 @@ def test_a_client_with_another_key_is_refused_and_each_end_says_which_proof_fail
     deadline = time.monotonic() + BOUND_S
     serving = _in_thread(lambda: link.prove_server(server, KEY, fingerprint, deadline))
     trying = _in_thread(lambda: link.prove_client(client, KEY[::-1], deadline))
-    serving["thread"].join(BOUND_S)
-    assert isinstance(serving.get("error"), link.KeyMismatch)
-    assert str(serving["error"]) == "the client's key proof does not match this server's key and certificate"
-    link.refuse(server, deadline)  # what the accept loop does next
+    # The server proves first: the client, holding another key, finds its proof wrong and stops there.
     trying["thread"].join(BOUND_S)
     assert isinstance(trying.get("error"), link.KeyMismatch)
-    assert str(trying["error"]) == "the server refused this end's key"
+    assert str(trying["error"]) == "the server could not prove it holds this end's key"
+    serving["thread"].join(BOUND_S)  # it sent zeros instead of a proof: the server logs a key mismatch
+    assert isinstance(serving.get("error"), link.KeyMismatch)
+    assert str(serving["error"]) == "the client's key proof does not match this server's key and certificate"
+
+
+def test_a_client_whose_proof_is_wrong_is_refused_and_told_so(tls):
+    client, server, fingerprint = tls
+    deadline = time.monotonic() + BOUND_S
+    serving = _in_thread(lambda: link.prove_server(server, KEY, fingerprint, deadline))
+    challenge = link.recv_exactly(client, link.CHALLENGE_BYTES, deadline)
+    client.sendall(secrets.token_bytes(link.NONCE_BYTES))
+    link.recv_exactly(client, link.MAC_BYTES, deadline)  # the server's proof
+    client.sendall(secrets.token_bytes(link.MAC_BYTES))  # a proof it cannot make
+    serving["thread"].join(BOUND_S)
+    assert challenge.startswith(link.MAGIC) and isinstance(serving.get("error"), link.KeyMismatch)
+    assert str(serving["error"]) == "the client's key proof does not match this server's key and certificate"
+    link.refuse(server, deadline)  # what the accept loop does next
+    assert bytes(link.recv_exactly(client, link.VERDICT_BYTES, deadline)) == b"N"
 
 
 def test_a_server_that_cannot_prove_the_key_is_named_so(tls):
@@ -153,8 +186,8 @@ def test_a_server_that_cannot_prove_the_key_is_named_so(tls):
 
     def impersonate():
         server.sendall(link.MAGIC + secrets.token_bytes(link.NONCE_BYTES))
-        link.recv_exactly(server, link.RESPONSE_BYTES)
-        server.sendall(b"Y" + secrets.token_bytes(link.MAC_BYTES))  # "accepted", with a proof it cannot make
+        link.recv_exactly(server, link.NONCE_BYTES)
+        server.sendall(secrets.token_bytes(link.MAC_BYTES))  # a proof it cannot make
 
     impersonating = _in_thread(impersonate)
     with pytest.raises(link.KeyMismatch) as refused:
@@ -179,16 +212,16 @@ def test_a_proof_started_past_its_deadline_says_so_without_reading(tls):
 
 
 # ---- one deadline for the whole proof, however slowly the bytes come ----------------------------------------------
-@pytest.mark.parametrize("stage", ["challenge", "verdict"])
+@pytest.mark.parametrize("stage", ["challenge", "proof"])
 def test_a_server_trickling_its_part_is_given_up_at_the_deadline(tls, stage):
     """Each read gets only the time left: a server sending a byte now and then cannot stretch the proof past it."""
     client, server, _ = tls
     challenge = link.MAGIC + secrets.token_bytes(link.NONCE_BYTES)
     if stage == "challenge":
         trickle = Trickle(server, challenge)
-    else:  # the challenge at once, then the verdict byte by byte once the client's proof is in
+    else:  # the challenge at once, then the server's proof byte by byte once the client's nonce is in
         server.sendall(challenge)
-        trickle = Trickle(server, b"Y" + secrets.token_bytes(link.MAC_BYTES), after=link.RESPONSE_BYTES)
+        trickle = Trickle(server, secrets.token_bytes(link.MAC_BYTES), after=link.NONCE_BYTES)
     deadline = time.monotonic() + DEADLINE_S
     proving = _in_thread(lambda: link.prove_client(client, KEY, deadline))
     try:
@@ -201,7 +234,7 @@ def test_a_server_trickling_its_part_is_given_up_at_the_deadline(tls, stage):
 def test_a_client_trickling_its_proof_is_given_up_at_the_deadline(tls):
     client, server, fingerprint = tls
     deadline = time.monotonic() + DEADLINE_S
-    trickle = Trickle(client, secrets.token_bytes(link.RESPONSE_BYTES), after=link.CHALLENGE_BYTES)
+    trickle = Trickle(client, secrets.token_bytes(link.NONCE_BYTES), after=link.CHALLENGE_BYTES)
     serving = _in_thread(lambda: link.prove_server(server, KEY, fingerprint, deadline))
     try:
         returns_within(lambda: serving["thread"].join(), BOUND_S, "a proof whose answer trickles in")

@@ -135,7 +135,7 @@ def test_listening_without_the_key_is_refused_even_on_loopback_naming_the_variab
     assert main(["rollout-serve", "--listen", "127.0.0.1:0"]) == 2
     err = capsys.readouterr().err
     assert f"config `--listen`: {ROLLOUT_KEY_ENV} is not set" in err
-    assert f"Fix: export {ROLLOUT_KEY_ENV}=$(openssl rand -hex 32)" in err
+    assert f"Fix: export {ROLLOUT_KEY_ENV}=$(asyncgrpo keygen)" in err
 
 
 def test_rollout_serve_takes_only_its_path_overrides_and_names_them(capsys):
