@@ -744,14 +744,16 @@ class AsyncGRPOConfig:
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, values: dict) -> "AsyncGRPOConfig":
+    def from_dict(cls, values: dict, *, require_task: bool = True) -> "AsyncGRPOConfig":
         """Build from a plain mapping (a parsed YAML file) in this project's or TRL's key names (trl_compat.py).
-        Unknown keys, wrong types, TRL values that cannot be honoured and bad values are all reported at once."""
+        Unknown keys, wrong types, TRL values that cannot be honoured and bad values are all reported at once.
+        `require_task=False`: model, prompts and reward may be missing (a script passes them to the trainer)."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         values, problems = trl_compat.translate(values)
-        problems[:0] = task_problems(*(values.get(key) for key in (
-            "model_name_or_path", "dataset_name", "reward_funcs", "environment_factory")))
+        if require_task:
+            problems[:0] = task_problems(*(values.get(key) for key in (
+                "model_name_or_path", "dataset_name", "reward_funcs", "environment_factory")))
         kwargs = {}
         for key, value in values.items():
             try:

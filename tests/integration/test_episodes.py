@@ -236,9 +236,9 @@ RUN = {"max_turns": 3, "max_completion_length": 12, "num_generations": 4, "per_d
 def train(values: dict) -> None:
     """A whole run in this process."""
     from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+    from asyncgrpo.trainer.recipe import GRPORecipe
 
-    trainer = AsyncGRPOTrainer(AsyncGRPOConfig.from_dict(values))
+    trainer = GRPORecipe(AsyncGRPOConfig.from_dict(values))
     try:
         trainer.setup()
         trainer.train()

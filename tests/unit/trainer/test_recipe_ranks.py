@@ -9,7 +9,8 @@ import pytest
 from gloo import two_ranks
 
 from asyncgrpo.distributed import PeerFailed
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.callbacks import Callbacks
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 
 class Rollout:
@@ -23,7 +24,7 @@ class Rollout:
 
 
 def loop(rank: int, evaluation_fails: bool):
-    """`AsyncGRPOTrainer.train` over one step that evaluates, everything else stubbed; what this rank ended with."""
+    """`GRPORecipe.train` over one step that evaluates, everything else stubbed; what this rank ended with."""
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(max_steps=1, weight_sync_steps=1), step=0, main=rank == 0, eval_metrics={},
         rollout=Rollout(evaluation_fails) if rank == 0 else None,  # only rank 0 holds the rollout side
@@ -31,7 +32,7 @@ def loop(rank: int, evaluation_fails: bool):
         _log=lambda metrics, bar: None,
         evaluator=SimpleNamespace(should_evaluate=lambda step, last_step: True),
         checkpointer=SimpleNamespace(should_save=lambda step, last_step: False), _stop_agreed=lambda: False,
-        save_final=lambda: None, _finish=lambda seconds: {})
+        save_final=lambda: None, _finish=lambda seconds: {}, callbacks=Callbacks())
 
     def train_step():
         trainer.step += 1
@@ -39,7 +40,7 @@ def loop(rank: int, evaluation_fails: bool):
 
     trainer.train_step = train_step
     try:
-        AsyncGRPOTrainer.train(trainer)
+        GRPORecipe.train(trainer)
     except (PeerFailed, RuntimeError) as exc:
         return type(exc).__name__, str(exc)
     return "finished", trainer.eval_metrics
