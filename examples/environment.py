@@ -8,7 +8,7 @@ its public methods as the model's tools, `get_reward()` as a reward.
     python examples/environment.py --model_name_or_path MODEL_DIR --vllm_server_base_url http://127.0.0.1:8000 \
         --max_steps 2
 
-No dataset: `reset()` returns each episode's task (`dataset_name: environment`). docs/agents.md has the contract.
+No dataset (TRL's form): `reset()` returns each episode's task. docs/agents.md has the contract.
 """
 
 import random
@@ -48,7 +48,7 @@ class Vault:
 
 
 def main():
-    args = parse_args(dataset_name="environment", max_turns=4, max_completion_length=64, num_generations=4,
+    args = parse_args(max_turns=4, max_completion_length=64, num_generations=4,
                       per_device_train_batch_size=8, learning_rate=1e-5, max_steps=100, output_dir="runs/vault")
     AsyncGRPOTrainer(model=args.model_name_or_path, args=args, environment_factory=Vault,
                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])).train()

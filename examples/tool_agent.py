@@ -30,7 +30,7 @@ def lookup(key: str) -> str:
 
 def final_answer(completions, answer, **kwargs):
     """1.0 where the episode's last assistant message names the answer, else 0.0."""
-    last = [next((m["content"] or "" for m in reversed(c) if m["role"] == "assistant"), "") for c in completions]
+    last = [next((m.get("content") or "" for m in reversed(c) if m["role"] == "assistant"), "") for c in completions]
     return [1.0 if a in text else 0.0 for text, a in zip(last, answer)]
 
 

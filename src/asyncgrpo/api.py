@@ -59,6 +59,8 @@ class AsyncGRPOTrainer:
                  "dataset_name": self._dataset_value("dataset_name", train_dataset, args.output_dir),
                  "eval_dataset": self._dataset_value("eval_dataset", eval_dataset, args.output_dir)}
         values = {key: value for key, value in given.items() if value not in (None, [])}
+        if "environment_factory" in values and train_dataset is None and args.dataset_name in (None, "toy"):
+            values["dataset_name"] = "environment"  # TRL: no dataset, reset() gives each episode's prompt
         raise_all([ConfigError(key, f"is given twice: {value!r} to the trainer and {getattr(args, key)!r} in args",
                                "give it in one place") for key, value in values.items()
                    if getattr(args, key) not in (None, [], value, TOY_DEFAULTS.get(key))])

@@ -514,7 +514,15 @@ class AsyncGRPOConfig:
     def task_problems(self) -> list[ConfigError]:
         """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of
         `validate`: a config may be built in code before its model and data are known; the trainer checks it."""
-        return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs, self.environment_factory)
+        return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs,
+                             self.environment_factory) + self._eval_problems()
+
+    def _eval_problems(self) -> list[ConfigError]:
+        """Held-out prompts are a task key too: a script may pass `eval_dataset` to the trainer (api.py)."""
+        if self.eval_strategy == "steps" and not self.eval_dataset:
+            return [ConfigError("eval_dataset", "is required with eval_strategy: steps", "name held-out prompts "
+                                "(`toy`, or a local data file), or set `eval_strategy: no`")]
+        return []
 
     def validate(self) -> None:
         """Every value alone (VALUE_RANGES, names, URLs), then each group of cross-field checks; every problem found
@@ -590,9 +598,6 @@ class AsyncGRPOConfig:
     def _validate_eval(self) -> None:
         if self.eval_strategy not in ("no", "steps"):
             raise ConfigError("eval_strategy", f"unknown value {self.eval_strategy!r}", "use steps or no")
-        if self.eval_strategy == "steps" and not self.eval_dataset:
-            raise ConfigError("eval_dataset", "is required with eval_strategy: steps",
-                              "name held-out prompts (`toy`, or a local data file), or set `eval_strategy: no`")
         if self.eval_strategy == "no" and self.eval_dataset:  # eval_steps alone is accepted, as TRL does
             raise ConfigError("eval_strategy", "is `no`, but eval_dataset is set (no evaluation would run)",
                               "set `eval_strategy: steps`, or drop eval_dataset")
@@ -764,6 +769,8 @@ class AsyncGRPOConfig:
                 problems.append(exc)
         try:
             config = cls(**kwargs)  # the keys that were right: their values and combinations are checked too
+            if require_task:
+                problems.extend(config._eval_problems())
         except ConfigErrors as exc:
             problems.extend(exc.errors)
         except ConfigError as exc:

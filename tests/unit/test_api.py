@@ -171,3 +171,20 @@ def test_a_script_run_again_by_a_child_that_builds_the_trainer_outside_its_main_
             f"s.prepare({{'init_main_from_path': {str(script)!r}}})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-2000:]
+
+
+class Env:
+    def reset(self, **row):
+        return "go"
+
+
+def test_trl_forms_an_environment_without_a_dataset_and_evaluation_set_in_args_with_the_data_given_to_the_trainer(
+        tmp_path):
+    cfg = AsyncGRPOTrainer(model="m", args=args(tmp_path), environment_factory=Env).args
+    assert (cfg.dataset_name, cfg.environment_factory) == ("environment", f"{__name__}:Env")
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=5)  # as GRPOConfig is built
+    cfg = AsyncGRPOTrainer(model="m", reward_funcs=exact, args=config, train_dataset="d.jsonl",
+                           eval_dataset="held.jsonl").args
+    assert (cfg.eval_dataset, cfg.eval_steps) == ("held.jsonl", 5)
+    with pytest.raises(ConfigError, match="is required with eval_strategy: steps"):
+        AsyncGRPOTrainer(model="m", reward_funcs=exact, args=config, train_dataset="d.jsonl")

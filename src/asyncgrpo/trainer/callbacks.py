@@ -49,12 +49,14 @@ class Callbacks:
     def log(self, values: dict[str, float], step: int) -> None:
         """Rank 0, where the step's metrics are, every `logging_steps`: `on_log(..., logs=values)`."""
         if self.callbacks:
+            self.state.global_step = step
             self.state.log_history.append({**values, "step": step})
             self._call("on_log", logs=dict(values))
 
     def evaluate(self, metrics: dict[str, float], step: int) -> None:
         """Rank 0, after each evaluation: `on_evaluate(..., metrics=metrics)`."""
         if self.callbacks:
+            self.state.global_step = step
             self.state.log_history.append({**metrics, "step": step})
             self._call("on_evaluate", metrics=dict(metrics))
 
