@@ -47,3 +47,14 @@ def lookup(key: str) -> str:
         key: what the model wrote
     """
     return f"[{len(key)}]"
+
+
+def agent_model(world, tmp_path):
+    """The toy model with this format's tokenizer saved beside it (vLLM gets ids only, so it serves the toy model as
+    it is)."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(world.model_dir, model_dir)
+    agent_tokenizer().save_pretrained(model_dir)  # the chat template and the response template go with it
+    return model_dir

@@ -5,3 +5,19 @@ server, shared modules at the top (docs/design.md).
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "parse_args"]
+
+
+def __getattr__(name: str):
+    """`from asyncgrpo import AsyncGRPOTrainer, AsyncGRPOConfig, parse_args` (docs/python-api.md), imported on first
+    use so that the modules every process imports do not load the Python API."""
+    if name == "AsyncGRPOConfig":
+        from asyncgrpo.config import AsyncGRPOConfig
+
+        return AsyncGRPOConfig
+    if name in ("AsyncGRPOTrainer", "parse_args"):
+        from asyncgrpo import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'asyncgrpo' has no attribute {name!r}")

@@ -24,10 +24,11 @@ from asyncgrpo.trl_compat import apply_environment, trl_name
 
 
 def cmd_train(args, overrides: list[str]) -> int:
-    """Run under a launcher (`accelerate launch -m asyncgrpo train ...`) or as a single process."""
-    # heavy: the recipe and distributed import torch, which `asyncgrpo --help` and the other commands do not need
+    """Run under a launcher (`accelerate launch -m asyncgrpo train ...`) or as a single process: the Python API's
+    trainer (api.py) with the config alone."""
+    from asyncgrpo.api import AsyncGRPOTrainer
+    # heavy: distributed imports torch, which `asyncgrpo --help` and the other commands do not need
     from asyncgrpo.distributed import leave_launched_process
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
 
     values = read_values(args.config, overrides)
     cfg = AsyncGRPOConfig.from_dict(values)
@@ -35,15 +36,7 @@ def cmd_train(args, overrides: list[str]) -> int:
     notice = trl_notice(values)
     if notice and os.environ.get("RANK", "0") == "0":  # once per run: every rank reads the same file
         print(f"asyncgrpo: {notice}", file=sys.stderr, flush=True)
-    trainer = AsyncGRPOTrainer(cfg)
-    # SIGTERM (launchers, SLURM) / SIGINT / SIGHUP: no server left paused by a sync in progress; exit 143 / 130 / 129.
-    # With checkpoints on, SIGTERM first gives the loop stop_grace_s to reach a step it can save and resume from.
-    with exit_on_signal(trainer.halt, defer=trainer.stop_requested.set, grace_s=trainer.stop_grace_s):
-        try:
-            trainer.setup()
-            trainer.train()
-        finally:
-            trainer.cleanup()
+    AsyncGRPOTrainer(args=cfg).train()  # signals: no server left paused, a checkpoint on SIGTERM (api.py)
     leave_launched_process(0)  # a finished rank of a launch skips interpreter finalization (distributed.py says why)
     return 0
 

@@ -976,7 +976,17 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
     def task_problems(self) -> list[ConfigError]:
         """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of
         `validate`: a config may be built in code before its model and data are known; the trainer checks it."""
-        return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs, self.environment_factory)
+        return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs,
+                             self.environment_factory) + self._eval_problems()
+
+    def _eval_problems(self) -> list[ConfigError]:
+        """Held-out prompts are a task key too: a script may pass `eval_dataset` to the trainer (api.py); without it
+        they come from `dataset_test_split`, which an environment (no dataset) does not have."""
+        if self.eval_strategy == "steps" and not self.eval_dataset and self.dataset_name == "environment":
+            return [ConfigError("eval_dataset", "is required with eval_strategy: steps and `dataset_name: environment` "
+                                "(no dataset to take dataset_test_split from)",
+                                "name held-out prompts (a local data file), or set `eval_strategy: no`")]
+        return []
 
     # ---- checks ---------------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -986,7 +996,7 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
         if not problems:
             checks = [AsyncGRPOConfig._check_batch, *(section.check_all for section in SECTIONS),
                       AsyncGRPOConfig._check_rewards, AsyncGRPOConfig._check_staleness, AsyncGRPOConfig._check_agents,
-                      AsyncGRPOConfig._check_eval_source, AsyncGRPOConfig._check_steps]
+                      AsyncGRPOConfig._check_steps]
             for check in checks:
                 try:
                     check(self)
@@ -1034,12 +1044,6 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
             raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
                               "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
 
-    def _check_eval_source(self) -> None:
-        if self.eval_strategy == "steps" and not self.eval_dataset and self.dataset_name == "environment":
-            raise ConfigError("eval_dataset", "is required with eval_strategy: steps and `dataset_name: environment` "
-                              "(no dataset to take dataset_test_split from)",
-                              "name held-out prompts (a local data file), or set `eval_strategy: no`")
-
     def _check_steps(self) -> None:
         """Evaluations and checkpoints fall on steps where a version was just published, between two batches."""
         if self.eval_strategy == "steps" and self.evaluation_interval % self.weight_sync_steps:
@@ -1057,14 +1061,16 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, values: dict) -> "AsyncGRPOConfig":
+    def from_dict(cls, values: dict, *, require_task: bool = True) -> "AsyncGRPOConfig":
         """Build from a plain mapping (a parsed YAML file) in this project's or TRL's key names (trl_compat.py).
-        Unknown keys, wrong types, TRL values that cannot be honoured and bad values are all reported at once."""
+        Unknown keys, wrong types, TRL values that cannot be honoured and bad values are all reported at once.
+        `require_task=False`: model, prompts and reward may be missing (a script passes them to the trainer)."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         values, problems = trl_compat.translate(values)
-        problems[:0] = task_problems(*(values.get(key) for key in (
-            "model_name_or_path", "dataset_name", "reward_funcs", "environment_factory")))
+        if require_task:
+            problems[:0] = task_problems(*(values.get(key) for key in (
+                "model_name_or_path", "dataset_name", "reward_funcs", "environment_factory")))
         kwargs = {}
         for key, value in values.items():
             try:
@@ -1075,6 +1081,8 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
                 problems.append(exc)
         try:
             config = cls(**kwargs)  # the keys that were right: their values and combinations are checked too
+            if require_task:
+                problems.extend(config._eval_problems())
         except ConfigErrors as exc:
             problems.extend(exc.errors)
         except ConfigError as exc:

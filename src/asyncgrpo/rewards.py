@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from asyncgrpo.errors import ConfigError, RewardFunctionError
+from asyncgrpo.objects import remembered
 from asyncgrpo.reward_model import RewardModel
 
 log = logging.getLogger(__name__)
@@ -56,12 +57,14 @@ def load_reward_function(ref: str, kwargs: dict | None = None) -> RewardFn:
     if ":" not in ref:
         return _load_reward_model(ref, kwargs)
     module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError("reward_funcs", f"cannot import module {module_name!r} ({exc})",
-                          "make the module importable (installed, or on PYTHONPATH)") from exc
-    fn = getattr(module, attr, None)
+    fn = remembered(ref)  # a function handed to the Python API in this process (objects.py)
+    if fn is None:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError("reward_funcs", f"cannot import module {module_name!r} ({exc})",
+                              "make the module importable (installed, or on PYTHONPATH)") from exc
+        fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError("reward_funcs", f"{module_name!r} has no function {attr!r}",
                           f"check the name after ':' in {ref!r}")

@@ -5,7 +5,7 @@ import math
 import torch
 from safetensors.torch import load_file
 
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 from integration.runs import in_process_config
 
 PROMPT = [3 + b for b in b"80,08>"]
@@ -16,7 +16,7 @@ BF16_PROB_TOLERANCE = 5e-2  # on token probabilities (worst seen in 5 runs: 1.0e
 def test_a_bf16_base_trains_fp32_lora_and_matches_the_server_within_bf16_precision(vllm_server, client, tmp_path):
     cfg = in_process_config(vllm_server.base_url, tmp_path,
                             "--max_steps", "2", "--per_device_train_batch_size", "64", "--torch_dtype", "bfloat16")
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     try:
         trainer.setup()
         dtypes = {("lora" if "lora_" in n else "base"): p.dtype for n, p in trainer.model.named_parameters()}

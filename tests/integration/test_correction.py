@@ -7,12 +7,12 @@ import time
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 STEPS = 4
 
 
-def _wait_until_queued(trainer: AsyncGRPOTrainer, groups: int, deadline_s: float = 300.0) -> None:
+def _wait_until_queued(trainer: GRPORecipe, groups: int, deadline_s: float = 300.0) -> None:
     deadline = time.monotonic() + deadline_s
     while len(trainer.rollout.parts.queue) < groups:
         assert time.monotonic() < deadline, f"the producer did not queue {groups} groups within {deadline_s} s"
@@ -26,7 +26,7 @@ def test_the_correction_sees_one_version_of_staleness_and_nothing_on_policy(vllm
         "--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_mode", "token_truncate",
         "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
         "--vllm_server_base_url", vllm_server.base_url])
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     groups_per_step = cfg.groups_per_step(world_size=1)
     step = trainer.train_step
 

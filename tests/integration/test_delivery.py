@@ -61,7 +61,7 @@ def _served_under(client, prefix: str) -> dict[str, str]:
 
 def test_training_with_http_delivery_serves_only_the_receivers_copies_and_reproduces_peft(
         vllm_server, receiver, tmp_path, monkeypatch, peft_logprobs):
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+    from asyncgrpo.trainer.recipe import GRPORecipe
 
     receiver_url, receiver_dir = receiver
     monkeypatch.setenv(API_KEY_ENV, KEY)
@@ -71,7 +71,7 @@ def test_training_with_http_delivery_serves_only_the_receivers_copies_and_reprod
         "--sync_mode", "pause", "--output_dir", str(tmp_path / "run"), "--lora_adapter_path", str(trainer_dir),
         "--vllm_server_base_url", vllm_server.base_url,
         "--adapter_delivery", "http", "--adapter_receiver_url", receiver_url])
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     served_after_sync = []
     try:
         trainer.setup()

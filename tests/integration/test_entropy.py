@@ -3,14 +3,14 @@ range, and `top_entropy_quantile` leaves the lower-entropy share of the tokens o
 
 import math
 
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 from integration.runs import in_process_config
 
 
 def test_entropy_is_logged_with_its_quantiles_and_top_entropy_quantile_masks_the_rest(vllm_server, tmp_path):
     cfg = in_process_config(vllm_server.base_url, tmp_path,
                             "--max_steps", "2", "--per_device_train_batch_size", "64", "--top_entropy_quantile", "0.25")
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     try:
         trainer.setup()
         steps = []

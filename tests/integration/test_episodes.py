@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agent_format import agent_tokenizer, lookup
+from agent_format import agent_model, agent_tokenizer, lookup
 from fakes import cfg as make_cfg
 
 from asyncgrpo.data import PromptRow
@@ -217,17 +217,6 @@ def test_with_latest_the_turns_after_a_publish_are_sampled_by_the_new_version_an
         unload_all(client, names)
 
 
-def agent_model(world, tmp_path):
-    """The toy model with this format's tokenizer saved beside it (vLLM gets ids only, so it serves the toy model as
-    it is)."""
-    import shutil
-
-    model_dir = tmp_path / "model"
-    shutil.copytree(world.model_dir, model_dir)
-    agent_tokenizer().save_pretrained(model_dir)  # the chat template and the response template go with it
-    return model_dir
-
-
 RUN = {"max_turns": 3, "max_completion_length": 12, "num_generations": 4, "per_device_train_batch_size": 8,
        "max_steps": 2, "max_staleness": 0, "weight_sync_steps": 1, "lora_r": 8, "lora_alpha": 16,
        "lora_target_modules": ["q_proj", "v_proj"], "learning_rate": 1e-3, "vllm_server_timeout": 30,
@@ -237,9 +226,9 @@ RUN = {"max_turns": 3, "max_completion_length": 12, "num_generations": 4, "per_d
 def train(values: dict) -> None:
     """A whole run in this process."""
     from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+    from asyncgrpo.trainer.recipe import GRPORecipe
 
-    trainer = AsyncGRPOTrainer(AsyncGRPOConfig.from_dict(values))
+    trainer = GRPORecipe(AsyncGRPOConfig.from_dict(values))
     try:
         trainer.setup()
         trainer.train()

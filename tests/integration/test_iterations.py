@@ -10,7 +10,7 @@ from asyncgrpo.bench.sync import cpu_launch_env
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.inference_node.vllm_server import find_free_port
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def test_each_batch_is_taken_once_trained_twice_and_its_reference_computed_once(
         "--weight_sync_steps", "2", "--max_staleness", "0", "--beta", "0.04", "--learning_rate", "1e-2",
         "--output_dir", str(tmp_path), "--lora_adapter_path", str(tmp_path / "adapters"),
         "--vllm_server_base_url", vllm_server.base_url])
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     forwards = []
     try:
         trainer.setup()

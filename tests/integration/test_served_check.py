@@ -10,7 +10,7 @@ import torch
 
 from asyncgrpo.errors import ServedPolicyError
 from asyncgrpo.rollout.served_check import TOLERANCE
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 from integration.runs import in_process_config
 
 SABOTAGED = 3  # the version whose files are replaced
@@ -19,7 +19,7 @@ SABOTAGED = 3  # the version whose files are replaced
 def _trainer(server, tmp_path, *overrides):
     cfg = in_process_config(server.base_url, tmp_path, "--max_steps", "5", "--per_device_train_batch_size", "64",
                             "--max_staleness", "0", "--torch_num_threads", "0", *overrides)
-    return AsyncGRPOTrainer(cfg)
+    return GRPORecipe(cfg)
 
 
 def _write_instead(trainer, wrong):

@@ -14,7 +14,7 @@ from asyncgrpo.errors import SyncError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.rollout.publish import AdapterPublisher
 from asyncgrpo.store import AdapterStore
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 
 def finished_requests(base_url: str) -> float:
@@ -35,7 +35,7 @@ def test_rollouts_use_both_servers_and_every_sync_reaches_both(vllm_server, seco
     cfg = AsyncGRPOConfig.load(default_config_path(), [
         "--max_steps", "2", "--per_device_train_batch_size", "64", "--output_dir", str(tmp_path),
         "--lora_adapter_path", str(tmp_path / "adapters"), "--vllm_server_base_url", ",".join(urls)])
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     served = []
     try:
         trainer.setup()

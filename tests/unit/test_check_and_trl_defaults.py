@@ -100,10 +100,10 @@ def test_train_tells_a_trl_config_its_defaults_once_on_rank_0_before_the_trainer
     import asyncgrpo.trainer.recipe as recipe
 
     class Stop:
-        def __init__(self, cfg):
+        def __init__(self, cfg, **kwargs):
             raise ConfigError("stop", "the test stops here", "none")
 
-    monkeypatch.setattr(recipe, "AsyncGRPOTrainer", Stop)
+    monkeypatch.setattr(recipe, "GRPORecipe", Stop)
     monkeypatch.setenv("RANK", rank)
     assert main(["train", "--config", str(_trl_file(tmp_path))]) == 2
     assert capsys.readouterr().err.count("take asyncgrpo's defaults, not TRL's") == told

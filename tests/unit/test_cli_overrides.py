@@ -89,11 +89,11 @@ def test_a_trl_files_env_mapping_is_accepted_and_set_by_train(tmp_path, monkeypa
     seen = {}
 
     class Stop:
-        def __init__(self, cfg):
+        def __init__(self, cfg, **kwargs):
             seen["value"] = os.environ.get("ASYNCGRPO_TEST_ENV")
             raise ConfigError("stop", "the test stops here", "none")
 
-    monkeypatch.setattr(recipe, "AsyncGRPOTrainer", Stop)
+    monkeypatch.setattr(recipe, "GRPORecipe", Stop)
     monkeypatch.delenv("ASYNCGRPO_TEST_ENV", raising=False)
     path = tmp_path / "grpo.yaml"
     path.write_text("model_name_or_path: toy\nenv:\n  ASYNCGRPO_TEST_ENV: offline\n")

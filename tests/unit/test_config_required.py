@@ -62,9 +62,9 @@ def test_an_environment_may_bring_the_reward_and_one_without_get_reward_is_refus
 
 
 def test_a_config_built_in_code_may_wait_for_its_model_but_the_trainer_refuses_it_without():
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+    from asyncgrpo.trainer.recipe import GRPORecipe
 
     config = AsyncGRPOConfig(lora_adapter_path="/tmp/adapters")  # TRL style: the model comes with the trainer
     assert [e.field for e in config.task_problems()] == ["model_name_or_path", "dataset_name", "reward_funcs"]
     with pytest.raises(ConfigErrors):
-        AsyncGRPOTrainer(config)
+        GRPORecipe(config)

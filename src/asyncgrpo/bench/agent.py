@@ -29,7 +29,7 @@ from asyncgrpo.demo_agent import agent_config, episode_figures, load_agent_confi
 from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.toy.agent_task import LookupEnv
 from asyncgrpo.toy.agent_world import build_agent_world
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 STALENESS = (0, 1, 2)
 DEFAULT_WORKDIR = "runs/bench-agent"
@@ -61,7 +61,7 @@ def compare_to_sync(runs: list[dict]) -> list[dict]:
 
 def run_one(cfg, world, server_pid: int | None) -> dict:
     """Train `cfg.max_steps` steps (timed), then play the final adapter's held-out episodes (not timed)."""
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     try:
         trainer.setup()
         server_cpu0 = process_tree_cpu_s(server_pid)
@@ -114,7 +114,7 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
                                                          max_loras=adapters_needed(max(stalenesses)),
                                                          max_num_seqs=max_sequences(base, max(stalenesses)))
         # Untimed warm-up: the server's first LoRA requests are slow; no timed run should pay for them.
-        warm = AsyncGRPOTrainer(run_config(world, work, 0, server_url, values, "warmup", max_steps=WARMUP_STEPS,
+        warm = GRPORecipe(run_config(world, work, 0, server_url, values, "warmup", max_steps=WARMUP_STEPS,
                                            **per_run))
         try:
             warm.setup()

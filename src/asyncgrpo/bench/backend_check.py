@@ -31,7 +31,7 @@ from asyncgrpo.trainer.checkpoint import TrainerState, load_checkpoint, save_che
 from asyncgrpo.trainer.gather import backend_of, gather_lora_state
 from asyncgrpo.trainer.logprobs import sequence_logprobs
 from asyncgrpo.trainer.metrics import StepMetrics
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 # What a result must show (`failures`). 1 vs 2 micro-batches: the relative L2 distance of the two updates (Adam
 # moves each weight by about the learning rate whatever its gradient, so a weight whose gradient is rounding noise
@@ -112,7 +112,7 @@ def run_check(cfg: AsyncGRPOConfig, out: Path, micro: int, shape: dict, audit=co
     """Every rank: build the trainer's model, take an on-policy step (its ratio), checkpoint, step A (the next batch
     as one micro-batch per rank), restore, step B (the same batch as `micro` micro-batches, inside `audit()`), each
     followed by the LoRA gather. Returns (the accelerator, the figures on rank 0, None elsewhere)."""
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     trainer.setup_model()
     device = trainer.acc.device
     vocab = trainer.acc.unwrap_model(trainer.model).config.vocab_size

@@ -2,7 +2,7 @@
 each rank during one training step of a real-shape model, two CPU ranks per backend.
 
 Each (backend, variant) is one `accelerate launch` of this module's worker, which builds the trainer's model and runs
-the trainer's own step (`AsyncGRPOTrainer._optimise`) on a synthetic batch. What is measured: docs/memory.md.
+the trainer's own step (`GRPORecipe._optimise`) on a synthetic batch. What is measured: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def worker(argv: list[str]) -> None:
     from asyncgrpo.distributed import all_gather_object, leave_launched_process
     from asyncgrpo.trainer.gather import backend_of
     from asyncgrpo.trainer.metrics import StepMetrics
-    from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+    from asyncgrpo.trainer.recipe import GRPORecipe
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -65,7 +65,7 @@ def worker(argv: list[str]) -> None:
         "--torch_num_threads", "1", "--ddp_timeout", "3600", "--output_dir", str(out.parent),
         "--lora_adapter_path", str(out.parent / "adapters"),
         "--gradient_checkpointing", str(args.variant != "no_checkpointing").lower(), *overrides])
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     trainer.setup_model()
     if args.variant == "no_chunking":
         trainer.scoring_head = None  # the full (B, T, V) logits, as a trainer without the chunked head computes

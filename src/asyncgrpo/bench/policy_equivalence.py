@@ -20,7 +20,7 @@ from asyncgrpo.demo import default_config_path
 from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port, served_lora_rank
 from asyncgrpo.rewards import completion_text
 from asyncgrpo.toy.shapes import shape_model_dir, shape_name
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 
 def _max_diff(a: list[list[float]], b: list[list[float | None]]) -> float:
@@ -83,7 +83,7 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
             "--max_steps", "2", "--per_device_train_batch_size", "64", "--max_staleness", "0",
             "--output_dir", str(work / "run"), "--lora_adapter_path", str(work / "adapters"),
             "--vllm_server_base_url", server_url, "--torch_num_threads", "0", *overrides])
-        trainer = AsyncGRPOTrainer(cfg)
+        trainer = GRPORecipe(cfg)
         try:
             trainer.setup()
             trainer.train()

@@ -19,7 +19,7 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import toy_world
 from asyncgrpo.demo import default_config_path
 from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 DEFAULT_WORKDIR = "runs/bench-rank0"
 WARMUP_STEPS = 4
@@ -70,7 +70,7 @@ class StepClock:
 
 def run_one(cfg) -> dict:
     """Train `cfg.max_steps` steps in this process (a single rank) and time rank 0's steps."""
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     clock = StepClock(trainer)
     try:
         trainer.setup()

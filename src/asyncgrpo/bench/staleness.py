@@ -23,7 +23,7 @@ from asyncgrpo.demo import default_config_path, heldout_rewards
 from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 STALENESS = (0, 2, 4, 8)
 # What each correction adds to the config: `none` is the loss before `delta` became a default (no bound on the
@@ -93,7 +93,7 @@ def plot_cells(rows: list[dict], path: str | Path) -> Path:
 
 def run_cell(cfg, world, client) -> dict:
     """Train one cell with TRAINER_DELAY_S after every step, then measure its held-out reward."""
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     train_step = trainer.train_step
 
     def slow_step():

@@ -27,7 +27,7 @@ from asyncgrpo.inference.checks import adapters_needed
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 from asyncgrpo.timeline import complement, fraction
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 STALENESS = (0, 1, 2)
 DEFAULT_WORKDIR = "runs/bench-throughput"
@@ -162,7 +162,7 @@ def run_one(cfg, world, client, server_pid: int | None = None) -> tuple[dict, di
     """Train `cfg.max_steps` steps (timed), then measure the final adapter's held-out reward (not timed).
     CPU seconds are recorded too: unlike wall time they hardly change when other work shares the cores, so
     they show the generation/training balance even on a busy machine."""
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     try:
         trainer.setup()
         server_cpu0, proc_cpu0, thread_cpu0 = process_tree_cpu_s(server_pid), time.process_time(), time.thread_time()
@@ -240,7 +240,7 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
                 *overrides, *extra])
 
         # Untimed warm-up: the server's first LoRA requests are slow (~2 s); no timed run should pay for them.
-        warm = AsyncGRPOTrainer(config(0, "warmup", "--max_steps", str(WARMUP_STEPS)))
+        warm = GRPORecipe(config(0, "warmup", "--max_steps", str(WARMUP_STEPS)))
         try:
             warm.setup()
             warm.train()

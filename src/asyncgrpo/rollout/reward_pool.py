@@ -12,6 +12,7 @@ import atexit
 import importlib
 import logging
 import multiprocessing
+import multiprocessing.spawn
 import os
 import queue
 import signal
@@ -28,6 +29,7 @@ import asyncgrpo
 from asyncgrpo.config import SECRET_ENV_VARS
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import RewardFunctionError
+from asyncgrpo.objects import MAIN
 from asyncgrpo.rewards import RewardLog, RewardScorer, RewardState
 from asyncgrpo.rollout.scoring import DECODING, reward_timeout_error, running_what, score_group
 
@@ -70,6 +72,16 @@ class WorkerSpec:
     kwargs: dict | None
     tokenizer: TokenizerRef
     response_template: dict | None
+    main: dict | None = None  # how to run the launched script again (multiprocessing.spawn), for its functions
+
+
+def script_preparation(refs: list[str]) -> dict | None:
+    """What a worker needs to run the launched script again as `__mp_main__` (so that `__main__:fn` imports), as
+    multiprocessing's spawn does; None when no reference names the script (objects.py)."""
+    if not any(ref.startswith(MAIN + ":") for ref in refs):
+        return None
+    data = multiprocessing.spawn.get_preparation_data("asyncgrpo-reward-worker")
+    return {k: v for k, v in data.items() if k in ("sys_argv", "init_main_from_name", "init_main_from_path")}
 
 
 def worker_environment() -> dict[str, str]:
@@ -120,6 +132,8 @@ def _worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no mutate block
     # cores are short, a lower priority lets the step run first and leaves the workers the idle time.
     os.nice(WORKER_NICE)
     try:
+        if spec.main:
+            multiprocessing.spawn.prepare(spec.main)  # the script's top level runs here as `__mp_main__`
         scorer = RewardScorer(spec.refs, spec.weights, spec.fallback, spec.kwargs)
         tokenizer = spec.tokenizer.load()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
@@ -257,7 +271,7 @@ class RewardPool:
                  start_timeout_s: float = WORKER_START_TIMEOUT_S):
         assert workers > 0, workers
         self.spec = WorkerSpec(list(scorer.refs), scorer.weights, scorer.fallback, scorer.kwargs, tokenizer,
-                               response_template)
+                               response_template, main=script_preparation(scorer.refs))
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.fallbacks = 0
         self.logged = RewardLog()  # what the workers' reward functions logged, merged as their answers come

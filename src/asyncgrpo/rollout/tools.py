@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from asyncgrpo.errors import ConfigError, ToolError
+from asyncgrpo.objects import remembered
 from asyncgrpo.rollout import tool_process
 from asyncgrpo.rollout.tool_guard import HUNG, ToolStopped, arguments_problem, cut_text, render_result
 
@@ -24,7 +25,10 @@ NOT_TOOLS = ("reset", "get_reward", "close")  # an environment's methods that th
 
 
 def load_ref(ref: str, key: str) -> Any:
-    """`package.module:name` -> the object; errors name the config `key`, the reference and the fix."""
+    """`package.module:name` -> the object (the very one, when it was handed to the Python API in this process:
+    objects.py); errors name the config `key`, the reference and the fix."""
+    if remembered(ref) is not None:
+        return remembered(ref)
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -56,16 +56,16 @@ def load_placement(acc) -> dict:
     return {"device_map": {"": acc.device}}
 
 
-def build_policy(cfg, acc, model_path: str) -> Policy:
-    """Collective (under FSDP/ZeRO `prepare` shards the model): the tokenizer and base model of `model_path` in
-    `torch_dtype`, the LoRA adapter (the same initialisation on every rank: seeded), AdamW over the LoRA parameters
+def build_policy(cfg, acc, model_path: str, tokenizer=None) -> Policy:
+    """Collective (under FSDP/ZeRO `prepare` shards the model): the tokenizer (`tokenizer`, or `model_path`'s) and
+    base model of `model_path` in `torch_dtype`, the LoRA adapter (the same initialisation on every rank: seeded), AdamW over the LoRA parameters
     only, prepared by `acc`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers, only when a model is built
 
     torch.manual_seed(cfg.seed)  # same LoRA initialisation on every rank
     with acc.local_main_process_first():  # a hub model is downloaded once per node; the others read the cache
         local_dir = local_model_dir(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(local_dir)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(local_dir)
     dtype = getattr(torch, base_dtype(cfg, acc))
     # Under ZeRO-3 the base is partitioned as it is built, in `torch_dtype` (zero3_init_in); under FSDP with
     # `fsdp_cpu_ram_efficient_loading` only local rank 0 reads the weights (transformers), the others get them

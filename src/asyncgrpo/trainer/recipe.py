@@ -1,4 +1,4 @@
-"""The training recipe: `AsyncGRPOTrainer` runs one GRPO run on every rank (`setup()`, `train()`, `cleanup()`).
+"""The training recipe: `GRPORecipe` runs one GRPO run on every rank (`setup()`, `train()`, `cleanup()`).
 
 Each step: every `num_iterations` steps rank 0 takes a batch from the rollout queue and splits it over ranks by
 tokens; every rank computes the GRPO loss over its micro-batches, backward, optimizer step; every
@@ -34,6 +34,7 @@ from asyncgrpo.store import CARD_NAME, export_adapter
 from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import (collate, pack_by_tokens, score_completions, split_by_tokens, to_device,
                                         with_positions)
+from asyncgrpo.trainer.callbacks import Callbacks
 from asyncgrpo.trainer.checkpoint import (TRAINER_STATE, Checkpointer, TrainerState, check_backend, clean_partial,
                                           load_checkpoint, read_trainer_state, resolve_checkpoint, restore_rng)
 from asyncgrpo.trainer.completions import CompletionLog
@@ -59,13 +60,16 @@ class TrainBatch:
     micro_batches: list[dict[str, torch.Tensor]]
 
 
-class AsyncGRPOTrainer:
+class GRPORecipe:
     """One run: `setup()`, `train()`, `cleanup()`. Rank 0 also holds the rollout side (`self.rollout`: servers,
-    producer, queue, publisher; rollout/side.py), None on the other ranks."""
+    producer, queue, publisher; rollout/side.py), None on the other ranks. `callbacks`: TrainerCallback-style objects
+    (callbacks.py); `tokenizer`: used instead of the model directory's (the Python API's `processing_class`)."""
 
-    def __init__(self, cfg: AsyncGRPOConfig):
+    def __init__(self, cfg: AsyncGRPOConfig, *, callbacks=None, tokenizer=None):
         raise_all(cfg.task_problems())  # no silent defaults: a run names its model, prompts and reward
         self.cfg = cfg
+        self.callbacks = Callbacks(callbacks)
+        self.given_tokenizer = tokenizer
         self.loss_spec = LossSpec.from_config(cfg)  # what the loss takes from the config, fixed for the run
         self.checkpointer = Checkpointer.from_config(cfg)  # when and where checkpoints are written
         self.evaluator = Evaluator.from_config(cfg)  # when the rollout side evaluates on eval_dataset
@@ -100,6 +104,9 @@ class AsyncGRPOTrainer:
         # version: it is published to every server before the producer sends its first request.
         self.sync(first=True)
         self.start_step = self.step
+        self.callbacks.begin(self.cfg, step=self.step, is_main=self.main, is_local_main=self.acc.is_local_main_process,
+                             model=self.acc.unwrap_model(self.model), processing_class=self.tokenizer,
+                             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
         if self.resumed_from is not None:
             restore_rng(self.resumed_from, self.rank)  # last: nothing after it draws numbers before training
 
@@ -123,7 +130,7 @@ class AsyncGRPOTrainer:
         if not self.main:
             self.model_path = self._resolve_model()
         self.model, self.optimizer, self.tokenizer, self.peft_config, self.scoring_head = build_policy(
-            cfg, self.acc, self.model_path)  # the LoRA-wrapped model and its optimizer, prepared (policy.py)
+            cfg, self.acc, self.model_path, tokenizer=self.given_tokenizer)  # LoRA model, optimizer, prepared
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Stepped by `_optimise` once per optimizer step, on every backend (schedule.py says why not via accelerate).
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -175,14 +182,23 @@ class AsyncGRPOTrainer:
                 if self.main:
                     self.eval_metrics = evaluated
                     self.history.log(evaluated, self.step)
+                    self.callbacks.evaluate(self.eval_metrics, self.step)
             saved = self.checkpointer.should_save(self.step, last_step=last_step)
             if saved:
                 self.save_checkpoint()
+                self.callbacks.save(self.step)
             if self._stop_agreed():
                 self._stop_with_checkpoint(saved)
+            self.callbacks.step_end(self.step)
+            # A callback's `control.should_training_stop` on any rank ends the run on every rank (one collective
+            # per step, only with callbacks: every rank runs the same script, so all have them or none).
+            if self.callbacks and dist_max(1.0 if self.callbacks.stop_requested else 0.0) > 0:
+                log.info("a callback set control.should_training_stop: stopping after step %d", self.step)
+                break
         if self.main:
             bar.close()
         self.save_final()
+        self.callbacks.end()
         return self._finish(time.perf_counter() - started)
 
     def train_step(self) -> StepMetrics:
@@ -420,6 +436,7 @@ class AsyncGRPOTrainer:
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
             metrics.log(self.rollout, self.step)
             self.history.log(metrics.values, self.step)
+            self.callbacks.log(metrics.values, self.step)
             if self.completion_log is not None:
                 rows = self.completion_log.table(self._batch.groups, self.step)
                 self.completion_log.append(rows)

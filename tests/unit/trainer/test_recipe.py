@@ -9,6 +9,7 @@ import torch
 from fakes import cfg as make_cfg
 
 from asyncgrpo.contracts import Group
+from asyncgrpo.trainer.callbacks import Callbacks
 from asyncgrpo.trainer.checkpoint import Checkpointer
 from asyncgrpo.trainer.completions import CompletionLog
 from asyncgrpo.trainer.evaluator import Evaluator
@@ -16,7 +17,7 @@ from asyncgrpo.trainer.loss import LossSpec
 from asyncgrpo.trainer.metrics import StepMetrics
 from asyncgrpo.trainer.outputs import LogHistory
 from asyncgrpo.trainer import recipe
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 
 # ---- when a checkpoint is written -----------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ def test_no_save_steps_means_no_checkpoint_even_at_the_last_step():
 # ---- the loss spec ---------------------------------------------------------------------------------------------------
 def test_the_trainer_holds_the_loss_spec_of_its_config():
     cfg = make_cfg(loss_type="grpo", beta=0.04, epsilon=0.1)
-    trainer = AsyncGRPOTrainer(cfg)
+    trainer = GRPORecipe(cfg)
     assert trainer.loss_spec == LossSpec.from_config(cfg)
     assert trainer.loss_spec.counts_sequences and trainer.loss_spec.needs_reference
 
@@ -86,7 +87,7 @@ class FakeBar:  # not in fakes.py: tqdm's progress bar, used here only
 def _trainer(tmp_path, **cfg_values):
     values = {"logging_steps": 2, "max_steps": 5, "output_dir": str(tmp_path), **cfg_values}
     return SimpleNamespace(cfg=SimpleNamespace(**values), rollout=FakeRollout(tmp_path), version=3, step=0,
-                           completion_log=None, eval_metrics={}, history=LogHistory())
+                           completion_log=None, eval_metrics={}, history=LogHistory(), callbacks=Callbacks())
 
 
 def test_a_step_is_logged_with_the_rollout_counters_and_the_version_every_logging_steps_and_at_the_end(tmp_path):
@@ -95,7 +96,7 @@ def test_a_step_is_logged_with_the_rollout_counters_and_the_version_every_loggin
         trainer.step = step
         metrics = StepMetrics()
         metrics.batch([_group([1.0, 0.0], version=3)], version=3, num_generations=2, waited_s=0.25)
-        AsyncGRPOTrainer._log(trainer, metrics, bar)
+        GRPORecipe._log(trainer, metrics, bar)
     assert [step for step, _ in trainer.rollout.logged] == [2, 4, 5]  # every 2 steps, and the last (5)
     values = trainer.rollout.logged[0][1]
     assert values["policy/version"] == 3.0 and values["queue/dropped_stale_total"] == 3.0
@@ -113,7 +114,7 @@ def test_the_run_summary_keeps_its_keys_and_reads_the_rollout_counters(tmp_path,
     trainer._trainable_dtype = trainer._state_dtype = lambda: "float32"
     trainer.finished = False
     monkeypatch.setattr(recipe, "backend_of", lambda acc: "ddp")
-    summary = AsyncGRPOTrainer._finish(trainer, 12.0)
+    summary = GRPORecipe._finish(trainer, 12.0)
     assert set(summary) == {"steps", "version", "adapter_name", "adapter_path", "model_path", "train_seconds",
                             "dropped_stale", "dropped_zero_std", "lost_groups", "resent_groups", "tensorboard",
                             "backend", "world_size", "base_dtype", "start_step", "resumed_from",
@@ -140,7 +141,7 @@ def test_with_log_completions_each_logged_step_writes_its_table_to_the_trackers_
         trainer.step = step
         metrics = StepMetrics()
         metrics.batch(groups, version=3, num_generations=2, waited_s=0.0)
-        AsyncGRPOTrainer._log(trainer, metrics, bar)
+        GRPORecipe._log(trainer, metrics, bar)
     (name, columns, rows, step), = trainer.rollout.tables  # logging_steps 2: step 2 only
     assert (name, step) == ("completions", 2)
     assert columns == ["step", "prompt", "completion", "fmt", "never", "reward", "advantage"]
@@ -180,7 +181,7 @@ def test_without_a_token_budget_a_share_is_cut_into_whole_groups_of_the_per_devi
     cfg = SimpleNamespace(max_tokens_per_microbatch=None, per_device_train_batch_size=4, num_generations=2)
     trainer = SimpleNamespace(cfg=cfg, pad_id=0, acc=SimpleNamespace(device=torch.device("cpu")))
     share = [_group([1.0, 0.0], lengths=[2, 3]) for _ in range(3)]
-    micro = AsyncGRPOTrainer._micro_batches(trainer, share)
+    micro = GRPORecipe._micro_batches(trainer, share)
     assert [b["input_ids"].shape[0] for b in micro] == [4, 2]  # 2 groups of 2 completions, then the last group
     assert all(b["mask"].sum(dim=1).tolist() == [2.0, 3.0] * (b["input_ids"].shape[0] // 2) for b in micro)
 
@@ -189,7 +190,7 @@ def test_with_a_token_budget_completions_are_packed_by_length_within_it():
     cfg = SimpleNamespace(max_tokens_per_microbatch=12, per_device_train_batch_size=4, num_generations=2)
     trainer = SimpleNamespace(cfg=cfg, pad_id=0, acc=SimpleNamespace(device=torch.device("cpu")))
     share = [_group([1.0, 0.0], lengths=[4, 1]), _group([0.0, 1.0], lengths=[4, 2])]  # sequences of 6, 3, 6, 4
-    micro = AsyncGRPOTrainer._micro_batches(trainer, share)  # one process: the count needs no other rank
+    micro = GRPORecipe._micro_batches(trainer, share)  # one process: the count needs no other rank
     assert [tuple(b["input_ids"].shape) for b in micro] == [(2, 6), (2, 4)]  # 2 x 6 = 12 and 2 x 4 within 12
     assert sum(float(b["mask"].sum()) for b in micro) == 4 + 1 + 4 + 2
 
@@ -204,17 +205,17 @@ def test_the_final_adapter_is_the_last_served_version_with_unpublished_steps_pub
     trainer.sync = lambda wait=False: synced.append(wait)
     trainer._card = lambda directory: f"the card of {directory} at step {trainer.step}"
     monkeypatch.setattr(recipe, "export_adapter", lambda *args, card: exported.append((*args, card)))
-    AsyncGRPOTrainer.save_final(trainer)
+    GRPORecipe.save_final(trainer)
     assert synced == ([True] if publishes else [])  # steps 5: one step since the sync at 4 is published first
     assert exported == ["waited", (str(tmp_path), trainer._published, "peft", "org/model",  # once it is served,
                                    f"the card of {tmp_path} at step {step}")]  # with its model card
 
 
 # ---- SIGTERM with checkpoints on: stop at a step that can be resumed from, with a checkpoint --------------------------
-def _loop(sigterm_at: int, **values) -> tuple[AsyncGRPOTrainer, list[tuple[str, int]]]:
+def _loop(sigterm_at: int, **values) -> tuple[GRPORecipe, list[tuple[str, int]]]:
     """A trainer whose steps, syncs and saves are recorded, not run; SIGTERM (the deferred one: shutdown.py) is
     received during step `sigterm_at`."""
-    trainer = AsyncGRPOTrainer(make_cfg(**{"max_steps": 10, "save_steps": 5, **values}))
+    trainer = GRPORecipe(make_cfg(**{"max_steps": 10, "save_steps": 5, **values}))
     trainer.main, trainer.world = False, 1
     calls: list[tuple[str, int]] = []
 
@@ -259,6 +260,6 @@ def test_sigterm_on_a_save_step_saves_once():
 def test_without_checkpoints_sigterm_is_not_deferred():
     trainer, _ = _loop(sigterm_at=3, save_steps=0)
     assert trainer.stop_grace_s == 0.0
-    assert AsyncGRPOTrainer(make_cfg(save_steps=5, stop_grace_s=0)).stop_grace_s == 0.0
-    assert AsyncGRPOTrainer(make_cfg(save_steps=5)).stop_grace_s == 20.0
+    assert GRPORecipe(make_cfg(save_steps=5, stop_grace_s=0)).stop_grace_s == 0.0
+    assert GRPORecipe(make_cfg(save_steps=5)).stop_grace_s == 20.0
     trainer.train()  # the loop runs on: SIGTERM is the handler's to act on at once (shutdown.py)

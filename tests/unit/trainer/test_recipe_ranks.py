@@ -9,8 +9,9 @@ import pytest
 from gloo import two_ranks
 
 from asyncgrpo.distributed import PeerFailed
+from asyncgrpo.trainer.callbacks import Callbacks
 from asyncgrpo.trainer.outputs import LogHistory
-from asyncgrpo.trainer.recipe import AsyncGRPOTrainer
+from asyncgrpo.trainer.recipe import GRPORecipe
 
 
 class Rollout:
@@ -24,7 +25,7 @@ class Rollout:
 
 
 def loop(rank: int, evaluation_fails: bool):
-    """`AsyncGRPOTrainer.train` over one step that evaluates, everything else stubbed; what this rank ended with."""
+    """`GRPORecipe.train` over one step that evaluates, everything else stubbed; what this rank ended with."""
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(max_steps=1, weight_sync_steps=1), step=0, main=rank == 0, eval_metrics={},
         rollout=Rollout(evaluation_fails) if rank == 0 else None,  # only rank 0 holds the rollout side
@@ -32,7 +33,7 @@ def loop(rank: int, evaluation_fails: bool):
         _log=lambda metrics, bar: None,
         evaluator=SimpleNamespace(should_evaluate=lambda step, last_step: True),
         checkpointer=SimpleNamespace(should_save=lambda step, last_step: False), _stop_agreed=lambda: False,
-        save_final=lambda: None, _finish=lambda seconds: {}, history=LogHistory())
+        save_final=lambda: None, _finish=lambda seconds: {}, history=LogHistory(), callbacks=Callbacks())
 
     def train_step():
         trainer.step += 1
@@ -40,7 +41,7 @@ def loop(rank: int, evaluation_fails: bool):
 
     trainer.train_step = train_step
     try:
-        AsyncGRPOTrainer.train(trainer)
+        GRPORecipe.train(trainer)
     except (PeerFailed, RuntimeError) as exc:
         return type(exc).__name__, str(exc)
     return "finished", trainer.eval_metrics, trainer.history.entries
