@@ -36,6 +36,7 @@ def test_bench_chaos_survives_or_resumes_every_fault_and_leaves_nothing_running(
                           cwd=REPO, env=cpu_launch_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = json.loads(proc.stdout)
+    assert result["finished"] is True, json.dumps(result["segments"])[-3000:]
     # The plan is the seed's: one fault of each kind, after the first checkpoint, before the last step.
     expected = plan(STEPS, 3, tuple(KINDS.split(",")), SEED, first_step=SAVE_STEPS + 1)
     assert [(f["kind"], f["step"]) for f in result["faults"]] == [(f["kind"], f["step"]) for f in expected]
