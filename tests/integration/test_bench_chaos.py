@@ -55,6 +55,11 @@ def test_bench_chaos_survives_or_resumes_every_fault_and_leaves_nothing_running(
     roles = {port.split(":")[0] for port in malformed["ports"]}
     assert {"vllm_server", "receiver"} <= roles, malformed  # every listening port, the servers' ones included
     assert malformed["processes_gone_after"] == []
+    # The receiver (our own HTTP server) answers each kind with its own status, before and without the key.
+    receiver = next(answers for port, answers in malformed["ports"].items() if port.startswith("receiver:"))
+    assert receiver == {"garbage_bytes": "HTTP/1.1 400 Bad Request", "bad_json": "HTTP/1.1 401 Unauthorized",
+                        "oversized_header": "HTTP/1.1 431 Request Header Fields Too Large",
+                        "wrong_keys": "HTTP/1.1 401 Unauthorized"}
     assert result["served_vs_trained"]["max_abs_logprob_diff"] < 1e-3  # fp32 on both sides
     assert result["left_running"] == {} and result["goal"]["nothing_left_running"] is True
     assert _ours(workdir) == []

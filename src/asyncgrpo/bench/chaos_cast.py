@@ -27,7 +27,7 @@ from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
 RECEIVER_START_S = 60.0  # the receiver imports requests and yaml only: ~1 s; room for a loaded 2-core machine
 SERVER_START_S = 600.0  # a vLLM CPU start takes ~30 s alone, minutes on a loaded 2-core machine
-PROBE_TIMEOUT_S = 3.0  # one malformed request's wait for an answer: a healthy server answers or closes at once
+PROBE_TIMEOUT_S = 10.0  # one malformed request's wait for an answer: vLLM's API server took over 3 s under load
 CHILD = re.compile(r"rollout side running in its own process \(pid (\d+)\)")
 
 
@@ -200,10 +200,10 @@ def malformed_requests(rng: random.Random) -> dict[str, bytes]:
     }
 
 
-def send_raw(port: int, payload: bytes) -> str:
+def send_raw(port: int, payload: bytes, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """Send `payload` to 127.0.0.1:`port` and return the answer's first line, or how the connection ended."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=PROBE_TIMEOUT_S) as sock:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
             try:
                 sock.sendall(payload)
                 sock.shutdown(socket.SHUT_WR)
@@ -211,7 +211,7 @@ def send_raw(port: int, payload: bytes) -> str:
                 return f"sending failed ({exc.__class__.__name__})"
             data = sock.recv(256)
     except TimeoutError:
-        return f"no answer within {PROBE_TIMEOUT_S:g} s"
+        return f"no answer within {timeout_s:g} s"
     except OSError as exc:
         return f"connection failed ({exc.__class__.__name__})"
     return data.split(b"\r\n", 1)[0].decode(errors="replace") if data else "closed without an answer"
