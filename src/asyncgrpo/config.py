@@ -19,7 +19,7 @@ import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 
@@ -37,13 +37,85 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+PROMPT_FORMATS = ("auto", "chat", "raw")
+EPISODE_VERSIONS = ("pinned", "latest")
+SYNC_MODES = ("pause", "versioned")
+SYNC_PAUSE_MODES = ("keep", "wait", "abort")
+ADAPTER_DELIVERIES = ("shared_fs", "http")
+EVAL_STRATEGIES = ("steps", "no")
+
+
+# ---- values one at a time (every section's RANGES) ---------------------------------------------
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: `low`/`high` (None: unbounded), each bound itself allowed unless `*_open`.
+    Floats must also be finite: NaN passes every comparison (`nan < 0` is false) and would reach the optimiser."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    fix: str = ""
+
+    def describe(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return " and ".join(parts) or "a finite number"
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+
+_SECONDS = "a positive number of seconds"
+
+# ---- the sections: each key's field, docs, range, choices and checks side by side ------------------
+class Section:
+    """What every section has: the numeric ranges of its keys, the choices of its string keys, and its checks across
+    its own keys (raising the first ConfigError). Checks across sections are AsyncGRPOConfig's."""
+
+    RANGES: ClassVar[dict[str, Range]] = {}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
+    CHOICE_FIX: ClassVar[dict[str, str]] = {}  # a choice key's own wording of the fix; else "use one of ..."
+
+    def value_problems(self) -> list[ConfigError]:
+        """This section's values that are wrong alone beyond their range (a name, a URL), one error each."""
+        return []
+
+    @classmethod
+    def check_choices(cls, cfg) -> None:
+        """Raise a ConfigError for the first key whose value is not one of its CHOICES, with the closest one."""
+        for key, allowed in cls.CHOICES.items():
+            value = getattr(cfg, key)
+            if value not in allowed:
+                close = difflib.get_close_matches(str(value), allowed, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(key, f"unknown value {value!r}",
+                                  cls.CHOICE_FIX.get(key, f"use one of {', '.join(allowed)}") + hint)
+
+    def check(self) -> None:
+        """Raise a ConfigError for the first combination of this section's keys that cannot run."""
+
+    @classmethod
+    def check_all(cls, cfg) -> None:
+        """This section's choices, then its own checks, on `cfg` (this section or a config holding it). Called on
+        the class: in the composed config, `cfg.check` would be the first section's only."""
+        cls.check_choices(cfg)
+        cls.check(cfg)
+
+
+SectionT = TypeVar("SectionT", bound=Section)
 
 
 @dataclass
-class AsyncGRPOConfig:
-    """Every knob of a run. Each field's docstring is its reference documentation (rendered in docs/configuration.md)."""
+class ModelSettings(Section):
+    """The base model and its LoRA adapter. Read by trainer/policy.py, lora.py and the adapter store."""
 
-    # ---- model and LoRA -------------------------------------------------------------------------
     model_name_or_path: str | None = None
     """Required. Base model directory (or hub id, for users with hub access). `toy` builds the local toy model
     (asyncgrpo.toy) with the `toy_seed` seed and uses its cached directory, and chooses the toy world: its prompts and
@@ -78,7 +150,36 @@ class AsyncGRPOConfig:
     """Module names that get a LoRA adapter, or `all-linear` (PEFT's: every linear layer of the language model but
     the output head)."""
 
-    # ---- data and rewards -----------------------------------------------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "toy_seed": Range(0, fix="use a seed >= 0, e.g. 0"),
+        "lora_r": Range(1, fix="use e.g. 8 or 16 (at most the server's --max-lora-rank)"),
+        "lora_alpha": Range(0, low_open=True, fix="use e.g. 2 x lora_r"),
+        "lora_dropout": Range(0, 1, high_open=True, fix="use 0 (exact trainer/server equivalence) or e.g. 0.05"),
+    }
+
+    def value_problems(self) -> list[ConfigError]:
+        if LORA_NAME.fullmatch(self.lora_name):
+            return []
+        return [ConfigError("lora_name", f"{self.lora_name!r} is not a name every server and file system accepts: "
+                            f"letters, digits, `.`, `_` and `-`, starting with a letter or digit, at most 64 "
+                            f"characters", "use e.g. `lora_name: policy`")]
+
+    def check(self) -> None:
+        if not self.use_lora:
+            raise ConfigError("use_lora", "false is not supported yet", "set `use_lora: true`")
+        if not self.lora_adapter_path:
+            raise ConfigError("lora_adapter_path", "is required when use_lora is true",
+                              "set lora_adapter_path to a directory the inference server can read, "
+                              "e.g. `lora_adapter_path: runs/demo/adapters`")
+        if self.torch_dtype not in TORCH_DTYPES:
+            raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16 "
+                              "(`auto` is not read from the checkpoint: name the dtype)")
+
+
+@dataclass
+class DataSettings(Section):
+    """Prompts and rewards. Read by data.py and the rollout side's scoring (rollout/scoring.py, reward_pool.py)."""
+
     dataset_name: str | None = None
     """Required unless `model_name_or_path: toy`. Prompt source: `toy` (the toy world's training split, whose reward
     then becomes the default of `reward_funcs`); a local data file (`.json`, `.jsonl`, `.parquet`,
@@ -141,7 +242,47 @@ class AsyncGRPOConfig:
     naming the function that was running and the prompt. In a reward worker (`reward_workers` > 0) the worker is
     killed and replaced; in-thread (`reward_workers: 0`) the call's thread cannot be stopped and is left running."""
 
-    # ---- agents: multi-turn, tool-calling episodes (docs/agents.md) ------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_prompt_length": Range(1, fix="leave it unset to derive it from the server's max_model_len"),
+        "reward_weights": Range(fix="give each reward function a finite weight, e.g. 1.0"),
+        "reward_fallback": Range(fix="use a finite reward such as 0.0, or unset it"),
+        "reward_workers": Range(0, 1024, fix="use 0 to score in the request threads, or a few worker processes"),
+        "reward_timeout": Range(0, low_open=True, fix="give the seconds one group's scoring may take, e.g. 60"),
+    }
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"prompt_format": PROMPT_FORMATS}
+
+    def check(self) -> None:
+        if self.system_prompt is not None and self.prompt_format == "raw":
+            raise ConfigError("system_prompt", "is set but prompt_format is raw (no chat template is applied)",
+                              "set `prompt_format: chat` (or auto with chat messages), or remove system_prompt")
+        if self.data_files is not None and self.dataset_name == "toy":
+            raise ConfigError("dataset_name", "is `toy` but data_files is set",
+                              "set dataset_name to the files' format: json (also .jsonl), parquet, csv or arrow")
+        names = {reward_name(r) for r in self.reward_funcs or []} | set(self.reward_funcs or [])
+        for key, value in (self.reward_kwargs or {}).items():
+            if key not in names:
+                raise ConfigError("reward_kwargs", f"{key!r} is not one of reward_funcs ({self.reward_funcs})",
+                                  "key each entry by a reward function's name, e.g. `format_reward`")
+            if not isinstance(value, dict):
+                raise ConfigError("reward_kwargs", f"the entry for {key!r} is {value!r}, not a mapping",
+                                  f"write `{key}: {{argument: value}}`")
+        if self.reward_funcs is None:  # not given: task_problems() says so
+            return
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
+                              f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
+        for ref in self.reward_funcs:
+            if not (_is_function_ref(ref) if ":" in ref else "/" in ref or Path(ref).exists()):
+                raise ConfigError("reward_funcs", f"{ref!r} is neither package.module:function nor a reward model's "
+                                  "directory or hub id", "write e.g. `asyncgrpo.toy:larger_reward`, or a checkpoint's "
+                                  "path")
+
+
+@dataclass
+class AgentSettings(Section):
+    """Multi-turn, tool-calling episodes (docs/agents.md). Read by rollout/episodes.py, tools.py and environments.py."""
+
     tools: list[str] = field(default_factory=list)
     """Tools the model may call, as `package.module:function` (sync or async, type hints and a Google docstring,
     as TRL). Their schemas (transformers' `get_json_schema`) go to the chat template; a completion becomes an
@@ -181,7 +322,40 @@ class AsyncGRPOConfig:
     adapters turns in flight use stay loaded); a group is as old as its oldest sampled token for `max_staleness`.
     Why pinned is the default and what latest measured: docs/agents.md, "Versions inside an episode"."""
 
-    # ---- generation -----------------------------------------------------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_turns": Range(1, fix="use the most model turns an episode may take, e.g. 8"),
+        "max_episode_tokens": Range(1, fix="use the most tokens an episode may have after its prompt, or unset it"),
+        "tool_timeout": Range(0, low_open=True, fix="give the seconds one tool call may take, e.g. 30"),
+        "max_tool_calls_per_turn": Range(1, fix="use the most tool calls one turn may run, e.g. 8"),
+        "tool_output_max_chars": Range(1, fix="use the longest tool result in characters, e.g. 16384, or unset it"),
+        "tool_output_max_tokens": Range(1, fix="use the longest tool result in tokens, e.g. 2048, or unset it"),
+    }
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"episode_version": EPISODE_VERSIONS}
+    CHOICE_FIX: ClassVar[dict[str, str]] = {"episode_version": "use pinned or latest"}
+
+    @property
+    def uses_tools(self) -> bool:
+        """Completions are episodes: tools or an environment are configured."""
+        return bool(self.tools) or self.environment_factory is not None
+
+    def check(self) -> None:
+        for key, refs in (("tools", self.tools), ("environment_factory", [self.environment_factory] * (
+                self.environment_factory is not None))):
+            for ref in refs:
+                if not isinstance(ref, str) or ":" not in ref:
+                    raise ConfigError(key, f"{ref!r} is not of the form package.module:name",
+                                      "write e.g. `my_agent.tools:lookup` (a function) or `my_agent.env:MyEnv` (a class)")
+        if self.tool_process and not self.tools:
+            raise ConfigError("tool_process", "is true, but no `tools` are named (an environment's methods run in the "
+                              "rollout process, where their instance lives)", "name the tools to isolate under "
+                              "`tools`, or set `tool_process: false`")
+
+
+@dataclass
+class GenerationSettings(Section):
+    """Sampling on the inference servers. Read by the rollout producer and the HTTP client."""
+
     num_generations: int = 8
     """Completions sampled per prompt (the GRPO group size)."""
     max_completion_length: int = 256
@@ -203,7 +377,26 @@ class AsyncGRPOConfig:
     the engine when a prompt is chunk-prefilled: start the server with `--max-num-batched-tokens` >=
     max_inflight_requests x num_generations x (prompt + completion tokens)."""
 
-    # ---- optimisation ---------------------------------------------------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "num_generations": Range(2, fix="use 2 or more for group-relative advantages (8 is typical)"),
+        "max_completion_length": Range(1, fix="use the most tokens a completion may have, e.g. 256"),
+        "temperature": Range(0, low_open=True, fix="sample with temperature 1.0 (the policy's own distribution)"),
+        "top_p": Range(0, 1, low_open=True, fix="set `top_p: 1.0` (the default)"),
+        "max_inflight_requests": Range(1, fix="use 1 or more, or unset it to size it from the batch"),
+    }
+
+    def check(self) -> None:
+        if self.top_p != 1.0:
+            # The server would sample from the nucleus and report logprobs renormalised over it, while the loss
+            # scores the full softmax: every step would be off-policy (measured: max |log ratio| 0.66 at top_p 0.5).
+            raise ConfigError("top_p", f"{self.top_p} is not supported: the trainer scores the full distribution, "
+                              f"the server would sample from the top-p nucleus only", "set `top_p: 1.0` (the default)")
+
+
+@dataclass
+class TrainingSettings(Section):
+    """The optimizer, its schedule and the run's length. Read by trainer/policy.py and trainer/schedule.py."""
+
     per_device_train_batch_size: int = 64
     """Completions per rank per micro-step. Global batch = this x ranks x gradient_accumulation_steps, and it
     must be a multiple of `num_generations` (whole groups)."""
@@ -244,6 +437,45 @@ class AsyncGRPOConfig:
     against training. Set `weight_sync_steps` to it to publish once per batch, as TRL does: staleness counts
     published versions, so with `weight_sync_steps: 1` a batch's later passes lag the trainer by more versions and
     `max_staleness` 1 overlaps generation with only the last pass of a batch."""
+    seed: int = 0
+    """Seed for data order, initialisation and sampling on the trainer side."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "per_device_train_batch_size": Range(1, fix="use a multiple of num_generations"),
+        "gradient_accumulation_steps": Range(1, fix="use 1 or more"),
+        "learning_rate": Range(0, low_open=True, fix="use e.g. 1e-5 (LoRA: 1e-5 to 1e-3)"),
+        "warmup_ratio": Range(0, 1, high_open=True, fix="use e.g. 0.05"),
+        "warmup_steps": Range(0, fix="use 0, a number of steps such as 10, or a fraction of max_steps such as 0.05"),
+        "weight_decay": Range(0, fix="use 0 or e.g. 0.01"),
+        "adam_beta1": Range(0, 1, high_open=True, fix="use 0.9 (the default)"),
+        "adam_beta2": Range(0, 1, high_open=True, fix="use 0.999 (the default)"),
+        "max_grad_norm": Range(0, fix="use 1.0, or 0 to disable clipping"),
+        "max_steps": Range(1, fix="use 1 or more"),
+        "num_train_epochs": Range(0, low_open=True, fix="use e.g. 1, or unset it and set max_steps"),
+        "num_iterations": Range(1, fix="use 1 (TRL's default) or a few"),
+        "seed": Range(0, fix="use a seed >= 0, e.g. 0"),
+    }
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"lr_scheduler_type": LR_SCHEDULERS}
+
+    @property
+    def num_warmup_steps(self) -> int:
+        """Warm-up length in optimizer steps: `warmup_steps` (>= 1: steps, below 1: a fraction of max_steps), else
+        `warmup_ratio` x max_steps; fractions are rounded up (as transformers does)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * self.max_steps)
+
+    def check(self) -> None:
+        if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
+            raise ConfigError("lr_scheduler_type", "is `constant`, which has no warm-up (transformers ignores "
+                              "warmup_* there silently)", "use lr_scheduler_type: constant_with_warmup")
+
+
+@dataclass
+class LossSettings(Section):
+    """The GRPO loss, its off-policy corrections and the advantages. Read by trainer/loss.py (`LossSpec`) and the scoring of groups."""
+
     epsilon: float = 0.2
     """Lower clip range of the importance ratio: ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float | None = None
@@ -314,10 +546,47 @@ class AsyncGRPOConfig:
     """Leave completions that hit `max_completion_length` (finish_reason `length`) out of the loss (TRL's name; DAPO).
     They are still scored: reward functions get a `truncated` column either way, and
     `train/completions/clipped_ratio` is logged."""
-    seed: int = 0
-    """Seed for data order, initialisation and sampling on the trainer side."""
 
-    # ---- memory ---------------------------------------------------------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "epsilon": Range(0, low_open=True, fix="use epsilon: 0.2"),
+        "epsilon_high": Range(0, low_open=True, fix="use 0.28 (DAPO), or unset it to use epsilon"),
+        "delta": Range(1, low_open=True, fix="use delta: 3.0 (the default), or `delta: null` for no bound"),
+        "sapo_temperature_pos": Range(0, low_open=True, fix="use 1.0 (TRL's default)"),
+        "sapo_temperature_neg": Range(0, low_open=True, fix="use 1.05 (TRL's default)"),
+        "vllm_importance_sampling_cap": Range(1, fix="use 2.0-5.0 (TRL's default is 3.0)"),
+        "vllm_importance_sampling_clip_min": Range(0, fix="use e.g. 0.5, or unset it"),
+        "off_policy_mask_threshold": Range(0, fix="use e.g. 0.5 (TRL's example), or unset it"),
+        "top_entropy_quantile": Range(0, 1, low_open=True, fix="use e.g. 0.2 (the top fifth), or 1.0 for every token"),
+        "beta": Range(0, fix="use 0 (no KL) or a small value like 0.04"),
+    }
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+        "vllm_importance_sampling_mode": IS_MODES, "scale_rewards": SCALE_REWARDS}
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def check(self) -> None:
+        if self.loss_type == "cispo" and self.epsilon_upper <= 1.0:
+            raise ConfigError("epsilon_high", f"is {self.epsilon_upper}, but with loss_type cispo it caps the ratio "
+                              f"itself (a cap <= 1 down-weights every token)", "set epsilon_high: 5.0 (ScaleRL, TRL)")
+        clipped = self.loss_type not in ("cispo", "sapo")  # the loss types with PPO's clip, which delta extends
+        if self.delta is not None and clipped and self.delta <= 1.0 + self.epsilon_upper:
+            raise ConfigError("delta", f"{self.delta} is not above 1 + epsilon_high ({1.0 + self.epsilon_upper}); it "
+                              f"would cut into the clip range", "use a delta above it, or `delta: null` (no bound)")
+        clip_min = self.vllm_importance_sampling_clip_min
+        if clip_min is not None and clip_min >= self.vllm_importance_sampling_cap:
+            raise ConfigError("vllm_importance_sampling_clip_min", f"{clip_min} is not below the cap "
+                              f"({self.vllm_importance_sampling_cap})", "use a value below the cap, e.g. 0.5, or "
+                              "unset it")
+
+
+@dataclass
+class MemorySettings(Section):
+    """Activation memory on the training ranks. Read by trainer/policy.py and trainer/batching.py."""
+
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (transformers' gradient
     checkpointing, non-reentrant): much less activation memory for about one more forward's compute. On in the GPU
@@ -328,7 +597,16 @@ class AsyncGRPOConfig:
     micro-batch of its own); every rank runs the same number of micro-batches. The loss is unchanged (still a mean
     over the global batch's tokens). 0 = off: `per_device_train_batch_size` completions (whole groups) per micro-batch."""
 
-    # ---- asynchrony and weight sync -------------------------------------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_tokens_per_microbatch": Range(0, fix="use 0 (off) or a token budget such as 16384"),
+    }
+
+
+
+@dataclass
+class AsyncSettings(Section):
+    """Asynchrony and weight sync: staleness, publishing, where the rollout side runs. Read by rollout/admission.py, rollout/publish.py and transport/factory.py."""
+
     max_staleness: int = 1
     """Most policy versions a group may lag the trainer when its batch is taken from the queue. 0 = synchronous
     on-policy training: every batch is sampled by exactly the weights its training starts from, which needs
@@ -372,7 +650,35 @@ class AsyncGRPOConfig:
     """At the end of a finished run, leave its final adapter version loaded on the servers (named in run_summary.json
     as `adapter_left_loaded`); every other version it loaded is unloaded. A failed run unloads all of them."""
 
-    # ---- inference server -----------------------------------------------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_staleness": Range(0, fix="use 0 for synchronous training or 1-4 for asynchronous"),
+        "weight_sync_steps": Range(1, fix="use 1 or num_iterations"),
+        "keep_adapter_versions": Range(1, fix="use 3 (the default)"),
+    }
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"sync_mode": SYNC_MODES, "sync_pause_mode": SYNC_PAUSE_MODES}
+    CHOICE_FIX: ClassVar[dict[str, str]] = {"sync_mode": "use pause or versioned"}
+
+    def check(self) -> None:
+        if self.rollout_address is None:
+            return
+        try:
+            split_address(self.rollout_address)
+        except ValueError as exc:
+            raise ConfigError("rollout_address", f"{self.rollout_address!r} {exc}",
+                              "write HOST:PORT as `asyncgrpo rollout-serve` logged it, e.g. "
+                              "`rollout_address: 10.0.0.7:7480`") from None
+        if self.rollout_process:
+            raise ConfigError("rollout_address", f"{self.rollout_address!r} is set together with `rollout_process: "
+                              f"true` (one connects to a rollout side running elsewhere, the other spawns one on rank "
+                              f"0's host)", "drop `rollout_process: true` to connect to the rollout server, or drop "
+                              "rollout_address to spawn the rollout side")
+
+
+@dataclass
+class InferenceSettings(Section):
+    """The inference servers and how adapters reach them. Read by inference/ and rollout/delivery.py."""
+
     vllm_server_base_url: str | list[str] = "http://127.0.0.1:8000"
     """Base URL of the vLLM inference node (OpenAI-compatible server started with --enable-lora), or a list of them
     (YAML list, or comma-separated on the command line): rollout requests are spread over the servers and every
@@ -392,7 +698,59 @@ class AsyncGRPOConfig:
     vllm_request_timeout: float = 120.0
     """Seconds one HTTP request to the server may take before it is an error."""
 
-    # ---- output and logging ---------------------------------------------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "vllm_server_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 240"),
+        "vllm_request_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 120"),
+    }
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"adapter_delivery": ADAPTER_DELIVERIES}
+    CHOICE_FIX: ClassVar[dict[str, str]] = {"adapter_delivery": "use shared_fs or http"}
+
+    @property
+    def server_urls(self) -> list[str]:
+        """`vllm_server_base_url` as a list (one entry per inference server)."""
+        urls = self.vllm_server_base_url
+        return [urls] if isinstance(urls, str) else list(urls)
+
+    @property
+    def receiver_urls(self) -> list[str]:
+        """`adapter_receiver_url` as a list (one entry per inference server; empty when unset)."""
+        urls = self.adapter_receiver_url
+        return [] if urls is None else [urls] if isinstance(urls, str) else list(urls)
+
+    @property
+    def api_key(self) -> str | None:
+        """The server API key, read from the environment only, so it never lands in a saved config."""
+        return os.environ.get(API_KEY_ENV) or None
+
+    def value_problems(self) -> list[ConfigError]:
+        problems = []
+        for key in URL_KEYS:
+            urls = getattr(self, key)
+            for url in [urls] if isinstance(urls, str) else urls or []:
+                problem = _url_problem(url)
+                if problem:
+                    problems.append(ConfigError(key, problem[0], problem[1]))
+                    break
+        return problems
+
+    def check(self) -> None:
+        receivers = self.receiver_urls
+        if self.adapter_delivery == "shared_fs":
+            if receivers:
+                raise ConfigError("adapter_receiver_url", "is set, but adapter_delivery is shared_fs (the servers "
+                                  "read lora_adapter_path themselves)", "set adapter_delivery: http, or remove it")
+            return
+        if len(receivers) != len(self.server_urls):
+            raise ConfigError("adapter_receiver_url", f"has {len(receivers)} entries for {len(self.server_urls)} "
+                              f"vllm_server_base_url", "give the receiver beside each server, in the same order, "
+                              "e.g. adapter_receiver_url: http://10.0.0.5:8001 (launch/vllm/receiver.sh)")
+
+
+@dataclass
+class OutputSettings(Section):
+    """Where the run writes and what it logs. Read by the trackers and the recipe's logging."""
+
     output_dir: str = "runs/asyncgrpo"
     """Where the run writes: the final adapter in PEFT format (`adapter_model.safetensors` and `adapter_config.json`
     in output_dir itself, as TRL's `save_model` writes them), `checkpoint-<step>/`, `tensorboard/`, `config.yaml`
@@ -412,6 +770,20 @@ class AsyncGRPOConfig:
     num_completions_to_print: int | None = None
     """Rows per completions table (the first completions of the step's batch). Unset: every completion of the batch,
     up to 64."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "logging_steps": Range(1, fix="use 1 or more"),
+        "num_completions_to_print": Range(1, fix="use 1 or more, or unset it to log every completion (up to 64)"),
+    }
+
+    def check(self) -> None:
+        resolve_report_to(self.report_to, check_installed=False)  # installed: checked where trackers open
+
+
+@dataclass
+class EvalSettings(Section):
+    """Held-out evaluation. Read by trainer/evaluator.py and rollout/evaluation.py."""
+
     eval_strategy: str = "no"
     """`steps`: every `eval_steps`, and at the last step, measure the held-out reward of `eval_dataset` through the
     server under the adapter just published (logged as `eval/reward`); `no`: never."""
@@ -423,6 +795,28 @@ class AsyncGRPOConfig:
     `save_to_disk` directory in the training data's format (same prompt column and reward columns)."""
     num_generations_eval: int | None = None
     """Completions sampled per held-out prompt at evaluation (at `temperature`). Unset: `num_generations`."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "eval_steps": Range(1, fix="use 1 or more, or unset it to evaluate every logging_steps"),
+        "num_generations_eval": Range(1, fix="use 1 or more, or unset it to use num_generations"),
+    }
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"eval_strategy": EVAL_STRATEGIES}
+    CHOICE_FIX: ClassVar[dict[str, str]] = {"eval_strategy": "use steps or no"}
+
+    def check(self) -> None:
+        if self.eval_strategy == "steps" and not self.eval_dataset:
+            raise ConfigError("eval_dataset", "is required with eval_strategy: steps",
+                              "name held-out prompts (`toy`, or a local data file), or set `eval_strategy: no`")
+        if self.eval_strategy == "no" and self.eval_dataset:  # eval_steps alone is accepted, as TRL does
+            raise ConfigError("eval_strategy", "is `no`, but eval_dataset is set (no evaluation would run)",
+                              "set `eval_strategy: steps`, or drop eval_dataset")
+
+
+@dataclass
+class CheckpointSettings(Section):
+    """Checkpoints and resuming. Read by trainer/checkpoint.py."""
+
     save_steps: int = 0
     """Save a checkpoint to `<output_dir>/checkpoint-<step>/` every this many optimizer steps (adapter in PEFT format,
     optimizer, RNG states, data position, policy version, step; written atomically), and at the last step. 0 = never.
@@ -440,6 +834,22 @@ class AsyncGRPOConfig:
     error when there is none) or a checkpoint directory. Step numbers and policy versions continue; the adapter is
     re-published to every server
     before generation starts."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "save_steps": Range(0, fix="use 0 (never) or e.g. 100"),
+        "save_total_limit": Range(1, fix="unset it to keep every checkpoint"),
+        "stop_grace_s": Range(0, fix="use 0 (exit at once on SIGTERM) or e.g. 20, below the scheduler's SIGKILL delay"),
+    }
+
+    def check(self) -> None:
+        if self.resume_from_checkpoint == "":
+            raise ConfigError("resume_from_checkpoint", "is empty", "use `latest` or a checkpoint-<step> directory")
+
+
+@dataclass
+class LaunchSettings(Section):
+    """How the training processes are launched and wait for each other. Read by the recipe's setup."""
+
     deepspeed: str | None = None
     """A DeepSpeed JSON config (e.g. `launch/deepspeed/zero3.json`) for runs started by the `deepspeed` launcher
     (or `torchrun`), which, unlike `accelerate launch --config_file ...`, tell the trainer nothing about DeepSpeed.
@@ -457,7 +867,30 @@ class AsyncGRPOConfig:
     torch_num_threads: int = 0
     """Intra-op threads per training process; 0 = leave torch's default."""
 
-    # ---------------------------------------------------------------------------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "ddp_timeout": Range(1, fix=f"use {_SECONDS}, e.g. 1800"),
+        "torch_num_threads": Range(0, fix="use 0 (torch's default) or the cores per training process"),
+    }
+
+    def check(self) -> None:
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise ConfigError("deepspeed", f"file {self.deepspeed!r} does not exist",
+                              "pass a DeepSpeed JSON such as launch/deepspeed/zero3.json (relative to where you launch)")
+
+
+SECTIONS = (ModelSettings, DataSettings, AgentSettings, GenerationSettings, TrainingSettings, LossSettings,
+            MemorySettings, AsyncSettings, InferenceSettings, OutputSettings, EvalSettings, CheckpointSettings,
+            LaunchSettings)
+
+
+@dataclass
+class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSettings, InferenceSettings, AsyncSettings,
+                      MemorySettings, LossSettings, TrainingSettings, GenerationSettings, AgentSettings, DataSettings,
+                      ModelSettings):  # the reverse of SECTIONS: a dataclass lists its last base's fields first
+    """Every knob of a run: the sections' keys side by side, flat, under TRL's names (YAML, CLI, `from_dict`). Code
+    that needs one concern takes its section (`cfg.section(LossSettings)`); the wiring (recipe, build, CLI) holds
+    the whole. Each field's docstring is its reference documentation (rendered in docs/configuration.md)."""
+
     def __post_init__(self) -> None:
         # The toy world only when chosen: `model_name_or_path: toy` brings its prompts, `dataset_name: toy` its reward.
         if self.model_name_or_path == "toy" and self.dataset_name is None:
@@ -472,27 +905,12 @@ class AsyncGRPOConfig:
             self.lora_adapter_path = str(Path(self.output_dir) / "adapters")
         self.validate()
 
-    @property
-    def epsilon_upper(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+    def section(self, kind: type[SectionT]) -> SectionT:
+        """A copy of one section's keys (`cfg.section(LossSettings)`): what a component that reads only that
+        concern is handed, so that it cannot come to depend on the rest."""
+        return kind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(kind)})
 
-    @property
-    def server_urls(self) -> list[str]:
-        """`vllm_server_base_url` as a list (one entry per inference server)."""
-        urls = self.vllm_server_base_url
-        return [urls] if isinstance(urls, str) else list(urls)
-
-    @property
-    def receiver_urls(self) -> list[str]:
-        """`adapter_receiver_url` as a list (one entry per inference server; empty when unset)."""
-        urls = self.adapter_receiver_url
-        return [] if urls is None else [urls] if isinstance(urls, str) else list(urls)
-
-    @property
-    def api_key(self) -> str | None:
-        """The server API key, read from the environment only, so it never lands in a saved config."""
-        return os.environ.get(API_KEY_ENV) or None
-
+    # ---- what needs keys of several sections ----------------------------------------------------------------------
     def groups_per_step(self, world_size: int) -> int:
         """Prompt groups in one optimizer step's global batch over `world_size` ranks."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size // self.num_generations
@@ -511,40 +929,45 @@ class AsyncGRPOConfig:
         steps_ahead = min(self.max_staleness + 1, 2)
         return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
 
+    @property
+    def evaluation_interval(self) -> int:
+        """Optimizer steps between evaluations (`eval_steps`, else `logging_steps`)."""
+        return self.eval_steps or self.logging_steps
+
     def task_problems(self) -> list[ConfigError]:
         """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of
         `validate`: a config may be built in code before its model and data are known; the trainer checks it."""
         return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs, self.environment_factory)
 
+    # ---- checks ---------------------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Every value alone (VALUE_RANGES, names, URLs), then each group of cross-field checks; every problem found
-        is reported at once (one line each), each naming the key to change."""
+        """Every value alone (each section's RANGES and CHOICES), then each section's own checks and the checks
+        across sections; every problem found is reported at once (one line each), each naming the key to change."""
         problems = value_problems(self)
         if not problems:
-            for check in (self._validate_training, self._validate_checkpoints, self._validate_loss,
-                          self._validate_schedule, self._validate_generation, self._validate_data,
-                          self._validate_agents, self._validate_eval, self._validate_delivery,
-                          self._validate_rollout_address):
+            checks = [AsyncGRPOConfig._check_batch, *(section.check_all for section in SECTIONS),
+                      AsyncGRPOConfig._check_rewards, AsyncGRPOConfig._check_staleness, AsyncGRPOConfig._check_agents,
+                      AsyncGRPOConfig._check_steps]
+            for check in checks:
                 try:
-                    check()
+                    check(self)
                 except ConfigError as exc:
                     problems.append(exc)
         raise_all(problems)
 
-    def _validate_training(self) -> None:
-        """Checks of the adapter, the batch and the staleness keys."""
-        if self.use_lora and not self.lora_adapter_path:
-            raise ConfigError("lora_adapter_path", "is required when use_lora is true",
-                              "set lora_adapter_path to a directory the inference server can read, "
-                              "e.g. `lora_adapter_path: runs/demo/adapters`")
-        if not self.use_lora:
-            raise ConfigError("use_lora", "false is not supported yet", "set `use_lora: true`")
+    def _check_batch(self) -> None:
         if self.per_device_train_batch_size % self.num_generations:
             raise ConfigError("per_device_train_batch_size",
                               f"{self.per_device_train_batch_size} is not a multiple of num_generations "
                               f"({self.num_generations}); groups cannot be split across ranks",
                               f"use a multiple of {self.num_generations}, e.g. "
                               f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}")
+
+    def _check_rewards(self) -> None:
+        if self.reward_funcs == [] and not self.environment_factory:  # an environment's get_reward: checked at build
+            raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
+
+    def _check_staleness(self) -> None:
         if self.max_staleness == 0 and self.num_iterations % self.weight_sync_steps:
             raise ConfigError("max_staleness", f"0 promises that every batch is sampled by the weights its training "
                               f"starts from, but with num_iterations {self.num_iterations} and weight_sync_steps "
@@ -553,87 +976,7 @@ class AsyncGRPOConfig:
                               f"make weight_sync_steps divide num_iterations (e.g. weight_sync_steps: "
                               f"{self.num_iterations}), or allow staleness with max_staleness: 1")
 
-    def _validate_generation(self) -> None:
-        """Checks of the sampling, dtype, DeepSpeed, sync and reward function keys."""
-        if self.top_p != 1.0:
-            # The server would sample from the nucleus and report logprobs renormalised over it, while the loss
-            # scores the full softmax: every step would be off-policy (measured: max |log ratio| 0.66 at top_p 0.5).
-            raise ConfigError("top_p", f"{self.top_p} is not supported: the trainer scores the full distribution, "
-                              f"the server would sample from the top-p nucleus only", "set `top_p: 1.0` (the default)")
-        if self.torch_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError("torch_dtype", f"unknown dtype {self.torch_dtype!r}", "use float32, bfloat16 or float16 "
-                              "(`auto` is not read from the checkpoint: name the dtype)")
-        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
-            raise ConfigError("deepspeed", f"file {self.deepspeed!r} does not exist",
-                              "pass a DeepSpeed JSON such as launch/deepspeed/zero3.json (relative to where you launch)")
-        if self.episode_version not in ("pinned", "latest"):
-            raise ConfigError("episode_version", f"unknown choice {self.episode_version!r}", "use pinned or latest")
-        if self.sync_mode not in ("pause", "versioned"):
-            raise ConfigError("sync_mode", f"unknown mode {self.sync_mode!r}", "use pause or versioned")
-        if self.sync_pause_mode not in ("keep", "wait", "abort"):
-            raise ConfigError("sync_pause_mode", f"unknown mode {self.sync_pause_mode!r}",
-                              "use one of keep, wait, abort")
-        if self.reward_funcs is None:  # not given: task_problems() says so
-            return
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
-                              f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
-        if not self.reward_funcs and not self.environment_factory:  # an environment's get_reward: checked at build
-            raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
-        for ref in self.reward_funcs:
-            if not (_is_function_ref(ref) if ":" in ref else "/" in ref or Path(ref).exists()):
-                raise ConfigError("reward_funcs", f"{ref!r} is neither package.module:function nor a reward model's "
-                                  "directory or hub id", "write e.g. `asyncgrpo.toy:larger_reward`, or a checkpoint's "
-                                  "path")
-        resolve_report_to(self.report_to, check_installed=False)  # installed: checked where trackers open
-
-    def _validate_eval(self) -> None:
-        if self.eval_strategy not in ("no", "steps"):
-            raise ConfigError("eval_strategy", f"unknown value {self.eval_strategy!r}", "use steps or no")
-        if self.eval_strategy == "steps" and not self.eval_dataset:
-            raise ConfigError("eval_dataset", "is required with eval_strategy: steps",
-                              "name held-out prompts (`toy`, or a local data file), or set `eval_strategy: no`")
-        if self.eval_strategy == "no" and self.eval_dataset:  # eval_steps alone is accepted, as TRL does
-            raise ConfigError("eval_strategy", "is `no`, but eval_dataset is set (no evaluation would run)",
-                              "set `eval_strategy: steps`, or drop eval_dataset")
-        if self.eval_strategy == "steps" and self.evaluation_interval % self.weight_sync_steps:
-            raise ConfigError("eval_steps", f"{self.evaluation_interval} is not a multiple of weight_sync_steps "
-                              f"({self.weight_sync_steps}): evaluation measures the adapter just published",
-                              f"use a multiple of {self.weight_sync_steps}")
-
-    @property
-    def evaluation_interval(self) -> int:
-        """Optimizer steps between evaluations (`eval_steps`, else `logging_steps`)."""
-        return self.eval_steps or self.logging_steps
-
-    def _validate_rollout_address(self) -> None:
-        if self.rollout_address is None:
-            return
-        try:
-            split_address(self.rollout_address)
-        except ValueError as exc:
-            raise ConfigError("rollout_address", f"{self.rollout_address!r} {exc}",
-                              "write HOST:PORT as `asyncgrpo rollout-serve` logged it, e.g. "
-                              "`rollout_address: 10.0.0.7:7480`") from None
-        if self.rollout_process:
-            raise ConfigError("rollout_address", f"{self.rollout_address!r} is set together with `rollout_process: "
-                              f"true` (one connects to a rollout side running elsewhere, the other spawns one on rank "
-                              f"0's host)", "drop `rollout_process: true` to connect to the rollout server, or drop "
-                              "rollout_address to spawn the rollout side")
-
-    @property
-    def uses_tools(self) -> bool:
-        """Completions are episodes: tools or an environment are configured."""
-        return bool(self.tools) or self.environment_factory is not None
-
-    def _validate_agents(self) -> None:
-        """Checks of the tool and environment keys."""
-        for key, refs in (("tools", self.tools), ("environment_factory", [self.environment_factory] * (
-                self.environment_factory is not None))):
-            for ref in refs:
-                if not isinstance(ref, str) or ":" not in ref:
-                    raise ConfigError(key, f"{ref!r} is not of the form package.module:name",
-                                      "write e.g. `my_agent.tools:lookup` (a function) or `my_agent.env:MyEnv` (a class)")
+    def _check_agents(self) -> None:
         if self.uses_tools and self.inflight_weight_updates:
             raise ConfigError("inflight_weight_updates", "moves single-turn completions only; episodes (tools/"
                               "environment_factory) move onto new versions between turns",
@@ -642,10 +985,6 @@ class AsyncGRPOConfig:
             raise ConfigError("reward_workers", f"is {self.reward_workers}, but episodes (tools/environment_factory) "
                               "are scored in the rollout process, where their environments live",
                               "set `reward_workers: 0`")
-        if self.tool_process and not self.tools:
-            raise ConfigError("tool_process", "is true, but no `tools` are named (an environment's methods run in the "
-                              "rollout process, where their instance lives)", "name the tools to isolate under "
-                              "`tools`, or set `tool_process: false`")
         if self.dataset_name == "environment" and not self.environment_factory:
             raise ConfigError("dataset_name", "is `environment` (reset() gives the prompts), but no "
                               "environment_factory is set", "set environment_factory, or name a dataset")
@@ -656,62 +995,12 @@ class AsyncGRPOConfig:
             raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
                               "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
 
-    def _validate_delivery(self) -> None:
-        """Checks of `adapter_delivery` and its receivers."""
-        if self.adapter_delivery not in ("shared_fs", "http"):
-            raise ConfigError("adapter_delivery", f"unknown value {self.adapter_delivery!r}", "use shared_fs or http")
-        receivers = self.receiver_urls
-        if self.adapter_delivery == "shared_fs":
-            if receivers:
-                raise ConfigError("adapter_receiver_url", "is set, but adapter_delivery is shared_fs (the servers "
-                                  "read lora_adapter_path themselves)", "set adapter_delivery: http, or remove it")
-            return
-        if len(receivers) != len(self.server_urls):
-            raise ConfigError("adapter_receiver_url", f"has {len(receivers)} entries for {len(self.server_urls)} "
-                              f"vllm_server_base_url", "give the receiver beside each server, in the same order, "
-                              "e.g. adapter_receiver_url: http://10.0.0.5:8001 (launch/vllm/receiver.sh)")
-
-    def _validate_loss(self) -> None:
-        """Checks of the loss and off-policy keys."""
-        choices = {"loss_type": LOSS_TYPES, "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
-                   "vllm_importance_sampling_mode": IS_MODES, "scale_rewards": SCALE_REWARDS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                close = difflib.get_close_matches(str(getattr(self, name)), allowed, n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise ConfigError(name, f"unknown value {getattr(self, name)!r}",
-                                  f"use one of {', '.join(allowed)}{hint}")
-        if self.loss_type == "cispo" and self.epsilon_upper <= 1.0:
-            raise ConfigError("epsilon_high", f"is {self.epsilon_upper}, but with loss_type cispo it caps the ratio "
-                              f"itself (a cap <= 1 down-weights every token)", "set epsilon_high: 5.0 (ScaleRL, TRL)")
-        clipped = self.loss_type not in ("cispo", "sapo")  # the loss types with PPO's clip, which delta extends
-        if self.delta is not None and clipped and self.delta <= 1.0 + self.epsilon_upper:
-            raise ConfigError("delta", f"{self.delta} is not above 1 + epsilon_high ({1.0 + self.epsilon_upper}); it "
-                              f"would cut into the clip range", "use a delta above it, or `delta: null` (no bound)")
-        clip_min = self.vllm_importance_sampling_clip_min
-        if clip_min is not None and clip_min >= self.vllm_importance_sampling_cap:
-            raise ConfigError("vllm_importance_sampling_clip_min", f"{clip_min} is not below the cap "
-                              f"({self.vllm_importance_sampling_cap})", "use a value below the cap, e.g. 0.5, or "
-                              "unset it")
-
-    def _validate_schedule(self) -> None:
-        """Checks of the learning-rate schedule keys."""
-        if self.lr_scheduler_type not in LR_SCHEDULERS:
-            raise ConfigError("lr_scheduler_type", f"unknown schedule {self.lr_scheduler_type!r}",
-                              f"use one of {', '.join(LR_SCHEDULERS)}")
-        if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
-            raise ConfigError("lr_scheduler_type", "is `constant`, which has no warm-up (transformers ignores "
-                              "warmup_* there silently)", "use lr_scheduler_type: constant_with_warmup")
-
-    @property
-    def num_warmup_steps(self) -> int:
-        """Warm-up length in optimizer steps: `warmup_steps` (>= 1: steps, below 1: a fraction of max_steps), else
-        `warmup_ratio` x max_steps; fractions are rounded up (as transformers does)."""
-        if self.warmup_steps >= 1:
-            return int(self.warmup_steps)
-        return math.ceil((self.warmup_steps or self.warmup_ratio) * self.max_steps)
-
-    def _validate_checkpoints(self) -> None:
+    def _check_steps(self) -> None:
+        """Evaluations and checkpoints fall on steps where a version was just published, between two batches."""
+        if self.eval_strategy == "steps" and self.evaluation_interval % self.weight_sync_steps:
+            raise ConfigError("eval_steps", f"{self.evaluation_interval} is not a multiple of weight_sync_steps "
+                              f"({self.weight_sync_steps}): evaluation measures the adapter just published",
+                              f"use a multiple of {self.weight_sync_steps}")
         if self.save_steps and self.save_steps % self.weight_sync_steps:
             raise ConfigError("save_steps", f"{self.save_steps} is not a multiple of weight_sync_steps "
                               f"({self.weight_sync_steps}); a checkpoint must hold a published policy version",
@@ -720,27 +1009,6 @@ class AsyncGRPOConfig:
             raise ConfigError("save_steps", f"{self.save_steps} is not a multiple of num_iterations "
                               f"({self.num_iterations}); a checkpoint must fall between two generated batches",
                               f"use a multiple of {self.num_iterations}")
-        if self.resume_from_checkpoint == "":
-            raise ConfigError("resume_from_checkpoint", "is empty", "use `latest` or a checkpoint-<step> directory")
-
-    def _validate_data(self) -> None:
-        """Checks of the dataset, prompt and reward keys."""
-        if self.prompt_format not in ("auto", "chat", "raw"):
-            raise ConfigError("prompt_format", f"unknown format {self.prompt_format!r}", "use one of auto, chat, raw")
-        if self.system_prompt is not None and self.prompt_format == "raw":
-            raise ConfigError("system_prompt", "is set but prompt_format is raw (no chat template is applied)",
-                              "set `prompt_format: chat` (or auto with chat messages), or remove system_prompt")
-        if self.data_files is not None and self.dataset_name == "toy":
-            raise ConfigError("dataset_name", "is `toy` but data_files is set",
-                              "set dataset_name to the files' format: json (also .jsonl), parquet, csv or arrow")
-        names = {reward_name(r) for r in self.reward_funcs or []} | set(self.reward_funcs or [])
-        for key, value in (self.reward_kwargs or {}).items():
-            if key not in names:
-                raise ConfigError("reward_kwargs", f"{key!r} is not one of reward_funcs ({self.reward_funcs})",
-                                  "key each entry by a reward function's name, e.g. `format_reward`")
-            if not isinstance(value, dict):
-                raise ConfigError("reward_kwargs", f"the entry for {key!r} is {value!r}, not a mapping",
-                                  f"write `{key}: {{argument: value}}`")
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
@@ -782,6 +1050,8 @@ class AsyncGRPOConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
+
+
 def read_values(path: str | Path | None = None, overrides: list[str] | None = None) -> dict:
     """The raw mapping of a YAML file (optional) with the command-line overrides on top, in the names written
     (this project's or TRL's): what `AsyncGRPOConfig.from_dict` and `trl_notice` read."""
@@ -815,94 +1085,8 @@ def trl_notice(values: dict) -> str | None:
     return trl_compat.default_notice(values, defaults())
 
 
-# ---- values one at a time -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key accepts: `low`/`high` (None: unbounded), each bound itself allowed unless `*_open`.
-    Floats must also be finite: NaN passes every comparison (`nan < 0` is false) and would reach the optimiser."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    fix: str = ""
-
-    def describe(self) -> str:
-        parts = []
-        if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
-        if self.high is not None:
-            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
-        return " and ".join(parts) or "a finite number"
-
-    def holds(self, value: float) -> bool:
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-
-_SECONDS = "a positive number of seconds"
-# Every int and float key (a test checks that none is missing). An unset optional key (None) is not checked.
-VALUE_RANGES: dict[str, Range] = {
-    "toy_seed": Range(0, fix="use a seed >= 0, e.g. 0"),
-    "lora_r": Range(1, fix="use e.g. 8 or 16 (at most the server's --max-lora-rank)"),
-    "lora_alpha": Range(0, low_open=True, fix="use e.g. 2 x lora_r"),
-    "lora_dropout": Range(0, 1, high_open=True, fix="use 0 (exact trainer/server equivalence) or e.g. 0.05"),
-    "reward_weights": Range(fix="give each reward function a finite weight, e.g. 1.0"),
-    "reward_fallback": Range(fix="use a finite reward such as 0.0, or unset it"),
-    "reward_workers": Range(0, 1024, fix="use 0 to score in the request threads, or a few worker processes"),
-    "reward_timeout": Range(0, low_open=True, fix="give the seconds one group's scoring may take, e.g. 60"),
-    "max_turns": Range(1, fix="use the most model turns an episode may take, e.g. 8"),
-    "max_episode_tokens": Range(1, fix="use the most tokens an episode may have after its prompt, or unset it"),
-    "tool_timeout": Range(0, low_open=True, fix="give the seconds one tool call may take, e.g. 30"),
-    "max_tool_calls_per_turn": Range(1, fix="use the most tool calls one turn may run, e.g. 8"),
-    "tool_output_max_chars": Range(1, fix="use the longest tool result in characters, e.g. 16384, or unset it"),
-    "tool_output_max_tokens": Range(1, fix="use the longest tool result in tokens, e.g. 2048, or unset it"),
-    "num_generations": Range(2, fix="use 2 or more for group-relative advantages (8 is typical)"),
-    "max_completion_length": Range(1, fix="use the most tokens a completion may have, e.g. 256"),
-    "temperature": Range(0, low_open=True, fix="sample with temperature 1.0 (the policy's own distribution)"),
-    "top_p": Range(0, 1, low_open=True, fix="set `top_p: 1.0` (the default)"),
-    "max_inflight_requests": Range(1, fix="use 1 or more, or unset it to size it from the batch"),
-    "per_device_train_batch_size": Range(1, fix="use a multiple of num_generations"),
-    "gradient_accumulation_steps": Range(1, fix="use 1 or more"),
-    "learning_rate": Range(0, low_open=True, fix="use e.g. 1e-5 (LoRA: 1e-5 to 1e-3)"),
-    "warmup_ratio": Range(0, 1, high_open=True, fix="use e.g. 0.05"),
-    "warmup_steps": Range(0, fix="use 0, a number of steps such as 10, or a fraction of max_steps such as 0.05"),
-    "weight_decay": Range(0, fix="use 0 or e.g. 0.01"),
-    "adam_beta1": Range(0, 1, high_open=True, fix="use 0.9 (the default)"),
-    "adam_beta2": Range(0, 1, high_open=True, fix="use 0.999 (the default)"),
-    "max_grad_norm": Range(0, fix="use 1.0, or 0 to disable clipping"),
-    "max_steps": Range(1, fix="use 1 or more"),
-    "num_train_epochs": Range(0, low_open=True, fix="use e.g. 1, or unset it and set max_steps"),
-    "num_iterations": Range(1, fix="use 1 (TRL's default) or a few"),
-    "epsilon": Range(0, low_open=True, fix="use epsilon: 0.2"),
-    "epsilon_high": Range(0, low_open=True, fix="use 0.28 (DAPO), or unset it to use epsilon"),
-    "delta": Range(1, low_open=True, fix="use delta: 3.0 (the default), or `delta: null` for no bound"),
-    "vllm_importance_sampling_cap": Range(1, fix="use 2.0-5.0 (TRL's default is 3.0)"),
-    "vllm_importance_sampling_clip_min": Range(0, fix="use e.g. 0.5, or unset it"),
-    "off_policy_mask_threshold": Range(0, fix="use e.g. 0.5 (TRL's example), or unset it"),
-    "top_entropy_quantile": Range(0, 1, low_open=True, fix="use e.g. 0.2 (the top fifth), or 1.0 for every token"),
-    "sapo_temperature_pos": Range(0, low_open=True, fix="use 1.0 (TRL's default)"),
-    "sapo_temperature_neg": Range(0, low_open=True, fix="use 1.05 (TRL's default)"),
-    "beta": Range(0, fix="use 0 (no KL) or a small value like 0.04"),
-    "seed": Range(0, fix="use a seed >= 0, e.g. 0"),
-    "max_tokens_per_microbatch": Range(0, fix="use 0 (off) or a token budget such as 16384"),
-    "max_staleness": Range(0, fix="use 0 for synchronous training or 1-4 for asynchronous"),
-    "weight_sync_steps": Range(1, fix="use 1 or num_iterations"),
-    "keep_adapter_versions": Range(1, fix="use 3 (the default)"),
-    "vllm_server_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 240"),
-    "vllm_request_timeout": Range(0, low_open=True, fix=f"use {_SECONDS}, e.g. 120"),
-    "logging_steps": Range(1, fix="use 1 or more"),
-    "eval_steps": Range(1, fix="use 1 or more, or unset it to evaluate every logging_steps"),
-    "num_generations_eval": Range(1, fix="use 1 or more, or unset it to use num_generations"),
-    "num_completions_to_print": Range(1, fix="use 1 or more, or unset it to log every completion (up to 64)"),
-    "save_steps": Range(0, fix="use 0 (never) or e.g. 100"),
-    "save_total_limit": Range(1, fix="unset it to keep every checkpoint"),
-    "stop_grace_s": Range(0, fix="use 0 (exit at once on SIGTERM) or e.g. 20, below the scheduler's SIGKILL delay"),
-    "max_prompt_length": Range(1, fix="leave it unset to derive it from the server's max_model_len"),
-    "ddp_timeout": Range(1, fix=f"use {_SECONDS}, e.g. 1800"),
-    "torch_num_threads": Range(0, fix="use 0 (torch's default) or the cores per training process"),
-}
+# Every int and float key has a range (a test checks that none is missing); an unset optional key (None) is not checked.
+VALUE_RANGES: dict[str, Range] = {key: r for section in SECTIONS for key, r in section.RANGES.items()}
 # Adapter names are served as `<lora_name>-<run id>-v<N>` and become directory names on the adapter receiver
 # (inference_node/receiver.py accepts [A-Za-z0-9][A-Za-z0-9._-]{0,127}): no path separators, spaces, a leading `.` or
 # `-` (a hidden file, a command-line flag), and room left for the run id and the version.
@@ -944,7 +1128,8 @@ def raise_all(problems: list[ConfigError]) -> None:
 
 
 def value_problems(cfg: AsyncGRPOConfig) -> list[ConfigError]:
-    """Every key whose value alone is wrong (out of range, not finite, a bad name or URL), one error each."""
+    """Every key whose value alone is wrong (out of its section's range, not finite, not one of its choices), one
+    error each."""
     problems = []
     for key, allowed in VALUE_RANGES.items():
         value = getattr(cfg, key)
@@ -957,17 +1142,8 @@ def value_problems(cfg: AsyncGRPOConfig) -> list[ConfigError]:
             if not allowed.holds(item):
                 problems.append(ConfigError(key, f"is {item}, but must be {allowed.describe()}", allowed.fix))
                 break
-    if not LORA_NAME.fullmatch(cfg.lora_name):
-        problems.append(ConfigError("lora_name", f"{cfg.lora_name!r} is not a name every server and file system "
-                                    f"accepts: letters, digits, `.`, `_` and `-`, starting with a letter or digit, "
-                                    f"at most 64 characters", "use e.g. `lora_name: policy`"))
-    for key in URL_KEYS:
-        urls = getattr(cfg, key)
-        for url in [urls] if isinstance(urls, str) else urls or []:
-            problem = _url_problem(url)
-            if problem:
-                problems.append(ConfigError(key, problem[0], problem[1]))
-                break
+    for section in SECTIONS:
+        problems += section.value_problems(cfg)
     return problems
 
 
@@ -1148,13 +1324,15 @@ def _coerce(key: str, value, hint):
 
 
 def field_docs() -> dict[str, str]:
-    """Field name -> docstring, read from this module's source (for docs/configuration.md and `--help`)."""
-    tree = ast.parse(inspect.getsource(AsyncGRPOConfig))
-    body = tree.body[0].body
+    """Field name -> docstring, read from the sections' source, in their order (for docs/configuration.md and
+    `--help`)."""
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    for section in SECTIONS:
+        body = ast.parse(inspect.getsource(section)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
+                    and isinstance(node.target, ast.Name) and node.target.id != node.target.id.upper():
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

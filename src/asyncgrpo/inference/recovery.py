@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from asyncgrpo import receiver_timeouts as receiver
+from asyncgrpo.config import InferenceSettings
 from asyncgrpo.errors import ConfigError, InferenceServerError
 from asyncgrpo.inference.client import CONNECT_BACKOFF_S, CONNECT_RETRIES, CONNECT_TIMEOUT_S
 
@@ -41,43 +42,44 @@ def connect_retry_s(connect_retries: int = CONNECT_RETRIES, backoff_s: float = C
     return (connect_retries + 1) * CONNECT_TIMEOUT_S + backoff_s * (2 ** connect_retries - 1)
 
 
-def outage_s(cfg) -> float:
+def outage_s(inference: InferenceSettings) -> float:
     """The longest rank 0 can be kept from the next collective by one inference-server outage that the run is built
     to survive: a call gives up on the dead server (connection retries), the server is waited for
     (`vllm_server_timeout`), then the groups or the sync it held up are redone (`vllm_request_timeout`)."""
-    return connect_retry_s() + cfg.vllm_server_timeout + cfg.vllm_request_timeout
+    return connect_retry_s() + inference.vllm_server_timeout + inference.vllm_request_timeout
 
 
-def batch_wait_s(cfg) -> float:
+def batch_wait_s(inference: InferenceSettings) -> float:
     """How long rank 0 waits for a batch from the rollout queue before it gives up (trainer/recipe.py): several
     rounds of requests, one of them held up by an outage the run waits out."""
-    return cfg.vllm_request_timeout * 4 + cfg.vllm_server_timeout
+    return inference.vllm_request_timeout * 4 + inference.vllm_server_timeout
 
 
-def delivery_s(cfg) -> float:
+def delivery_s(inference: InferenceSettings) -> float:
     """With `adapter_delivery: http`, the longest one version's delivery to a receiver may take and still succeed:
     every file's upload, the commit and the load, each within its connect and read timeouts (receivers are
     delivered to in parallel). 0 with shared_fs: the servers read the files themselves."""
-    if cfg.adapter_delivery != "http":
+    if inference.adapter_delivery != "http":
         return 0.0
     return (receiver.ADAPTER_FILES * (receiver.CONNECT_TIMEOUT_S + receiver.UPLOAD_TIMEOUT_S)
             + 2 * (receiver.CONNECT_TIMEOUT_S + receiver.ADMIN_TIMEOUT_S))
 
 
-def sync_wait_s(cfg) -> float:
+def sync_wait_s(inference: InferenceSettings) -> float:
     """The longest one weight sync can keep rank 0 away: an outage it waits out, plus (http) the delivery before the
     pause and the one again when the outage's restore finds a restarted receiver without the version, and a
     receiver outage waited out (`vllm_server_timeout`, rollout/delivery.py)."""
-    return outage_s(cfg) + 2 * delivery_s(cfg) + (cfg.vllm_server_timeout if delivery_s(cfg) else 0.0)
+    receiver_outage = inference.vllm_server_timeout if delivery_s(inference) else 0.0
+    return outage_s(inference) + 2 * delivery_s(inference) + receiver_outage
 
 
-def evaluation_wait_s(cfg, prompts: int, concurrency: int) -> float:
+def evaluation_wait_s(inference: InferenceSettings, prompts: int, concurrency: int) -> float:
     """How long one held-out evaluation can keep rank 0 away (rollout/evaluation.py): its `prompts` go out
     `concurrency` at a time, so each request thread makes ceil(prompts / concurrency) requests in turn, each within
     vllm_request_timeout, one of them held up by an outage the run waits out. 0 without prompts."""
     if prompts <= 0:
         return 0.0
-    return (math.ceil(prompts / concurrency) - 1) * cfg.vllm_request_timeout + outage_s(cfg)
+    return (math.ceil(prompts / concurrency) - 1) * inference.vllm_request_timeout + outage_s(inference)
 
 
 def check_evaluation_fits_ddp_timeout(cfg, world_size: int, wait_s: float) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import requests
 
-from asyncgrpo.config import API_KEY_ENV
+from asyncgrpo.config import API_KEY_ENV, InferenceSettings
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
 from asyncgrpo.inference.recovery import backoff_delays
 from asyncgrpo.receiver_timeouts import ADMIN_TIMEOUT_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, UPLOAD_TIMEOUT_S
@@ -216,10 +216,10 @@ class HttpDelivery:
             receiver.close()
 
 
-def make_delivery(cfg):
-    """The delivery `cfg.adapter_delivery` asks for, with one receiver per server for `http`."""
-    if cfg.adapter_delivery == "shared_fs":
+def make_delivery(inference: InferenceSettings):
+    """The delivery `inference.adapter_delivery` asks for, with one receiver per server for `http`."""
+    if inference.adapter_delivery == "shared_fs":
         return SharedFsDelivery()
-    return HttpDelivery({url: ReceiverClient(receiver, cfg.api_key)
-                         for url, receiver in zip(cfg.server_urls, cfg.receiver_urls, strict=True)},
-                        outage_s=cfg.vllm_server_timeout)
+    return HttpDelivery({url: ReceiverClient(receiver, inference.api_key)
+                         for url, receiver in zip(inference.server_urls, inference.receiver_urls, strict=True)},
+                        outage_s=inference.vllm_server_timeout)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config import AsyncGRPOConfig, ModelSettings
 from asyncgrpo.data import resolve_model_path
 from asyncgrpo.distributed import without_zero3_init
 from asyncgrpo.errors import InferenceServerError
@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 # ---- the adapter directory -------------------------------------------------------------------------------
 
-def check_adapter_dir_writable(cfg) -> CheckResult:
-    root = Path(cfg.lora_adapter_path).resolve()
+def check_adapter_dir_writable(model: ModelSettings) -> CheckResult:
+    root = Path(model.lora_adapter_path).resolve()
     try:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=root, prefix=".asyncgrpo-doctor-"):

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncgrpo.config import SYNC_MODES
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
 from asyncgrpo.inference.recovery import ServerGoneError
 from asyncgrpo.rollout.delivery import SharedFsDelivery
@@ -45,7 +46,6 @@ class PublishTiming:
     server_sum_s: float = 0.0
 
 
-SYNC_MODES = ("pause", "versioned")
 _VERSION_MARK = "-v"  # between a run's prefix and a version number
 
 

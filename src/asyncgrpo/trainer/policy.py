@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from asyncgrpo.config import ModelSettings
 from asyncgrpo.data import local_model_dir
 from asyncgrpo.distributed import (configure_backend, deepspeed_mode_on, fp32_buffer_check, recompute_rotary_buffers,
                                    zero3_init_in)
@@ -31,14 +32,14 @@ class Policy(NamedTuple):
     scoring_head: object  # the LM head the chunked logprob path runs (None: full logits; logprobs.py)
 
 
-def base_dtype(cfg, acc) -> str:
+def base_dtype(model: ModelSettings, acc) -> str:
     """The dtype the base model is built in: `torch_dtype`, or bf16 when a DeepSpeed json turns its bf16 mode on
     (`bf16.enabled` true, or `auto` under bf16 mixed precision): that mode is translated into a bf16 base under fp32
     LoRA weights (distributed._fp32_buffers_and_reduction switches DeepSpeed's own off)."""
-    if not deepspeed_mode_on(acc, "bf16") or cfg.torch_dtype == "bfloat16":
-        return cfg.torch_dtype
-    if cfg.torch_dtype != "float32":
-        raise ConfigError("torch_dtype", f"is {cfg.torch_dtype}, but the DeepSpeed json turns bf16 on",
+    if not deepspeed_mode_on(acc, "bf16") or model.torch_dtype == "bfloat16":
+        return model.torch_dtype
+    if model.torch_dtype != "float32":
+        raise ConfigError("torch_dtype", f"is {model.torch_dtype}, but the DeepSpeed json turns bf16 on",
                           "set `torch_dtype: bfloat16`, or `\"bf16\": {\"enabled\": \"auto\"}` in the json "
                           "without bf16 mixed precision")
     log.info("the DeepSpeed json turns bf16 on: the base model is built in bfloat16 (torch_dtype says float32)")

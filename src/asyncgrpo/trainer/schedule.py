@@ -11,6 +11,8 @@ from functools import partial
 
 import torch
 
+from asyncgrpo.config import TrainingSettings
+
 
 def lr_factor(step: int, *, kind: str, warmup: int, total: int) -> float:
     """Multiplier of the peak learning rate for optimizer step `step` (0-based), as transformers defines
@@ -38,9 +40,10 @@ def torch_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def build_lr_scheduler(optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    """The run's schedule over `cfg.max_steps` optimizer steps (sets the learning rate of step 0 at once)."""
-    factor = partial(lr_factor, kind=cfg.lr_scheduler_type, warmup=cfg.num_warmup_steps, total=cfg.max_steps)
+def build_lr_scheduler(optimizer, training: TrainingSettings) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's schedule over `training.max_steps` optimizer steps (sets the learning rate of step 0 at once)."""
+    factor = partial(lr_factor, kind=training.lr_scheduler_type, warmup=training.num_warmup_steps,
+                     total=training.max_steps)
     return torch.optim.lr_scheduler.LambdaLR(torch_optimizer(optimizer), factor)
 
 
