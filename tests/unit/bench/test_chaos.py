@@ -105,6 +105,7 @@ def test_a_probe_reports_an_answer_a_silent_port_and_a_closed_one():
         thread.start()
         assert send_raw(answering.getsockname()[1], payloads["bad_json"]) == "HTTP/1.1 400 Bad Request"
         thread.join()
-        assert send_raw(silent.getsockname()[1], b"xx", timeout_s=0.5) == "no answer within 0.5 s"  # accepted by the kernel only
+        # accepted by the kernel, never by the program: no answer
+        assert send_raw(silent.getsockname()[1], b"xx", timeout_s=0.5) == "no answer within 0.5 s"
         port = silent.getsockname()[1]
     assert send_raw(port, b"xx") == "connection failed (ConnectionRefusedError)"
