@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="check the inference server(s) and adapter directory against a config")
     doctor.add_argument("--config", help="YAML config file; `--key value` after it overrides a config key")
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
-    bench.add_argument("name", choices=["agent", "memory", "policy_equivalence", "producer", "rank0", "staleness",
-                                        "sync", "throughput"])
+    bench.add_argument("name", choices=["agent", "chaos", "memory", "policy_equivalence", "producer", "rank0",
+                                        "staleness", "sync", "throughput"])
     bench.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     bench.add_argument("--server", default=None, help="use a running vLLM server at this URL instead of starting "
                                                       "one (sync: several URLs joined by commas)")
@@ -194,6 +194,21 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seeds", type=_ints, default=None, help="staleness: seeds, e.g. 0,1,2")
     bench.add_argument("--corrections", type=lambda t: tuple(t.split(",")), default=None,
                        help="staleness: e.g. none,default,token_truncate (none: delta null, no correction)")
+    bench.add_argument("--steps", type=int, default=500, help="chaos: optimizer steps of the run under faults")
+    bench.add_argument("--seed", type=int, default=None,
+                       help="chaos: seeds the fault plan and the run (default 0); other benches: the config key")
+    bench.add_argument("--faults", type=int, default=None,
+                       help="chaos: faults injected (default: steps // 50, at least one of each kind)")
+    bench.add_argument("--kinds", type=lambda t: tuple(t.split(",")), default=None,
+                       help="chaos: fault kinds, from server,receiver,rollout,rank,malformed (default: all)")
+    bench.add_argument("--save_steps", type=int, default=None,
+                       help="chaos: checkpoint every N steps (default: steps // 5, at most 25); other benches: the "
+                            "config key")
+    bench.add_argument("--workdir", default=None,
+                       help="chaos: directory of the run, the server's and receiver's logs (default runs/bench-chaos; "
+                            "emptied first)")
+    bench.add_argument("--baseline", action="store_true",
+                       help="chaos: also train an undisturbed run of the same steps and seed for its held-out reward")
     serve = sub.add_parser("rollout-serve", help="run the rollout side for one trainer run, which connects to it "
                                                  "(`rollout_address`), e.g. on another host (docs/running.md)")
     serve.add_argument("--listen", required=True, metavar="HOST:PORT",

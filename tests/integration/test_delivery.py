@@ -22,7 +22,7 @@ import requests
 
 from asyncgrpo.config import API_KEY_ENV, AsyncGRPOConfig
 from asyncgrpo.demo import default_config_path
-from asyncgrpo.errors import InferenceServerError
+from asyncgrpo.errors import InferenceServerError, SyncError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference_node.vllm_server import find_free_port
 from asyncgrpo.rollout.delivery import HttpDelivery, ReceiverClient
@@ -248,3 +248,66 @@ def test_a_really_restarted_server_gets_the_current_version_back_from_the_receiv
         server.stop()
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _start_receiver(directory: Path, port: int, log: Path) -> subprocess.Popen:
+    """A receiver process on `port` (its vLLM URL leads nowhere: staging never calls vLLM), polled until healthy."""
+    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo.inference_node.receiver", "--dir", str(directory),
+                             "--port", str(port), "--vllm-url", f"http://127.0.0.1:{find_free_port()}"],
+                            env={**os.environ, API_KEY_ENV: KEY}, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ReceiverClient(f"http://127.0.0.1:{port}", KEY).health():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_receiver_restarted_during_a_delivery_is_waited_for_and_gets_the_version(world, tmp_path, random_adapter):
+    """Found by `bench chaos`: a receiver killed and restarted on its node while a sync delivered to it ended the run,
+    because its outage was handed to the vLLM server's recovery, which found the server up and retried at once. The
+    delivery now waits for the receiver itself (up to vllm_server_timeout). The restart is started by the delivery's
+    own "stopped answering" line, so the call is known to have met the dead receiver."""
+    import logging
+    from types import SimpleNamespace
+
+    port, directory, log = find_free_port(), tmp_path / "receiver", tmp_path / "receiver.log"
+    dead = _start_receiver(directory, port, log)
+    dead.kill()  # SIGKILL, as a crashed node
+    dead.wait()
+    started: list[subprocess.Popen] = []
+
+    class RestartOnOutage(logging.Handler):
+        def emit(self, record):
+            if "stopped answering" in record.getMessage() and not started:
+                started.append(_start_receiver(directory, port, log))
+
+    url = f"http://127.0.0.1:{port}"
+    handler, logger = RestartOnOutage(), logging.getLogger("asyncgrpo.rollout.delivery")
+    logger.addHandler(handler)
+    messages: list[str] = []
+    collect = logging.Handler()
+    collect.emit = lambda record: messages.append(record.getMessage())
+    logger.addHandler(collect)
+    path = AdapterStore(tmp_path / "trainer").write(1, *random_adapter(seed=3), base_model=str(world.model_dir))
+    server = SimpleNamespace(base_url="http://127.0.0.1:1")  # the vLLM server the receiver stands beside
+    try:
+        HttpDelivery({server.base_url: ReceiverClient(url, KEY)}, outage_s=60).stage(server, "chaos-v1", path)
+        assert started, "the delivery never met the dead receiver"
+        assert ReceiverClient(url, KEY).committed() == ["chaos-v1"]
+        assert (directory / "chaos-v1" / "adapter_model.safetensors").read_bytes() == \
+            (path / "adapter_model.safetensors").read_bytes()
+        assert [m.split(" (")[0] for m in messages if "stopped answering" in m] == [
+            f"adapter receiver {url} stopped answering"]  # once, not once per retry
+        assert any(m.startswith(f"adapter receiver {url} is back after ") for m in messages), messages
+        # One that never comes back ends the sync within the budget, naming the receiver and the fix.
+        started[0].kill()
+        started[0].wait()
+        with pytest.raises(SyncError, match=rf"the adapter receiver at {url} stopped answering and did not come back "
+                                            rf"within 1 s \(vllm_server_timeout\)\. Fix: restart it"):
+            HttpDelivery({server.base_url: ReceiverClient(url, KEY)}, outage_s=1).stage(server, "chaos-v2", path)
+    finally:
+        logger.removeHandler(handler)
+        logger.removeHandler(collect)
+        for proc in started:
+            proc.kill()
+            proc.wait()

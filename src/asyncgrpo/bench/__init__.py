@@ -13,6 +13,9 @@ import sys
 
 
 def run_bench(args, overrides: list[str]) -> int:
+    if args.name != "chaos":  # --seed and --save_steps are chaos's own flags, and config keys for the others
+        overrides = [*(["--seed", str(args.seed)] if args.seed is not None else []),
+                     *(["--save_steps", str(args.save_steps)] if args.save_steps is not None else []), *overrides]
     # Libraries print banners to stdout on import (DeepSpeed's accelerator warning): keep stdout for the JSON.
     with contextlib.redirect_stdout(sys.stderr):
         # heavy: each benchmark imports torch, transformers or vLLM's client side; import only the one asked for,
@@ -44,6 +47,10 @@ def run_bench(args, overrides: list[str]) -> int:
                                        ("num_iterations", args.num_iterations)) if v is not None}
             result = module.run(server_url=args.server, overrides=overrides, compare_versions=args.compare_versions,
                                 **extra)
+        elif args.name == "chaos":
+            extra = {"kinds": args.kinds} if args.kinds else {}
+            result = module.run(overrides, steps=args.steps, seed=args.seed or 0, faults=args.faults,
+                                baseline=args.baseline, save_steps=args.save_steps, workdir=args.workdir, **extra)
         elif args.name == "producer":
             result = module.run(overrides=overrides, duration_s=args.duration)
         else:

@@ -52,6 +52,33 @@ def measure(trainer, prompts: list[list[int]], n: int = 4) -> dict:
             "policy_version": trainer.version}
 
 
+def served_vs_exported(client, adapter_name: str, adapter_dir: str | Path, model_dir: str | Path,
+                       prompts: list[list[int]], *, n: int = 4, max_tokens: int, temperature: float) -> dict:
+    """The same probe on a finished run, whose trainer is gone: the server's logprobs of completions it samples under
+    `adapter_name` against those of the run's exported adapter (`adapter_dir`, PEFT format) on the base model in
+    fp32, on this process's CPU. A server that serves the base, an older version or a wrongly applied adapter differs
+    by far more than float error."""
+    # heavy: torch, transformers, peft; only when a finished run is probed
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+                                      str(adapter_dir)).eval()
+    served, mine = [], []
+    for ids in prompts:
+        for c in client.complete(adapter_name, ids, n=n, max_tokens=max_tokens, temperature=temperature):
+            tokens = torch.tensor([list(ids) + list(c.token_ids)])
+            with torch.no_grad():
+                logits = model(input_ids=tokens).logits[0, :-1].float() / temperature  # (T-1, V): processed logprobs
+                logprobs = torch.log_softmax(logits, -1)
+            picked = logprobs[len(ids) - 1:].gather(-1, tokens[0, len(ids):, None]).squeeze(-1)  # (completion,)
+            mine.append(picked.tolist())
+            served.append(c.logprobs)
+    return {"max_abs_logprob_diff": round(_max_diff(mine, served), 6), "completions": len(served),
+            "completion_tokens": sum(len(s) for s in served), "adapter": adapter_name}
+
+
 def text_length_reward(prompts, completions, **columns) -> list[float]:
     """A reward for random-weight models (whose answers the toy cannot grade): the completion's length in
     characters / 100. It differs within a group, so every step moves the adapter."""

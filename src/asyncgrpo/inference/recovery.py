@@ -67,8 +67,10 @@ def delivery_s(inference: InferenceSettings) -> float:
 
 def sync_wait_s(inference: InferenceSettings) -> float:
     """The longest one weight sync can keep rank 0 away: an outage it waits out, plus (http) the delivery before the
-    pause and the one again when the outage's restore finds a restarted receiver without the version."""
-    return outage_s(inference) + 2 * delivery_s(inference)
+    pause and the one again when the outage's restore finds a restarted receiver without the version, and a
+    receiver outage waited out (`vllm_server_timeout`, rollout/delivery.py)."""
+    receiver_outage = inference.vllm_server_timeout if delivery_s(inference) else 0.0
+    return outage_s(inference) + 2 * delivery_s(inference) + receiver_outage
 
 
 def evaluation_wait_s(inference: InferenceSettings, prompts: int, concurrency: int) -> float:
@@ -101,7 +103,8 @@ def check_outage_fits_ddp_timeout(cfg, world_size: int) -> None:
     if world_size <= 1 or cfg.ddp_timeout > need:
         return
     enough = math.floor(need) + 1
-    uploads = (f" + 2 x {delivery_s(cfg):g} s of adapter uploads (adapter_delivery: http)" if delivery_s(cfg) else "")
+    uploads = (f" + 2 x {delivery_s(cfg):g} s of adapter uploads and a receiver outage of vllm_server_timeout "
+               f"(adapter_delivery: http)" if delivery_s(cfg) else "")
     raise ConfigError(
         "ddp_timeout", f"{cfg.ddp_timeout} s is not longer than the longest wait of rank 0 that the run survives, "
         f"{need:g} s: a batch from the rollout queue waits up to 4 x vllm_request_timeout "

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import requests
 
 from asyncgrpo.config import API_KEY_ENV, InferenceSettings
 from asyncgrpo.errors import InferenceServerError, ServerUnreachableError, SyncError
+from asyncgrpo.inference.recovery import backoff_delays
 from asyncgrpo.receiver_timeouts import ADMIN_TIMEOUT_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, UPLOAD_TIMEOUT_S
 from asyncgrpo.redact import redact
 from asyncgrpo.store import MANIFEST_NAME
@@ -126,16 +128,44 @@ class HttpDelivery:
 
     name = "http"
 
-    def __init__(self, receivers: dict[str, ReceiverClient]):
+    def __init__(self, receivers: dict[str, ReceiverClient], outage_s: float = 0.0, sleep=time.sleep):
         self.receivers = receivers  # vLLM base URL -> the receiver beside it
+        self.outage_s = outage_s  # how long a receiver that stopped answering is waited for (vllm_server_timeout)
+        self._sleep = sleep
         self._paths: dict[tuple[str, str], str] = {}  # (vLLM base URL, adapter name) -> the receiver's path
 
     def _receiver(self, client) -> ReceiverClient:
         return self.receivers[client.base_url]
 
+    def _surviving(self, receiver: ReceiverClient, call):
+        """`call()`; if the receiver does not answer (restarting, its node rebooting), wait up to `outage_s` for its
+        /health, then `call()` once more (every receiver call is idempotent). A receiver outage is the receiver's
+        own: the vLLM server beside it may be up, so it is not left to the server's recovery, which would find the
+        server healthy and retry at once."""
+        try:
+            return call()
+        except ServerUnreachableError as exc:
+            if self.outage_s <= 0:
+                raise
+            cause = exc
+        log.warning("adapter receiver %s stopped answering (%s); waiting up to %g s (vllm_server_timeout) for it to "
+                    "come back", receiver.base_url, cause, self.outage_s)
+        waited = 0.0
+        for delay in backoff_delays(self.outage_s):
+            self._sleep(delay)
+            waited += delay
+            if receiver.health():
+                log.warning("adapter receiver %s is back after %.1f s", receiver.base_url, waited)
+                return call()
+        raise SyncError(f"the adapter receiver at {receiver.base_url} stopped answering and did not come back within "
+                        f"{self.outage_s:g} s (vllm_server_timeout). Fix: restart it beside vLLM on the same address "
+                        f"(launch/vllm/receiver.sh), then start the run again from its last checkpoint in output_dir; "
+                        f"or raise vllm_server_timeout") from cause
+
     def stage(self, client, name: str, path: Path) -> None:
         """Upload and commit (idempotent: a version committed before answers at once)."""
-        self._paths[(client.base_url, name)] = self._receiver(client).upload(name, path)
+        receiver = self._receiver(client)
+        self._paths[(client.base_url, name)] = self._surviving(receiver, lambda: receiver.upload(name, path))
 
     def stage_all(self, clients, name: str, path: Path) -> list[tuple[object, BaseException]]:
         """`stage` on every server's receiver at once, one thread each (receivers are separate nodes: the uploads
@@ -165,14 +195,14 @@ class HttpDelivery:
     def load(self, client, name: str, path: Path) -> None:
         receiver = self._receiver(client)
         try:
-            served = receiver.load(name)
+            served = self._surviving(receiver, lambda: receiver.load(name))
         except InferenceServerError as exc:
             if exc.status != 404:
                 raise
             # Not committed there: a replaced node (or receiver directory) lost it, e.g. a restarted server.
             log.warning("%s does not hold %s; uploading it again", receiver.base_url, name)
             self.stage(client, name, path)
-            served = receiver.load(name)
+            served = self._surviving(receiver, lambda: receiver.load(name))
         want = self._paths.get((client.base_url, name))
         if served != want:
             raise SyncError(f"the receiver {receiver.base_url} reports {name} served from {served!r}, but committed "
@@ -191,4 +221,5 @@ def make_delivery(inference: InferenceSettings):
     if inference.adapter_delivery == "shared_fs":
         return SharedFsDelivery()
     return HttpDelivery({url: ReceiverClient(receiver, inference.api_key)
-                         for url, receiver in zip(inference.server_urls, inference.receiver_urls, strict=True)})
+                         for url, receiver in zip(inference.server_urls, inference.receiver_urls, strict=True)},
+                        outage_s=inference.vllm_server_timeout)
