@@ -31,6 +31,7 @@ from asyncgrpo.trackers import resolve_report_to
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
 TOY_REWARD = "asyncgrpo.toy:larger_reward"  # the toy world's reward: `reward_funcs`' default with `dataset_name: toy`
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (transport/remote.py)
+AGENT_KEY_ENV = "ASYNCGRPO_AGENT_KEY"  # the key of the agent endpoint when it listens beyond 127.0.0.1 (capture)
 # Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -175,6 +176,17 @@ class AsyncGRPOConfig:
     (`ASYNCGRPO_VLLM_API_KEY`, `ASYNCGRPO_ROLLOUT_KEY`) in a new user and PID namespace (`unshare`), so that it
     cannot read them from any other process either, and killed whole at `tool_timeout`. For tools that run code the
     model wrote. Costs a Python start per call; environment methods still run in the rollout process."""
+    agent_function: str | None = None
+    """Your own agent, as `package.module:function` (sync or async), written with any OpenAI client: called once per
+    episode as `fn(row, base_url=..., model=..., api_key=...)` (the names it accepts), it talks to the rollout side's
+    OpenAI-compatible endpoint at `base_url` with `model`, and returns the episode's reward (a float) or a dict the
+    reward functions read as columns. Its calls become token-exact training samples. Excludes `tools` and
+    `environment_factory` (the agent runs its own tools). docs/agents.md, "Your own agent"."""
+    agent_endpoint_host: str = "127.0.0.1"
+    """Where the agent endpoint listens. Any address other than a loopback one needs a key in ASYNCGRPO_AGENT_KEY
+    (sent by the agent as its API key)."""
+    agent_endpoint_port: int = 0
+    """The agent endpoint's port; 0 = a free one, chosen at start."""
     episode_version: str = "pinned"
     """Which adapter an episode's later turns are sent to. `pinned` (default): every turn on the version its group
     was sent with, so each episode is sampled by one policy. `latest`: each turn on the newest served version (the
@@ -462,8 +474,8 @@ class AsyncGRPOConfig:
         # The toy world only when chosen: `model_name_or_path: toy` brings its prompts, `dataset_name: toy` its reward.
         if self.model_name_or_path == "toy" and self.dataset_name is None:
             self.dataset_name = "toy"
-        if self.environment_factory is not None and self.reward_funcs is None:
-            self.reward_funcs = []  # the environment's get_reward() (TRL): no default beside it, checked at build
+        if (self.environment_factory is not None or self.agent_function is not None) and self.reward_funcs is None:
+            self.reward_funcs = []  # get_reward() (TRL) or the agent's own reward: no default beside it
         if self.dataset_name == "toy" and self.reward_funcs is None:
             self.reward_funcs = [TOY_REWARD]
         if isinstance(self.scale_rewards, bool):  # TRL's booleans
@@ -514,7 +526,8 @@ class AsyncGRPOConfig:
     def task_problems(self) -> list[ConfigError]:
         """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of
         `validate`: a config may be built in code before its model and data are known; the trainer checks it."""
-        return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs, self.environment_factory)
+        return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs,
+                             self.environment_factory or self.agent_function)
 
     def validate(self) -> None:
         """Every value alone (VALUE_RANGES, names, URLs), then each group of cross-field checks; every problem found
@@ -578,7 +591,7 @@ class AsyncGRPOConfig:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError("reward_weights", f"has {len(self.reward_weights)} entries for "
                               f"{len(self.reward_funcs)} reward_funcs", "give one weight per reward function")
-        if not self.reward_funcs and not self.environment_factory:  # an environment's get_reward: checked at build
+        if not self.reward_funcs and not (self.environment_factory or self.agent_function):  # checked at build
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
         for ref in self.reward_funcs:
             if not (_is_function_ref(ref) if ":" in ref else "/" in ref or Path(ref).exists()):
@@ -655,6 +668,33 @@ class AsyncGRPOConfig:
         if self.uses_tools and self.prompt_format == "raw":
             raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
                               "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
+        self._validate_agent_function()
+
+    def _validate_agent_function(self) -> None:
+        """Checks of `agent_function` and its endpoint."""
+        if self.agent_function is None:
+            return
+        if not _is_function_ref(self.agent_function):
+            raise ConfigError("agent_function", f"{self.agent_function!r} is not of the form package.module:function",
+                              "write e.g. `my_agent.run:episode`")
+        if self.tools or self.environment_factory:
+            raise ConfigError("agent_function", "is set beside `tools`/`environment_factory`, but an agent function "
+                              "runs its own tools through the endpoint", "drop `tools` and `environment_factory`, "
+                              "or drop `agent_function`")
+        for key, value in (("reward_workers", self.reward_workers), ("inflight_weight_updates",
+                                                                      self.inflight_weight_updates)):
+            if value:
+                raise ConfigError(key, f"is {value}, but an agent function's episodes are sampled call by call and "
+                                  "scored in the rollout process", f"set `{key}` to 0/false")
+        if self.agent_endpoint_host not in LOOPBACK_HOSTS and not os.environ.get(AGENT_KEY_ENV):
+            raise ConfigError("agent_endpoint_host", f"is {self.agent_endpoint_host!r}, reachable from other hosts, "
+                              f"but {AGENT_KEY_ENV} is not set: anyone there could sample from the policy",
+                              f"set {AGENT_KEY_ENV} (the agent sends it as its API key), or listen on 127.0.0.1")
+
+    @property
+    def uses_episodes(self) -> bool:
+        """Completions are episodes: tools, an environment or an agent function."""
+        return self.uses_tools or self.agent_function is not None
 
     def _validate_delivery(self) -> None:
         """Checks of `adapter_delivery` and its receivers."""
@@ -852,6 +892,7 @@ VALUE_RANGES: dict[str, Range] = {
     "reward_fallback": Range(fix="use a finite reward such as 0.0, or unset it"),
     "reward_workers": Range(0, 1024, fix="use 0 to score in the request threads, or a few worker processes"),
     "reward_timeout": Range(0, low_open=True, fix="give the seconds one group's scoring may take, e.g. 60"),
+    "agent_endpoint_port": Range(0, 65535, fix="use 0 (a free port) or a port number"),
     "max_turns": Range(1, fix="use the most model turns an episode may take, e.g. 8"),
     "max_episode_tokens": Range(1, fix="use the most tokens an episode may have after its prompt, or unset it"),
     "tool_timeout": Range(0, low_open=True, fix="give the seconds one tool call may take, e.g. 30"),
@@ -909,7 +950,8 @@ VALUE_RANGES: dict[str, Range] = {
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
 # The secrets asyncgrpo reads from the environment; reward workers start without them (rollout/reward_pool.py).
-SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
+SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, AGENT_KEY_ENV, "VLLM_API_KEY")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def task_problems(model, dataset, rewards, environment) -> list[ConfigError]:
