@@ -38,7 +38,9 @@ async def three_turns_async(row, base_url, model):
     for _ in range(3):
         message = (await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)).choices[0].message
         messages.append(message)
-        for call in message.tool_calls or []:
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": "[2]"})
     return float(len(messages))
 

@@ -790,8 +790,9 @@ class AsyncGRPOConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         values, problems = trl_compat.translate(values)
-        problems[:0] = task_problems(*(values.get(key) for key in (
-            "model_name_or_path", "dataset_name", "reward_funcs", "environment_factory")))
+        problems[:0] = task_problems(*(values.get(key) for key in ("model_name_or_path", "dataset_name",
+                                                                   "reward_funcs")),
+                                     values.get("environment_factory") or values.get("agent_function"))
         kwargs = {}
         for key, value in values.items():
             try:
@@ -957,7 +958,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 def task_problems(model, dataset, rewards, environment) -> list[ConfigError]:
     """One error per missing key of the three every run needs (values as given; None = not given). The toy world
     fills them only when chosen: `model_name_or_path: toy` (its prompts and reward), `dataset_name: toy` (its
-    reward); an `environment_factory` may bring the reward (its get_reward())."""
+    reward); an `environment_factory` (its get_reward()) or an `agent_function` (its float) may bring the reward."""
     problems = []
     if model is None:
         problems.append(ConfigError("model_name_or_path", "is required: asyncgrpo has no default model",
@@ -973,7 +974,8 @@ def task_problems(model, dataset, rewards, environment) -> list[ConfigError]:
     if rewards is None and environment is None and dataset != "toy":
         problems.append(ConfigError("reward_funcs", "is required: asyncgrpo has no default reward for your data",
                                     "name your reward functions, e.g. `reward_funcs: [asyncgrpo.rewards:math_accuracy]`"
-                                    ", or give an environment_factory whose class has get_reward()"))
+                                    ", or give an environment_factory whose class has get_reward(), or an "
+                                    "agent_function that returns the reward"))
     return problems
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import math
 import threading
 import uuid
@@ -23,6 +24,7 @@ from asyncgrpo.rollout.episodes import ChatFormat, Episode, Latest, episode_grou
 
 AGENT_ARGUMENTS = ("base_url", "model", "api_key")
 """What an agent function may take besides the row (it gets those of them its signature names, or all with **kwargs)."""
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2", "openai")
 AGENT_REWARD_COLUMN = "agent_reward"
 """The column holding a float an agent function returned, read by `agent_reward` (one more reward, weight 1)."""
 
@@ -117,6 +119,8 @@ class AgentRunner:
         self.max_model_len = max_model_len
         self.has_reward_funcs = bool(cfg.reward_funcs)
         self.stats = CaptureStats()
+        for name in HTTP_CLIENT_LOGGERS:  # the agents' clients log each call at INFO: one line per turn otherwise
+            logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
 
     def run_group(self, client, row: PromptRow, *, n: int, adapter: str, version: int, seed: int | None,
                   latest: Latest | None = None) -> list[AgentEpisode]:
