@@ -41,7 +41,7 @@ def run_bench(args, overrides: list[str]) -> int:
             extra = {k: v for k, v in (("stalenesses", args.grid), ("tool_latency_s", args.tool_latency),
                                        ("num_iterations", args.num_iterations)) if v is not None}
             result = module.run(server_url=args.server, overrides=overrides, compare_versions=args.compare_versions,
-                                **extra)
+                                overhead_only=args.overhead_only, **extra)
         elif args.name == "producer":
             result = module.run(overrides=overrides, duration_s=args.duration)
         else:
