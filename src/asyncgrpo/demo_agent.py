@@ -142,13 +142,17 @@ def run_agent_demo(args: Any, overrides: list[str]) -> int:
              args.num_processes)
     server = VLLMServer(world.model_dir, port, max_lora_rank=max(8, cfg.lora_r),
                         max_loras=adapters_needed(cfg.max_staleness), max_model_len=256, log_path=out / "vllm.log")
-    with server:
+    server.start()
+    try:
+        server.wait_ready(cfg.vllm_server_timeout)  # the config's wait for a healthy server (busy hosts start slowly)
         cmd = launch_command(args.num_processes, find_free_port(), config_path,
                              ["--vllm_server_base_url", server.base_url])
         t_train = time.perf_counter()
         if run_group(cmd, env=launch_environment()).returncode != 0:
             raise AsyncGRPOError(f"training failed; see the log above (server log: {out / 'vllm.log'})")
         train_s = time.perf_counter() - t_train
+    finally:
+        server.stop()
     run = json.loads((out / "run_summary.json").read_text())
     log.info("4/4 held-out episodes of the trained adapter %s", run["adapter_path"])
     after = episode_figures(world.model_dir, rows, Path(run["adapter_path"]))

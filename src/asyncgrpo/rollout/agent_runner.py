@@ -6,7 +6,6 @@ score, group, release, close, stats), so the producer runs either. docs/agents.m
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -21,6 +20,7 @@ from asyncgrpo.errors import AgentFunctionError, ConfigError
 from asyncgrpo.rollout.agent_endpoint import AgentEndpoint
 from asyncgrpo.rollout.capture import CaptureEpisode
 from asyncgrpo.rollout.episodes import ChatFormat, Episode, Latest, episode_group
+from asyncgrpo.rollout.tools import load_ref
 
 AGENT_ARGUMENTS = ("base_url", "model", "api_key")
 """What an agent function may take besides the row (it gets those of them its signature names, or all with **kwargs)."""
@@ -31,15 +31,9 @@ AGENT_REWARD_COLUMN = "agent_reward"
 
 def load_agent_function(ref: str) -> Callable:
     """`package.module:function` -> the function, or ConfigError naming what is missing."""
-    module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError("agent_function", f"cannot import {module_name!r}: {exc}",
-                          "put the module on PYTHONPATH (or install its package)") from exc
-    fn = getattr(module, attr, None)
+    fn = load_ref(ref, "agent_function")
     if not callable(fn):
-        raise ConfigError("agent_function", f"{module_name} has no function {attr!r}", "name a function of it")
+        raise ConfigError("agent_function", f"{ref} is {type(fn).__name__}, not a function", "name a function")
     return fn
 
 
