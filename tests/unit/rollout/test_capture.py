@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import openai
 import pytest
@@ -251,7 +252,8 @@ def test_a_group_is_every_sample_of_its_episodes_with_each_episodes_reward_and_a
     import agent_fns
 
     r = runner(endpoint)
-    r.agent = agent_fns.splits_on_odd_seed
+    r.agent = agent_fns.splits_first
+    agent_fns._FIRST = threading.Lock()  # a fresh one: this test's first episode splits
     scripted = Scripted(["45", "7", ""])
     episodes = r.run_group(scripted, ROW, n=2, adapter="pol-v3", version=3, seed=0)
     assert sorted(len(e.samples) for e in episodes) == [1, 2]
