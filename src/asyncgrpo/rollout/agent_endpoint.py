@@ -26,6 +26,9 @@ MAX_BODY_BYTES = 64 * 2**20  # a chat request larger than this is refused before
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a call still running when the run ends does not hold the process
     allow_reuse_address = True
+    # Connections waiting to be accepted: every episode in flight opens one, and the OpenAI client gives up on a
+    # connect after 5 s; the default backlog of 5 dropped connections of a 2-process demo on a busy host.
+    request_queue_size = 1024
 
     def __init__(self, address, handler, endpoint: AgentEndpoint):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
