@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from agent_format import agent_tokenizer
 from fakes import cfg as make_cfg
+from logprob_check import max_sampled_gap
 
 from asyncgrpo.data import PromptRow
 from asyncgrpo.rollout.agent_endpoint import AgentEndpoint
 from asyncgrpo.rollout.agent_runner import AgentRunner
 from asyncgrpo.rollout.episodes import ChatFormat
-from asyncgrpo.trainer.batching import collate
-from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
 
 TOK = agent_tokenizer()
 ROW = PromptRow(prompt=[{"role": "user", "content": "find qx"}], prompt_ids=[], columns={}, rendered="find qx")
@@ -57,7 +55,6 @@ class Recording:
 def test_a_three_turn_openai_agents_sampled_tokens_are_trained_on_exactly_and_score_the_same_in_the_trainer(
         world, server):
     import agent_fns
-    from transformers import AutoModelForCausalLM  # heavy: the trainer's model
 
     from asyncgrpo.inference.client import InferenceClient
 
@@ -89,15 +86,9 @@ def test_a_three_turn_openai_agents_sampled_tokens_are_trained_on_exactly_and_sc
     assert all(s.loss_mask.count(0) > 0 for s in three)  # tool and template ids are context
 
     group = runner.group(ROW, episodes, [float(i) for i in range(4)], {}, index=0, version=0, adapter="base")
-    batch = collate([group], pad_id=EOS)
-    model = AutoModelForCausalLM.from_pretrained(world.model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        trainer = sequence_logprobs(model, find_scoring_head(model), batch["input_ids"], batch["attention_mask"],
-                                    batch["mask"], cfg.temperature)
-    sampled = batch["mask"] > 0
-    assert int(sampled.sum()) == group.n_sampled_tokens == sum(len(c.token_ids) for _, c in recording.calls)
-    diff = (trainer[sampled] - batch["behaviour"][sampled]).abs().max().item()
-    assert diff < 1e-3, diff
+    gap, compared, _, _ = max_sampled_gap(world.model_dir, group, cfg.temperature, EOS)
+    assert compared == group.n_sampled_tokens == sum(len(c.token_ids) for _, c in recording.calls)
+    assert gap < 1e-3, gap
 
 
 RUN = {"max_completion_length": 12, "num_generations": 4, "per_device_train_batch_size": 8,
