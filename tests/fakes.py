@@ -24,7 +24,7 @@ def cfg(**values) -> AsyncGRPOConfig:
     (`model_name_or_path: toy`; the toy reward beside a dataset of the test's own), with `lora_adapter_path` at
     /tmp/adapters, then `values`."""
     named = {"model_name_or_path": "toy", "lora_adapter_path": "/tmp/adapters"}
-    if "environment_factory" not in values:
+    if "environment_factory" not in values and "agent_function" not in values:
         named["reward_funcs"] = [TOY_REWARD]
     return AsyncGRPOConfig.from_dict({**named, **values})
 

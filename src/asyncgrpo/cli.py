@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world", default="toy", choices=["toy", "agent"],
                       help="toy: which of two numbers is larger (one turn); agent: answer through a lookup tool "
                            "over several turns (--config is then not read; `--key value` overrides still apply)")
+    demo.add_argument("--agent-endpoint", "--agent_endpoint", dest="agent_endpoint", action="store_true",
+                      help="with --world agent: run the toy agent as an openai-client function through the agent "
+                           "endpoint (agent_function) instead of the built-in episode loop")
     doctor = sub.add_parser("doctor", help="check the inference server(s) and adapter directory against a config")
     doctor.add_argument("--config", help="YAML config file; `--key value` after it overrides a config key")
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                             "(batch alone by default)")
     bench.add_argument("--compare_versions", action="store_true",
                        help="agent: also run `episode_version: latest` at each max_staleness above 0")
+    bench.add_argument("--overhead_only", action="store_true",
+                       help="agent: only measure the agent endpoint's overhead per turn against the built-in loop")
     bench.add_argument("--tool_latency", type=float, default=None,
                        help="agent: seconds each simulated tool call sleeps (0.05 by default)")
     bench.add_argument("--seeds", type=_ints, default=None, help="staleness: seeds, e.g. 0,1,2")

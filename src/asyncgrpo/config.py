@@ -31,6 +31,8 @@ from asyncgrpo.trackers import resolve_report_to
 API_KEY_ENV = "ASYNCGRPO_VLLM_API_KEY"
 TOY_REWARD = "asyncgrpo.toy:larger_reward"  # the toy world's reward: `reward_funcs`' default with `dataset_name: toy`
 ROLLOUT_KEY_ENV = "ASYNCGRPO_ROLLOUT_KEY"  # the key of `rollout_address` connections (transport/remote.py)
+AGENT_KEY_ENV = "ASYNCGRPO_AGENT_KEY"  # the key of the agent endpoint when it listens beyond 127.0.0.1 (capture)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Choices of the loss keys (loss.py implements them; listed here so that config stays importable without torch).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -321,6 +323,17 @@ class AgentSettings(Section):
     (`ASYNCGRPO_VLLM_API_KEY`, `ASYNCGRPO_ROLLOUT_KEY`) in a new user and PID namespace (`unshare`), so that it
     cannot read them from any other process either, and killed whole at `tool_timeout`. For tools that run code the
     model wrote. Costs a Python start per call; environment methods still run in the rollout process."""
+    agent_function: str | None = None
+    """Your own agent, as `package.module:function` (sync or async), written with any OpenAI client: called once per
+    episode as `fn(row, base_url=..., model=..., api_key=...)` (the names it accepts), it talks to the rollout side's
+    OpenAI-compatible endpoint at `base_url` with `model`, and returns the episode's reward (a float) or a dict the
+    reward functions read as columns. Its calls become token-exact training samples. Excludes `tools` and
+    `environment_factory` (the agent runs its own tools). docs/agents.md, "Your own agent"."""
+    agent_endpoint_host: str = "127.0.0.1"
+    """Where the agent endpoint listens. Any address other than a loopback one needs a key in ASYNCGRPO_AGENT_KEY
+    (sent by the agent as its API key)."""
+    agent_endpoint_port: int = 0
+    """The agent endpoint's port; 0 = a free one, chosen at start."""
     episode_version: str = "pinned"
     """Which adapter an episode's later turns are sent to. `pinned` (default): every turn on the version its group
     was sent with, so each episode is sampled by one policy. `latest`: each turn on the newest served version (the
@@ -328,6 +341,7 @@ class AgentSettings(Section):
     Why pinned is the default and what latest measured: docs/agents.md, "Versions inside an episode"."""
 
     RANGES: ClassVar[dict[str, Range]] = {
+        "agent_endpoint_port": Range(0, 65535, fix="use 0 (a free port) or a port number"),
         "max_turns": Range(1, fix="use the most model turns an episode may take, e.g. 8"),
         "max_episode_tokens": Range(1, fix="use the most tokens an episode may have after its prompt, or unset it"),
         "tool_timeout": Range(0, low_open=True, fix="give the seconds one tool call may take, e.g. 30"),
@@ -344,6 +358,11 @@ class AgentSettings(Section):
         """Completions are episodes: tools or an environment are configured."""
         return bool(self.tools) or self.environment_factory is not None
 
+    @property
+    def uses_episodes(self) -> bool:
+        """Completions are episodes: tools, an environment or an agent function."""
+        return self.uses_tools or self.agent_function is not None
+
     def check(self) -> None:
         for key, refs in (("tools", self.tools), ("environment_factory", [self.environment_factory] * (
                 self.environment_factory is not None))):
@@ -351,6 +370,17 @@ class AgentSettings(Section):
                 if not isinstance(ref, str) or ":" not in ref:
                     raise ConfigError(key, f"{ref!r} is not of the form package.module:name",
                                       "write e.g. `my_agent.tools:lookup` (a function) or `my_agent.env:MyEnv` (a class)")
+        if self.agent_function is not None and not _is_function_ref(self.agent_function):
+            raise ConfigError("agent_function", f"{self.agent_function!r} is not of the form package.module:function",
+                              "write e.g. `my_agent.run:episode`")
+        if self.agent_function is not None and (self.tools or self.environment_factory):
+            raise ConfigError("agent_function", "is set beside `tools`/`environment_factory`, but an agent function "
+                              "runs its own tools through the endpoint", "drop `tools` and `environment_factory`, "
+                              "or drop `agent_function`")
+        if self.agent_endpoint_host not in LOOPBACK_HOSTS and not os.environ.get(AGENT_KEY_ENV):
+            raise ConfigError("agent_endpoint_host", f"is {self.agent_endpoint_host!r}, reachable from other hosts, "
+                              f"but {AGENT_KEY_ENV} is not set: anyone there could sample from the policy",
+                              f"set {AGENT_KEY_ENV} (the agent sends it as its API key), or listen on 127.0.0.1")
         if self.tool_process and not self.tools:
             raise ConfigError("tool_process", "is true, but no `tools` are named (an environment's methods run in the "
                               "rollout process, where their instance lives)", "name the tools to isolate under "
@@ -934,8 +964,8 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
         # The toy world only when chosen: `model_name_or_path: toy` brings its prompts, `dataset_name: toy` its reward.
         if self.model_name_or_path == "toy" and self.dataset_name is None:
             self.dataset_name = "toy"
-        if self.environment_factory is not None and self.reward_funcs is None:
-            self.reward_funcs = []  # the environment's get_reward() (TRL): no default beside it, checked at build
+        if (self.environment_factory is not None or self.agent_function is not None) and self.reward_funcs is None:
+            self.reward_funcs = []  # get_reward() (TRL) or the agent's own reward: no default beside it
         if self.dataset_name == "toy" and self.reward_funcs is None:
             self.reward_funcs = [TOY_REWARD]
         if isinstance(self.scale_rewards, bool):  # TRL's booleans
@@ -977,7 +1007,7 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
         """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of
         `validate`: a config may be built in code before its model and data are known; the trainer checks it."""
         return task_problems(self.model_name_or_path, self.dataset_name, self.reward_funcs,
-                             self.environment_factory) + self._eval_problems()
+                             self.environment_factory or self.agent_function) + self._eval_problems()
 
     def _eval_problems(self) -> list[ConfigError]:
         """Held-out prompts are a task key too: a script may pass `eval_dataset` to the trainer (api.py); without it
@@ -996,6 +1026,7 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
         if not problems:
             checks = [AsyncGRPOConfig._check_batch, *(section.check_all for section in SECTIONS),
                       AsyncGRPOConfig._check_rewards, AsyncGRPOConfig._check_staleness, AsyncGRPOConfig._check_agents,
+                      AsyncGRPOConfig._check_agent_function,
                       AsyncGRPOConfig._check_steps]
             for check in checks:
                 try:
@@ -1013,7 +1044,7 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
                               f"{self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}")
 
     def _check_rewards(self) -> None:
-        if self.reward_funcs == [] and not self.environment_factory:  # an environment's get_reward: checked at build
+        if self.reward_funcs == [] and not (self.environment_factory or self.agent_function):  # checked at build
             raise ConfigError("reward_funcs", "is empty", "name at least one `module:function` or reward model")
 
     def _check_staleness(self) -> None:
@@ -1044,6 +1075,15 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
             raise ConfigError("prompt_format", "is raw, but tool calls need the chat template (tool schemas, tool "
                               "messages)", "use `prompt_format: auto` with chat messages, or `prompt_format: chat`")
 
+    def _check_agent_function(self) -> None:
+        if self.agent_function is None:
+            return
+        for key, value in (("reward_workers", self.reward_workers),
+                           ("inflight_weight_updates", self.inflight_weight_updates)):
+            if value:
+                raise ConfigError(key, f"is {value}, but an agent function's episodes are sampled call by call and "
+                                  "scored in the rollout process", f"set `{key}` to 0/false")
+
     def _check_steps(self) -> None:
         """Evaluations and checkpoints fall on steps where a version was just published, between two batches."""
         if self.eval_strategy == "steps" and self.evaluation_interval % self.weight_sync_steps:
@@ -1069,8 +1109,9 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
         hints = typing.get_type_hints(cls)
         values, problems = trl_compat.translate(values)
         if require_task:
-            problems[:0] = task_problems(*(values.get(key) for key in (
-                "model_name_or_path", "dataset_name", "reward_funcs", "environment_factory")))
+            problems[:0] = task_problems(*(values.get(key) for key in ("model_name_or_path", "dataset_name",
+                                                                       "reward_funcs")),
+                                         values.get("environment_factory") or values.get("agent_function"))
         kwargs = {}
         for key, value in values.items():
             try:
@@ -1146,13 +1187,13 @@ VALUE_RANGES: dict[str, Range] = {key: r for section in SECTIONS for key, r in s
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 URL_KEYS = ("vllm_server_base_url", "adapter_receiver_url")
 # The secrets asyncgrpo reads from the environment; reward workers start without them (rollout/reward_pool.py).
-SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, "VLLM_API_KEY")
+SECRET_ENV_VARS = (API_KEY_ENV, ROLLOUT_KEY_ENV, AGENT_KEY_ENV, "VLLM_API_KEY")
 
 
 def task_problems(model, dataset, rewards, environment) -> list[ConfigError]:
     """One error per missing key of the three every run needs (values as given; None = not given). The toy world
     fills them only when chosen: `model_name_or_path: toy` (its prompts and reward), `dataset_name: toy` (its
-    reward); an `environment_factory` may bring the reward (its get_reward())."""
+    reward); an `environment_factory` (its get_reward()) or an `agent_function` (its float) may bring the reward."""
     problems = []
     if model is None:
         problems.append(ConfigError("model_name_or_path", "is required: asyncgrpo has no default model",
@@ -1168,7 +1209,8 @@ def task_problems(model, dataset, rewards, environment) -> list[ConfigError]:
     if rewards is None and environment is None and dataset != "toy":
         problems.append(ConfigError("reward_funcs", "is required: asyncgrpo has no default reward for your data",
                                     "name your reward functions, e.g. `reward_funcs: [asyncgrpo.rewards:math_accuracy]`"
-                                    ", or give an environment_factory whose class has get_reward()"))
+                                    ", or give an environment_factory whose class has get_reward(), or an "
+                                    "agent_function that returns the reward"))
     return problems
 
 

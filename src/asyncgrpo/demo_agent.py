@@ -1,7 +1,8 @@
 """`asyncgrpo demo --world agent`: train the toy agent (a `lookup` tool over a hidden table) end to end.
 
 1. build (or find cached) the toy agent world and measure its base's held-out episodes locally (HF generate);
-2. write the training config (environment_factory: the toy `LookupEnv`, reward: `lookup_reward`, max_turns 5);
+2. write the training config (environment_factory: the toy `LookupEnv`, reward: `lookup_reward`, max_turns 5; with
+   `--agent-endpoint` the toy agent as an openai-client function instead, `asyncgrpo.toy.agent_client:run`);
 3. start a local vLLM CPU server and `accelerate launch` the training against it, as `asyncgrpo demo` does;
 4. measure the trained adapter's held-out episodes the same way; print success, turns and tool calls.
 """
@@ -62,6 +63,17 @@ def agent_config(world: Any, output_dir: str = "runs/demo-agent") -> dict[str, A
     }
 
 
+AGENT_FUNCTION = "asyncgrpo.toy.agent_client:run"
+"""The toy agent written with the openai client (`--agent-endpoint`)."""
+
+
+def endpoint_config(values: dict[str, Any]) -> dict[str, Any]:
+    """`agent_config`'s mapping with the toy agent run as an openai-client function through the agent endpoint: the
+    same episodes (tool, turns, budgets), the agent's float as the reward instead of the environment and reward keys."""
+    values = {k: v for k, v in values.items() if k not in ("tools", "environment_factory", "reward_funcs")}
+    return {**values, "agent_function": AGENT_FUNCTION}
+
+
 def load_agent_config(values: dict[str, Any]) -> AsyncGRPOConfig:
     """Validate the demo's mapping (every problem at once, as for a config file)."""
     return AsyncGRPOConfig.from_dict(values)
@@ -113,7 +125,11 @@ def run_agent_demo(args: Any, overrides: list[str]) -> int:
     before = episode_figures(world.model_dir, rows)
     log.info("    base: %s", summary_lines(before, None))
 
-    values = {**agent_config(world), **parse_overrides(overrides)}
+    values = agent_config(world)
+    if getattr(args, "agent_endpoint", False):
+        values = endpoint_config(values)
+        log.info("    the toy agent runs as %s through the agent endpoint", AGENT_FUNCTION)
+    values = {**values, **parse_overrides(overrides)}
     cfg = load_agent_config(values)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,13 +142,17 @@ def run_agent_demo(args: Any, overrides: list[str]) -> int:
              args.num_processes)
     server = VLLMServer(world.model_dir, port, max_lora_rank=max(8, cfg.lora_r),
                         max_loras=adapters_needed(cfg.max_staleness), max_model_len=256, log_path=out / "vllm.log")
-    with server:
+    server.start()
+    try:
+        server.wait_ready(cfg.vllm_server_timeout)  # the config's wait for a healthy server (busy hosts start slowly)
         cmd = launch_command(args.num_processes, find_free_port(), config_path,
                              ["--vllm_server_base_url", server.base_url])
         t_train = time.perf_counter()
         if run_group(cmd, env=launch_environment()).returncode != 0:
             raise AsyncGRPOError(f"training failed; see the log above (server log: {out / 'vllm.log'})")
         train_s = time.perf_counter() - t_train
+    finally:
+        server.stop()
     run = json.loads((out / "run_summary.json").read_text())
     log.info("4/4 held-out episodes of the trained adapter %s", run["adapter_path"])
     after = episode_figures(world.model_dir, rows, Path(run["adapter_path"]))

@@ -89,3 +89,8 @@ class RolloutProcessError(AsyncGRPOError):
 class ToolError(AsyncGRPOError):
     """A user's tool or environment broke the episode itself (not an error the model can read and recover from):
     a tool that ended its worker thread (SystemExit and the like), an environment that cannot be built or reset."""
+
+
+class AgentFunctionError(AsyncGRPOError):
+    """`agent_function` broke an episode: it raised, returned something that is not a reward, or made no call to the
+    agent endpoint."""

@@ -12,11 +12,11 @@ import pytest
 import torch
 from agent_format import agent_model, agent_tokenizer, lookup
 from fakes import cfg as make_cfg
+from logprob_check import max_sampled_gap
 
 from asyncgrpo.data import PromptRow
 from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, episode_group
 from asyncgrpo.store import AdapterStore
-from asyncgrpo.trainer.batching import collate
 from asyncgrpo.trainer.logprobs import find_scoring_head, sequence_logprobs
 from asyncgrpo.trainer.loss import LossSpec, grpo_loss
 
@@ -79,8 +79,6 @@ def unload_all(client, names) -> None:
 
 def test_a_three_turn_episodes_sampled_tokens_score_the_same_in_the_trainer_and_tool_tokens_carry_no_loss(
         world, client):
-    from transformers import AutoModelForCausalLM  # heavy: the trainer's model
-
     cfg, episodes, recorded = run_episodes(client, client.base_model(), n=6, tools=[lookup])
     three = [(e, r) for e, r in zip(episodes, recorded) if e.turns == 3]
     assert three, [e.turns for e in episodes]  # max_turns 3: an episode stops earlier only on an empty turn
@@ -90,14 +88,9 @@ def test_a_three_turn_episodes_sampled_tokens_score_the_same_in_the_trainer_and_
         assert e.tool_calls == 2 and e.loss_mask.count(0) > 0
     group = episode_group(ROW, [e for e, _ in three], [float(i) for i in range(len(three))], {}, index=0, version=0,
                           adapter="base", cfg=cfg)
-    batch = collate([group], pad_id=EOS)
-    model = AutoModelForCausalLM.from_pretrained(world.model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        trainer = sequence_logprobs(model, find_scoring_head(model), batch["input_ids"], batch["attention_mask"],
-                                    batch["mask"], cfg.temperature)
+    diff, compared, model, batch = max_sampled_gap(world.model_dir, group, cfg.temperature, EOS)
     sampled = batch["mask"] > 0
-    assert int(sampled.sum()) == group.n_sampled_tokens == sum(len(c.token_ids) for _, r in three for c in r)
-    diff = (trainer[sampled] - batch["behaviour"][sampled]).abs().max().item()
+    assert compared == group.n_sampled_tokens == sum(len(c.token_ids) for _, r in three for c in r)
     assert diff < 1e-3, diff
 
     # Tool tokens carry no loss: whatever their behaviour logprobs say, the loss and its gradient are the same.

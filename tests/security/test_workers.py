@@ -29,7 +29,8 @@ def secrets(monkeypatch):
 
 
 def test_the_secret_variables_are_the_ones_the_project_reads():
-    assert set(SECRET_ENV_VARS) == {"ASYNCGRPO_VLLM_API_KEY", "ASYNCGRPO_ROLLOUT_KEY", "VLLM_API_KEY"}
+    assert set(SECRET_ENV_VARS) == {"ASYNCGRPO_VLLM_API_KEY", "ASYNCGRPO_ROLLOUT_KEY", "ASYNCGRPO_AGENT_KEY",
+                                    "VLLM_API_KEY"}
 
 
 def test_a_reward_function_in_a_worker_finds_no_secret(secrets):

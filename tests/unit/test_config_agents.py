@@ -73,3 +73,28 @@ def test_tool_process_needs_tools_to_isolate():
     assert cfg(tools=["agent_tools:lookup"], tool_process=True).tool_process
     with pytest.raises(ConfigError, match="tool_process.*no `tools`"):
         cfg(environment_factory="agent_tools:Counter", tool_process=True)
+
+
+def test_an_agent_function_brings_its_reward_and_excludes_the_built_in_loops_keys(monkeypatch):
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    agent = AsyncGRPOConfig.from_dict({"model_name_or_path": "m", "dataset_name": "d.jsonl",
+                                       "agent_function": "my_agent.run:episode"})
+    assert agent.reward_funcs == [] and agent.uses_episodes and not agent.uses_tools and agent.task_problems() == []
+    assert agent.agent_endpoint_host == "127.0.0.1" and agent.agent_endpoint_port == 0
+    with pytest.raises(ConfigError, match="agent_function.*drop `tools`"):
+        cfg(agent_function="my_agent.run:episode", tools=["agent_tools:lookup"])
+    with pytest.raises(ConfigError, match="agent_function.*package.module:function"):
+        cfg(agent_function="my_agent.run.episode")
+    with pytest.raises(ConfigError, match="reward_workers"):
+        cfg(agent_function="my_agent.run:episode", reward_workers=2)
+    with pytest.raises(ConfigError, match="agent_endpoint_port"):
+        cfg(agent_function="my_agent.run:episode", agent_endpoint_port=70000)
+
+
+def test_an_agent_endpoint_beyond_loopback_needs_a_key(monkeypatch):
+    monkeypatch.delenv("ASYNCGRPO_AGENT_KEY", raising=False)
+    with pytest.raises(ConfigError, match="agent_endpoint_host.*ASYNCGRPO_AGENT_KEY"):
+        cfg(agent_function="my_agent.run:episode", agent_endpoint_host="0.0.0.0")
+    monkeypatch.setenv("ASYNCGRPO_AGENT_KEY", "k" * 32)
+    assert cfg(agent_function="my_agent.run:episode", agent_endpoint_host="0.0.0.0").agent_endpoint_host == "0.0.0.0"

@@ -55,3 +55,29 @@ def test_cli_offers_the_agent_world(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--world", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_the_agent_endpoint_flag_runs_the_toy_agent_as_an_openai_function_with_the_same_episode_budget():
+    from asyncgrpo.demo_agent import AGENT_FUNCTION, endpoint_config
+    from asyncgrpo.toy.agent_client import MAX_TURNS, TOOLS
+
+    values = endpoint_config(agent_config(WORLD))
+    cfg = load_agent_config(values)
+    assert cfg.agent_function == AGENT_FUNCTION and callable(_resolve(AGENT_FUNCTION))
+    assert (cfg.environment_factory, cfg.tools, cfg.reward_funcs) == (None, [], [])  # the agent's float is the reward
+    assert cfg.max_turns == MAX_TURNS and cfg.max_episode_tokens == 200 and cfg.max_completion_length == 24
+    assert [t["function"]["name"] for t in TOOLS] == ["lookup"]
+
+
+def test_the_toy_openai_agent_words_tool_errors_as_the_episode_runner_does():
+    from asyncgrpo.toy.agent_client import _lookup
+    from asyncgrpo.toy.agent_task import LookupEnv, make_agent_split
+
+    env = LookupEnv()
+    env.latency_s = 0.0
+    row = make_agent_split(0)[0][0]
+    env.reset(**row)
+    results = [_lookup(env, "lookup") for _ in range(row["hops"] + 1)]
+    assert results[-2] == f"= {row['answer']}"
+    assert results[-1] == '{"error": "ChainEndedError: the chain ended at %s; answer that value"}' % row["answer"]
+    assert "no tool named 'find'" in _lookup(env, "find")

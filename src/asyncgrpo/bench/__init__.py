@@ -46,7 +46,7 @@ def run_bench(args, overrides: list[str]) -> int:
                                        ("tool_latency_s", args.tool_latency),
                                        ("num_iterations", args.num_iterations)) if v is not None}
             result = module.run(server_url=args.server, overrides=overrides, compare_versions=args.compare_versions,
-                                **extra)
+                                overhead_only=args.overhead_only, **extra)
         elif args.name == "chaos":
             extra = {"kinds": args.kinds} if args.kinds else {}
             result = module.run(overrides, steps=args.steps, seed=args.seed or 0, faults=args.faults,

@@ -7,7 +7,8 @@ against one vLLM CPU server, server and trainer on separate cores as in `bench t
 speedup over the synchronous run, the trainer's idle fraction, and the final adapter's held-out success measured as
 the agent demo measures it, and the generation wasted or re-sampled. `--modes` runs each staleness in each rollout
 mode (bench/modes.py; `batch` alone by default). `--compare_versions` adds runs with `episode_version: latest` at
-each staleness above 0.
+each staleness above 0. Before the runs (or alone, with `--overhead_only`) it measures what the agent endpoint adds
+per model turn against the built-in episode loop (`endpoint_overhead` in the JSON).
 The workload and the figures: docs/benchmarks.md ("`bench agent`").
 """
 
@@ -90,9 +91,62 @@ def run_one(cfg, world, server_pid: int | None) -> dict:
             "server_cpu_s_per_step": round(server_cpu / max(trainer.step, 1), 4) if server_cpu is not None else None}
 
 
+OVERHEAD_GROUPS = 12
+"""Groups (of the demo's 8 episodes each) played by each loop in the endpoint-overhead measurement."""
+
+
+def endpoint_overhead(world, server_url: str, values: dict, groups: int = OVERHEAD_GROUPS) -> dict:
+    """Seconds per model turn of the toy agent's episodes played by the built-in loop (`environment_factory`) and
+    by the toy agent written with the openai client through the agent endpoint (`agent_function`), on the base model,
+    no training, tools without latency: the same rows, the two loops alternating group by group so that a change in
+    the machine's load reaches both. The difference per turn is what the endpoint adds (HTTP, JSON, rendering the
+    call's messages to link it)."""
+    from transformers import AutoTokenizer  # heavy
+
+    from asyncgrpo.data import PromptRow
+    from asyncgrpo.demo_agent import endpoint_config
+    from asyncgrpo.inference.client import InferenceClient
+    from asyncgrpo.rollout.build import build_episode_runner
+
+    latency, LookupEnv.latency_s = LookupEnv.latency_s, 0.0
+    tokenizer = AutoTokenizer.from_pretrained(world.model_dir)
+    plain = {**agent_config(world), **WORKLOAD, **values, "vllm_server_base_url": server_url}
+    runners = {"builtin": build_episode_runner(load_agent_config(plain), tokenizer, str(world.model_dir), 256),
+               "endpoint": build_episode_runner(load_agent_config(endpoint_config(plain)), tokenizer,
+                                                str(world.model_dir), 256)}
+    seconds, turns = {k: 0.0 for k in runners}, {k: 0 for k in runners}
+    rows = world.read_rows(heldout=False)[:groups]
+    try:
+        with InferenceClient(server_url) as client:
+            model = client.base_model()
+            for i, row in enumerate(rows):
+                prompt_row = PromptRow(prompt=row["prompt"], prompt_ids=[], columns={k: v for k, v in row.items()
+                                                                                    if k != "prompt"})
+                for name, runner in runners.items():
+                    t0 = time.perf_counter()
+                    episodes = runner.run_group(client, prompt_row, n=8, adapter=model, version=0, seed=None)
+                    seconds[name] += time.perf_counter() - t0
+                    turns[name] += sum(_turns(e) for e in episodes)
+                    runner.release(episodes)
+    finally:
+        LookupEnv.latency_s = latency
+        for runner in runners.values():
+            runner.close()
+    per_turn = {k: seconds[k] / max(turns[k], 1) for k in runners}
+    return {"groups": len(rows), "episodes_per_group": 8, "turns": turns,
+            "seconds_per_turn": {k: round(v, 5) for k, v in per_turn.items()},
+            "overhead_per_turn_s": round(per_turn["endpoint"] - per_turn["builtin"], 5),
+            "overhead_ratio": round(per_turn["endpoint"] / per_turn["builtin"], 3)}
+
+
+def _turns(episode) -> int:
+    """Model turns of an episode of either loop (an agent episode's are its samples')."""
+    return sum(s.turns for s in getattr(episode, "samples", [episode]))
+
+
 def run(server_url: str | None, overrides: list[str], workdir: str | None = None, stalenesses=STALENESS,
         tool_latency_s: float = TOOL_LATENCY_S, num_iterations: int = NUM_ITERATIONS,
-        compare_versions: bool = False, modes=("batch",)) -> dict:
+        compare_versions: bool = False, modes=("batch",), overhead_only: bool = False) -> dict:
     """Find (or build) the toy agent world, start a pinned vLLM server unless `server_url` is given, warm it up
     (untimed), then train at each staleness in each of `modes` (and, with `compare_versions`, again with
     `episode_version: latest` at each staleness above 0)."""
@@ -114,13 +168,19 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
                                                          max_loras=adapters_needed(max(stalenesses)),
                                                          max_num_seqs=max_sequences(base, max(stalenesses)))
         # Untimed warm-up: the server's first LoRA requests are slow; no timed run should pay for them.
-        warm = GRPORecipe(run_config(world, work, 0, server_url, values, "warmup", max_steps=WARMUP_STEPS,
-                                           **per_run))
-        try:
-            warm.setup()
-            warm.train()
-        finally:
-            warm.cleanup()
+        if not overhead_only:
+            warm = GRPORecipe(run_config(world, work, 0, server_url, values, "warmup", max_steps=WARMUP_STEPS,
+                                         **per_run))
+            try:
+                warm.setup()
+                warm.train()
+            finally:
+                warm.cleanup()
+        overhead = endpoint_overhead(world, server_url, values)  # untimed for the runs below
+        print(f"[bench agent] endpoint overhead: {overhead}", file=sys.stderr, flush=True)
+        if overhead_only:
+            return {"endpoint_overhead": overhead, "cores": cores, "loadavg_before": [round(x, 2) for x in load_before],
+                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
         plan = [(mode, s, {"episode_version": base.episode_version, **rollout_modes.mode_settings(mode, episodes=True)})
                 for mode in modes for s in stalenesses]
         plan += [("batch", s, {"episode_version": "latest"}) for s in stalenesses
@@ -137,7 +197,7 @@ def run(server_url: str | None, overrides: list[str], workdir: str | None = None
             print(f"[bench agent] {name}: {runs[-1]['steps_per_s']} steps/s, held-out success "
                   f"{runs[-1]['heldout_success']} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
     return {"default_rollout_mode": rollout_modes.default_rollout_mode(), "runs": compare_to_sync(runs),
-            "settings": {**WORKLOAD, **values, "tool_latency_s": tool_latency_s,
+            "endpoint_overhead": overhead, "settings": {**WORKLOAD, **values, "tool_latency_s": tool_latency_s,
                                                         "num_iterations": base.num_iterations,
                                                         "weight_sync_steps": base.weight_sync_steps,
                                        "episode_version": base.episode_version, "max_turns": base.max_turns,

@@ -5,8 +5,11 @@ processes). Every callback between parts is passed here, where it can be read: n
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from asyncgrpo.config import AGENT_KEY_ENV
 
 from asyncgrpo.data import (PromptRow, load_eval_prompts, load_prompt_set, model_type_of, response_template_for,
                             server_max_model_len)
@@ -14,6 +17,8 @@ from asyncgrpo.errors import ConfigError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rewards import RewardScorer
+from asyncgrpo.rollout.agent_endpoint import AgentEndpoint
+from asyncgrpo.rollout.agent_runner import AgentRunner, agent_reward, load_agent_function
 from asyncgrpo.rollout.delivery import make_delivery
 from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, environment_reward
 from asyncgrpo.rollout.preflight import require_healthy_setup
@@ -123,7 +128,12 @@ def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupSc
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
     kind = environment_class(factory, cfg.environment_factory) if factory is not None else None
     owns_reward = kind is not None and callable(getattr(kind, "get_reward", None))
-    if not cfg.reward_funcs and not owns_reward:
+    if cfg.agent_function:
+        # An agent function's float return is one more reward, named after the function, weight 1
+        scorer.refs.append(cfg.agent_function)
+        scorer.functions.append(agent_reward)
+        scorer.weights = [*scorer.weights, 1.0]
+    elif not cfg.reward_funcs and not owns_reward:
         raise ConfigError("reward_funcs", f"is empty and {cfg.environment_factory} has no get_reward(), so nothing "
                           "scores the episodes", "name a reward function, or give the environment a get_reward()")
     if owns_reward:
@@ -141,13 +151,20 @@ def make_group_scorer(cfg, tokenizer, response_template: dict | None) -> GroupSc
                       timeout_s=cfg.reward_timeout)
 
 
-def build_episode_runner(cfg, tokenizer, model_path: str, max_model_len: int | None) -> EpisodeRunner | None:
-    """The runner of multi-turn episodes when `tools` or `environment_factory` is set, else None (one completion
-    per prompt). Turns end at the tokenizer's eos or one of generation_config.json's (the server stops there too)."""
-    if not cfg.uses_tools:
+def build_episode_runner(cfg, tokenizer, model_path: str,
+                         max_model_len: int | None) -> EpisodeRunner | AgentRunner | None:
+    """The runner of multi-turn episodes when `tools` or `environment_factory` is set, of the agent function's
+    episodes (and its endpoint, listening from now on) with `agent_function`, else None (one completion per prompt).
+    Turns end at the tokenizer's eos or one of generation_config.json's (the server stops there too)."""
+    if not cfg.uses_episodes:
         return None
     stop_ids = set(end_token_ids(tokenizer, model_path))
     fmt = ChatFormat(tokenizer, response_template_for(tokenizer, model_type_of(model_path)), stop_ids=stop_ids,
                      template_kwargs=cfg.chat_template_kwargs, system_prompt=cfg.system_prompt)
+    if cfg.agent_function:
+        agent = load_agent_function(cfg.agent_function)
+        endpoint = AgentEndpoint(cfg.agent_endpoint_host, cfg.agent_endpoint_port, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, key=os.environ.get(AGENT_KEY_ENV) or None)
+        return AgentRunner(fmt, cfg, agent=agent, endpoint=endpoint, max_model_len=max_model_len)
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
     return EpisodeRunner(fmt, cfg, tools=load_tools(cfg.tools), factory=factory, max_model_len=max_model_len)

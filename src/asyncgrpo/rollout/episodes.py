@@ -59,6 +59,10 @@ class ChatFormat:
                                                        return_dict=False, add_generation_prompt=generation_prompt,
                                                        **self.template_kwargs))
 
+    def render(self, messages: list[dict], schemas: list[dict], generation_prompt: bool) -> list[int]:
+        """The chat template's ids of `messages` as they are, with the tools listed (the agent endpoint's prompts)."""
+        return self._ids(messages, schemas, generation_prompt)
+
     def prompt_ids(self, messages: list[dict], schemas: list[dict]) -> list[int]:
         """The prompt's ids with the tools listed and the assistant turn opened (the system prompt first if the
         messages have none, as for plain chat prompts)."""
@@ -383,6 +387,17 @@ class EpisodeRunner:
                 e.finish_reason = "length"  # no room for the results and one more token: truncated here (TRL)
                 return
             e.append(suffix, None, turn_version)
+
+    def score(self, scorer, row: PromptRow, episodes: list[Episode]) -> tuple[list[float], dict[str, list]]:
+        """The group's rewards (rollout/scoring.py's score_episodes, TRL's signature), environments included."""
+        environments = [e.environment for e in episodes] if self.cfg.environment_factory else None
+        return scorer.score_episodes(row, [e.prompt for e in episodes], [e.messages for e in episodes],
+                                     [e.ids for e in episodes], [e.finish_reason for e in episodes], environments)
+
+    def group(self, row: PromptRow, episodes: list[Episode], rewards: list[float], parts: dict, *, index: int,
+              version: int, adapter: str) -> Group:
+        return episode_group(row, episodes, rewards, parts, index=index, version=version, adapter=adapter,
+                             cfg=self.cfg)
 
     @staticmethod
     def _count(e: Episode, results: list[ToolResult]) -> None:

@@ -21,7 +21,7 @@ from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.timeline import Timeline
 from asyncgrpo.contracts import Group, finish_reason_from_tokens, scored_advantages
-from asyncgrpo.rollout.episodes import EpisodeRunner, MidTurn, TurnAborted, episode_group
+from asyncgrpo.rollout.episodes import EpisodeRunner, MidTurn, TurnAborted
 from asyncgrpo.rollout.inflight import InflightStats, sample_across_versions
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.admission import Admission
@@ -315,15 +315,17 @@ class RolloutProducer:
 
     def _generate_episodes(self, client: InferenceClient, row: PromptRow, index: int, version: int, adapter: str,
                            seed: int | None) -> Group | None:
-        """`_generate` for episodes (rollout/episodes.py): every turn of the group's episodes on `adapter`, or on
-        the newest served one with `episode_version: latest`."""
+        """`_generate` for episodes (rollout/episodes.py, or the agent function's: rollout/agent_runner.py): every
+        turn of the group's episodes on `adapter`, or on the newest served one with `episode_version: latest`."""
         latest = self.admission.latest if self.cfg.episode_version == "latest" else None
-        mid_turn = MidTurn(served=lambda: self.admission.version, stats=self.inflight_stats) \
-            if self.cfg.inflight_weight_updates else None
+        # Turns moved mid-generation (inflight_weight_updates): tools and environments only; an agent function's
+        # calls are refused that option by the config.
+        moves = {"mid_turn": MidTurn(served=lambda: self.admission.version, stats=self.inflight_stats)} \
+            if self.cfg.inflight_weight_updates else {}
         self.server_busy.enter()
         try:
             episodes = self.episodes.run_group(client, row, n=self.cfg.num_generations, adapter=adapter,
-                                               version=version, seed=seed, latest=latest, mid_turn=mid_turn)
+                                               version=version, seed=seed, latest=latest, **moves)
         except TurnAborted:
             episodes = None
         finally:
@@ -337,11 +339,7 @@ class RolloutProducer:
             check_behaviour_logprobs([SimpleNamespace(token_ids=e.ids, logprobs=e.logprobs) for e in episodes],
                                      server=client.base_url, prompt_index=index, adapter=adapter)
             self.generated_tokens += sum(sum(e.loss_mask) for e in episodes)
-            environments = [e.environment for e in episodes] if self.cfg.environment_factory else None
-            rewards, parts = self.scorer.score_episodes(row, [e.prompt for e in episodes],
-                                                        [e.messages for e in episodes], [e.ids for e in episodes],
-                                                        [e.finish_reason for e in episodes], environments)
-            return episode_group(row, episodes, rewards, parts, index=index, version=version, adapter=adapter,
-                                 cfg=self.cfg)
+            rewards, parts = self.episodes.score(self.scorer, row, episodes)
+            return self.episodes.group(row, episodes, rewards, parts, index=index, version=version, adapter=adapter)
         finally:
             self.episodes.release(episodes or [])  # scored (or dropped): the environments are reused

@@ -62,13 +62,13 @@ def score_group(scorer: RewardScorer, tokenizer, response_template: dict | None,
 
 def score_episodes(scorer: RewardScorer, row: PromptRow, prompts: list, messages: list[list[dict]],
                    completion_ids: list[list[int]], finish_reasons: list[str],
-                   environments: list | None) -> tuple[list[float], dict[str, list]]:
+                   environments: list | None, columns: dict[str, list] | None = None) -> tuple[list[float], dict[str, list]]:
     """Score a group of episodes (docs/agents.md): as TRL, `completions[i]` is episode i's messages after its prompt
     (assistant, tool, ..., assistant), `prompts[i]` its prompt (with a reset observation), and `environments` the
     episodes' environment instances, in order, when there are any; `parsed` is each episode's last assistant
-    message."""
+    message. `columns`: more per-episode columns (what agent functions returned)."""
     n = len(messages)
-    columns = {k: [v] * n for k, v in row.columns.items()}
+    columns = {**{k: [v] * n for k, v in row.columns.items()}, **(columns or {})}
     if environments is not None:
         columns["environments"] = environments
     parsed = [next((m for m in reversed(ms) if m.get("role") == "assistant"), None) for ms in messages]
@@ -120,10 +120,11 @@ class InThreadScoring:
 
     def score_episodes(self, row: PromptRow, prompts: list, messages: list[list[dict]],
                        completion_ids: list[list[int]], finish_reasons: list[str],
-                       environments: list | None) -> tuple[list[float], dict[str, list]]:
+                       environments: list | None, columns: dict[str, list] | None = None
+                       ) -> tuple[list[float], dict[str, list]]:
         """`score_episodes` under the same `reward_timeout` (episodes are scored in this process only)."""
         return self._bounded(lambda: score_episodes(self.scorer, row, prompts, messages, completion_ids,
-                                                    finish_reasons, environments), row, len(messages))
+                                                    finish_reasons, environments, columns), row, len(messages))
 
     def _bounded(self, run, row: PromptRow, n: int):
         """`run()` in this thread, or with `timeout_s` on a thread of its own awaited up to then."""

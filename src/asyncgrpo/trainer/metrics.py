@@ -109,7 +109,7 @@ class StepMetrics:
         and how long the trainer waited for it."""
         staleness = [version - g.version for g in groups]
         rewards = torch.tensor([r for g in groups for r in g.rewards])
-        completions = len(groups) * num_generations
+        completions = sum(len(g.completion_ids) for g in groups)  # an agent's episode may make several
         lengths = [len(c) for g in groups for c in g.completion_ids]
         self._put({"time/wait_for_data_s": waited_s, "train/reward": rewards.mean(), "train/reward_std": rewards.std(),
                    "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),

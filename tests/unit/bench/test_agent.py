@@ -44,8 +44,11 @@ def test_the_command_line_passes_the_grid_the_tool_latency_and_config_overrides(
                  "--episode_version", "latest"]) == 0
     assert main(["bench", "agent", "--num_iterations", "3"]) == 0
     assert main(["bench", "agent", "--compare_versions"]) == 0
+    assert main(["bench", "agent", "--overhead_only"]) == 0
     assert calls == [{"server_url": None, "overrides": ["--episode_version", "latest"], "stalenesses": (1, 2),
-                      "tool_latency_s": 0.2, "compare_versions": False},
-                     {"server_url": None, "overrides": [], "num_iterations": 3, "compare_versions": False},
-                     {"server_url": None, "overrides": [], "compare_versions": True}]
-    assert capsys.readouterr().out.split() == ['{"runs":', '[]}'] * 3
+                      "tool_latency_s": 0.2, "compare_versions": False, "overhead_only": False},
+                     {"server_url": None, "overrides": [], "num_iterations": 3, "compare_versions": False,
+                      "overhead_only": False},
+                     {"server_url": None, "overrides": [], "compare_versions": True, "overhead_only": False},
+                     {"server_url": None, "overrides": [], "compare_versions": False, "overhead_only": True}]
+    assert capsys.readouterr().out.split() == ['{"runs":', '[]}'] * 4

@@ -67,7 +67,7 @@ def test_the_command_line_passes_modes_and_staleness_to_both_benches(monkeypatch
     monkeypatch.setattr(throughput, "run", lambda **kwargs: calls.append(("throughput", kwargs)) or {"runs": []})
     assert main(["bench", "agent", "--modes", "batch,stream+inflight", "--staleness", "0,1"]) == 0
     assert main(["bench", "throughput", "--modes", "stream", "--staleness", "1"]) == 0
-    assert calls == [("agent", {"server_url": None, "overrides": [], "compare_versions": False,
+    assert calls == [("agent", {"server_url": None, "overrides": [], "compare_versions": False, "overhead_only": False,
                                 "stalenesses": (0, 1), "modes": ("batch", "stream+inflight")}),
                      ("throughput", {"server_url": None, "overrides": [], "plot": None, "stalenesses": (1,),
                                      "modes": ("stream",)})]
