@@ -183,16 +183,17 @@ class Chaos:
         """Every kind of malformed request to every listening port of the run's processes; their answers, and
         whether every process that listened is still there afterwards."""
         owners = self._owners(segment)
-        before = {p.pid for procs in owners.values() for p in procs}
+        listening = listening_ports(owners)
         payloads = malformed_requests(self.rng)
-        targets = [(port, role, name) for port, role in sorted(listening_ports(owners).items()) for name in payloads]
+        targets = [(port, role, name) for port, (role, _) in sorted(listening.items()) for name in payloads]
         # at once: a port that takes the bytes and never answers (vLLM's internal ones) costs PROBE_TIMEOUT_S each
         with ThreadPoolExecutor(max_workers=32) as pool:
             replies = list(pool.map(lambda t: send_raw(t[0], payloads[t[2]]), targets))
         answers: dict = {}
         for (port, role, name), reply in zip(targets, replies):
             answers.setdefault(f"{role}:{port}", {})[name] = reply
-        gone = sorted(pid for pid in before if not psutil.pid_exists(pid))
+        # The processes that listened must all be there still (others of the trees come and go on their own).
+        gone = sorted({pid for _, pid in listening.values() if not psutil.pid_exists(pid)})
         return {"ports": answers, "processes_gone_after": gone}
 
     # ---- memory ----

@@ -217,15 +217,16 @@ def send_raw(port: int, payload: bytes, timeout_s: float = PROBE_TIMEOUT_S) -> s
     return data.split(b"\r\n", 1)[0].decode(errors="replace") if data else "closed without an answer"
 
 
-def listening_ports(owners: dict[str, list[psutil.Process]]) -> dict[int, str]:
-    """port -> the role whose process listens on it (TCP, any address), for every process in `owners`."""
+def listening_ports(owners: dict[str, list[psutil.Process]]) -> dict[int, tuple[str, int]]:
+    """port -> (the role, the pid) of the process that listens on it (TCP, any address), for every process in
+    `owners`."""
     ports = {}
     for role, procs in owners.items():
         for p in procs:
             try:
                 for conn in p.net_connections(kind="tcp"):
                     if conn.status == psutil.CONN_LISTEN:
-                        ports.setdefault(conn.laddr.port, role)
+                        ports.setdefault(conn.laddr.port, (role, p.pid))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
     return ports
