@@ -130,10 +130,6 @@ def check_trl_outputs(out: Path, summary: dict, saved_6: dict) -> None:
         card.split("## Last evaluation")[1].replace(str((out / "checkpoint-6").resolve()), str(out.resolve()))
 
 
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "zero2", "zero3"])
-def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_server, tmp_path):
-
-
 @pytest.mark.parametrize("backend", SHARDED_BACKENDS)
 def test_sharded_run_resumes_its_sharded_state_to_the_same_adapter(backend, vllm_server, sharded_reference, tmp_path):
     """FSDP and ZeRO shard the LoRA weights (ZeRO-2: their fp32 masters) and their Adam state: a run resumed from
