@@ -40,7 +40,7 @@ def _run_collecting_descendants(cmd: list[str], timeout_s: float) -> tuple[subpr
             assert time.monotonic() < deadline, "bench chaos did not finish in time"
             for p in psutil.Process(proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    seen.setdefault(p.pid, " ".join(p.cmdline()))
+                    seen[p.pid] = " ".join(p.cmdline())  # the latest: vLLM renames its processes once started
             time.sleep(0.5)
         for reader in readers:
             reader.join()
