@@ -192,8 +192,12 @@ class Chaos:
         answers: dict = {}
         for (port, role, name), reply in zip(targets, replies):
             answers.setdefault(f"{role}:{port}", {})[name] = reply
-        # The processes that listened must all be there still (others of the trees come and go on their own).
-        gone = sorted({pid for _, pid in listening.values() if not psutil.pid_exists(pid)})
+        # The processes that listened must all be there still (others of the trees come and go on their own), the
+        # launch's unless it ended meanwhile: a run that finishes during the probe exits; one that fails is judged
+        # by its exit code like any other.
+        ended = segment.group.process.poll() is not None
+        gone = sorted({pid for role, pid in listening.values()
+                       if not (ended and role == "training_launch") and not psutil.pid_exists(pid)})
         return {"ports": answers, "processes_gone_after": gone}
 
     # ---- memory ----
