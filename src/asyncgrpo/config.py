@@ -698,9 +698,9 @@ class AsyncSettings(Section):
     error naming the server, the version and the likely cause (the base served, an older adapter, a wrong rank,
     alpha or targets). One forward of <= 96 tokens on every rank per check. 0: off (docs/publish-internals.md)."""
     served_check_tolerance: float | None = None
-    """The largest served - trained logprob difference on the probe a correct version may show. None: by
-    `torch_dtype`, from measurement (1e-3 for float32, 0.1 for bfloat16/float16); raise it if the server runs a
-    lower precision than the trainer."""
+    """The largest served - trained logprob difference on the probe a correct version may show. None: by the dtype
+    the base was built in (`torch_dtype`, or bf16 when a DeepSpeed json turns bf16 on), from measurement (1e-3 for
+    float32, 0.1 for bfloat16/float16); raise it if the server runs a lower precision than the trainer."""
     keep_adapter_versions: int = 3
     """Adapter version directories kept on disk per run; older ones are deleted once no server has them loaded."""
     keep_final_adapter: bool = True

@@ -65,6 +65,9 @@ class ServedProbe:
     start: int  # the first scored position: logprobs[i] is token_ids[start + i]'s, given the tokens before it
     logprobs: list[float]  # the trainer's, under the version this probe is sent with
     base_logprobs: list[float] | None = None  # the same tokens with the adapter off: set on a probe's first sending
+    # The dtype the trainer's base was built in: a DeepSpeed json with bf16 on gives a bf16 base under torch_dtype
+    # float32 (trainer/policy.py base_dtype), and the bound of the comparison follows what was really run.
+    dtype: str = "float32"
 
 
 def finish_reason_from_tokens(finish_reason: str, token_ids: list[int], end_token_ids: frozenset[int]) -> str:

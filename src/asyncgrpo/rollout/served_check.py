@@ -34,6 +34,7 @@ class ServedCheck:
 
     tolerance: float
     dtype: str
+    by_dtype: bool = False  # no served_check_tolerance: the bound follows the base dtype the trainer really ran
     base: list[float] | None = None
     token_ids: list[int] | None = None
     history: dict[int, list[float]] = field(default_factory=dict)  # version -> the trainer's logprobs
@@ -43,7 +44,14 @@ class ServedCheck:
         if not cfg.served_check_every:
             return None
         bound = cfg.served_check_tolerance if cfg.served_check_tolerance is not None else TOLERANCE[cfg.torch_dtype]
-        return cls(tolerance=bound, dtype=cfg.torch_dtype)
+        return cls(tolerance=bound, dtype=cfg.torch_dtype, by_dtype=cfg.served_check_tolerance is None)
+
+    def bound(self, probe: ServedProbe) -> tuple[float, str]:
+        """(the bound, the dtype it is for): torch_dtype's, or the probe's when the trainer built its base in a
+        lower precision than torch_dtype says (a DeepSpeed json with bf16 on)."""
+        if self.by_dtype and TOLERANCE.get(probe.dtype, 0.0) > self.tolerance:
+            return TOLERANCE[probe.dtype], probe.dtype
+        return self.tolerance, self.dtype
 
     def expect(self, version: int, probe: ServedProbe) -> float | None:
         """Record `probe` as version `version`'s; returns how far the trainer's logprobs moved since the last checked
@@ -63,14 +71,16 @@ class ServedCheck:
         ServedPolicyError above the bound."""
         served = client.score(name, probe.token_ids)[probe.start:]
         diff = max_abs_diff(served, probe.logprobs)
-        if diff > self.tolerance:
+        bound, dtype = self.bound(probe)
+        if diff > bound:
+            what = f"torch_dtype {dtype}" if dtype == self.dtype else f"a {dtype} base under torch_dtype {self.dtype}"
             raise ServedPolicyError(
                 f"server {client.base_url} does not serve policy version {version} under {name!r}: its logprobs of "
                 f"the {len(served)}-token probe differ from the trainer's by up to {diff:.4g} (bound "
-                f"{self.tolerance:g} for torch_dtype {self.dtype}). {self.likely_cause(served, version)}")
+                f"{bound:g} for {what}). {self.likely_cause(served, version, bound)}")
         return diff
 
-    def likely_cause(self, served: list[float], version: int) -> str:
+    def likely_cause(self, served: list[float], version: int, bound: float | None = None) -> str:
         """Which logprobs the served ones match instead: the base model's, an older version's, or none."""
         near = {}
         if self.base is not None:
@@ -82,7 +92,7 @@ class ServedCheck:
                     served, logprobs)
         if near:
             what, how_far = min(near.items(), key=lambda item: item[1])
-            if how_far <= self.tolerance:
+            if how_far <= (self.tolerance if bound is None else bound):
                 return (f"They match {what} (within {how_far:.3g}). Fix: check the adapter files the server read "
                         f"(docs/publish-internals.md, \"Served == trained, live\")")
         return ("They match neither the base model nor an older version: likely causes are a LoRA rank, alpha or "

@@ -46,9 +46,10 @@ def probe_logprobs(acc, model, head, ids: list[int], start: int, pad_id: int, *,
         model.train(was_training)
 
 
-def make_probe(acc, model, head, ids: list[int], start: int, pad_id: int, *, with_base: bool) -> ServedProbe:
+def make_probe(acc, model, head, ids: list[int], start: int, pad_id: int, *, with_base: bool,
+               dtype: str = "float32") -> ServedProbe:
     """Collective: the probe for the weights now; `with_base` (a probe's first sending): the base's logprobs too,
     so that a server serving the base can be named as such."""
     base = probe_logprobs(acc, model, head, ids, start, pad_id, base=True) if with_base else None
     return ServedProbe(token_ids=list(ids), start=start,
-                       logprobs=probe_logprobs(acc, model, head, ids, start, pad_id), base_logprobs=base)
+                       logprobs=probe_logprobs(acc, model, head, ids, start, pad_id), base_logprobs=base, dtype=dtype)

@@ -350,7 +350,8 @@ class GRPORecipe:
             return None
         with_base = not self._probe_sent  # the same on every rank: the first due sync after the probe was fixed
         self._probe_sent = True
-        return make_probe(self.acc, self.model, self.scoring_head, *self.probe, self.pad_id, with_base=with_base)
+        return make_probe(self.acc, self.model, self.scoring_head, *self.probe, self.pad_id, with_base=with_base,
+                          dtype=self._base_dtype())
 
     def save_final(self) -> None:
         """Collective: the run's result. Steps trained since the last sync are published first, so that the servers

@@ -63,3 +63,19 @@ def test_a_new_probe_forgets_what_was_kept_for_the_old_one():
     check = checked_twice()
     assert check.expect(3, ServedProbe([1, 2, 3, 4], 1, V1)) is None
     assert check.base is None and list(check.history) == [3]
+
+
+def test_a_base_built_in_bf16_under_torch_dtype_float32_is_judged_by_the_bf16_bound_unless_one_is_given():
+    # A DeepSpeed json with bf16 on builds a bf16 base while torch_dtype says float32 (trainer/policy.py): the probe
+    # carries the dtype really run, and a bf16-sized difference (0.05) is not a wrong server.
+    served = [x + 0.05 for x in V1]
+    probe = ServedProbe(IDS, 1, V1, dtype="bfloat16")
+    by_dtype = ServedCheck.from_config(cfg(served_check_every=1))
+    by_dtype.expect(1, probe)
+    assert by_dtype.verify(Scores(served), "v1", 1, probe) == pytest.approx(0.05)
+    with pytest.raises(ServedPolicyError, match="bound 0.001 for torch_dtype float32"):  # an fp32 base: caught
+        by_dtype.verify(Scores(served), "v1", 1, ServedProbe(IDS, 1, V1))
+    given = ServedCheck.from_config(cfg(served_check_every=1, served_check_tolerance=0.01))
+    given.expect(1, probe)
+    with pytest.raises(ServedPolicyError, match="bound 0.01 for"):  # a bound the user set is kept as set
+        given.verify(Scores(served), "v1", 1, probe)
