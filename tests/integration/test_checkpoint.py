@@ -51,8 +51,8 @@ def start_and_kill_after_checkpoint(cmd: list[str], out: Path) -> None:
         proc.stderr.close()
 
 
-def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_server, client, tb_scalars, ddp_reference,
-                                                                     tmp_path):
+def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(world, vllm_server, client, tb_scalars,
+                                                                      ddp_reference, tmp_path):
     a_out, a = ddp_reference  # uninterrupted, never saved, every version kept
     assert DDP_REFERENCE_STEPS >= 6
 
@@ -67,10 +67,14 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert saved <= set(manifest["files"])  # rank 1 wrote its own RNG state into rank 0's temporary directory
     killed = manifest["state"]
     assert (killed["step"], killed["version"], killed["data_position"]) == (3, 3, 3 * 4)  # 4 groups per step
-    # The resumed run also evaluates once, after its last step (the toy dataset's `test` split: dataset_test_split's
-    # default): its figures reach checkpoint-6's trainer_state.json and model card, and training is not touched.
+    # The resumed run also evaluates once, after its last step, on 16 held-out prompts (all of them would need a
+    # ddp_timeout of ~1400 s): its figures reach checkpoint-6's trainer_state.json and model card; training is not
+    # touched.
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(world.heldout_file.read_text().splitlines(keepends=True)[:16]))
     b = run_launch(train_command(b_out, vllm_server.base_url, "--save_steps", "3", "--resume_from_checkpoint",
-                                 "latest", "--eval_strategy", "steps", "--eval_steps", "6"))
+                                 "latest", "--eval_strategy", "steps", "--eval_steps", "6", "--eval_dataset",
+                                 str(held_out)))
 
     # Step and version counters continue; the resumed run publishes under its own run id, the killed one's
     # adapters are gone from the server, and the server serves B's final version.
@@ -90,7 +94,7 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert max((final_b[k] - at_3[k]).abs().max().item() for k in final_b) > 1e-3
     saved_6 = load_file(f"{b_out}/checkpoint-6/adapter_model.safetensors")
     assert all(torch.equal(saved_6[k], final_b[k]) for k in final_b)
-    check_trl_outputs(b_out, b, saved_6)
+    check_trl_outputs(b_out, b, saved_6, held_out)
 
     # TensorBoard: steps 1..6 once each (what the killed run logged after step 3 is purged), the same batches.
     loss_a = tb_scalars(a_out / "tensorboard", "train/loss")[:6]
@@ -104,7 +108,7 @@ def test_killed_run_resumes_to_the_same_adapter_with_continuous_steps(vllm_serve
     assert rates == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])  # the warm-up continued after the resume
 
 
-def check_trl_outputs(out: Path, summary: dict, saved_6: dict) -> None:
+def check_trl_outputs(out: Path, summary: dict, saved_6: dict, held_out: Path) -> None:
     """What a TRL user reads from run B: checkpoint-6 loads with PeftModel.from_pretrained (by its model card's own
     snippet) as the adapter saved; its trainer_state.json has the whole run's log_history, across the kill."""
     card = (out / "checkpoint-6" / "README.md").read_text()
@@ -119,7 +123,7 @@ def check_trl_outputs(out: Path, summary: dict, saved_6: dict) -> None:
     loaded = get_peft_model_state_dict(model)
     assert set(loaded) == set(saved_6) and all(torch.equal(loaded[k], saved_6[k]) for k in saved_6)
     assert "- **Steps:** 6 optimizer steps of 6 (policy version 6)" in card
-    assert f"| `eval_reward` | {summary['eval/reward']:.4f} |" in card and "on `toy` split `test`" in card
+    assert f"| `eval_reward` | {summary['eval/reward']:.4f} |" in card and f"on `{held_out}`" in card
     state = TrainerState.load_from_json(str(out / "checkpoint-6" / "trainer_state.json"))
     assert state.global_step == 6 and state.max_steps == 6
     assert [e["step"] for e in state.log_history if "loss" in e] == [1, 2, 3, 4, 5, 6]  # steps 1-3: the killed run
