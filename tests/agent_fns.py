@@ -18,9 +18,10 @@ def play(base_url: str, model: str, turns: int = 3, first: str = "find qx") -> l
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages: list = [{"role": "user", "content": first}]
     for _ in range(turns):
-        message = client.chat.completions.create(model=model, messages=messages, tools=TOOLS).choices[0].message
+        choice = client.chat.completions.create(model=model, messages=messages, tools=TOOLS).choices[0]
+        message = choice.message
         messages.append(message)
-        if not message.tool_calls:
+        if choice.finish_reason != "tool_calls":  # a turn cut at max_tokens is not answered: the agent stops
             break
         for call in message.tool_calls:
             key = json.loads(call.function.arguments).get("key", "")
@@ -37,9 +38,10 @@ async def three_turns_async(row, base_url, model):
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages: list = [{"role": "user", "content": "find qx"}]
     for _ in range(3):
-        message = (await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)).choices[0].message
+        choice = (await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)).choices[0]
+        message = choice.message
         messages.append(message)
-        if not message.tool_calls:
+        if choice.finish_reason != "tool_calls":
             break
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": "[2]"})

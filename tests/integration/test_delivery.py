@@ -81,8 +81,8 @@ def test_training_with_http_delivery_serves_only_the_receivers_copies_and_reprod
         pause = parts.clients[0].pause
         monkeypatch.setattr(parts.clients[0], "pause", lambda *a, **k: pauses.append(1) or pause(*a, **k))
 
-        def publish_and_read_back(version, path):
-            timing = publish(version, path)
+        def publish_and_read_back(version, path, probe=None):
+            timing = publish(version, path, probe)
             served_after_sync.append(_served_under(parts.clients[0], parts.publisher.prefix))
             return timing
 
