@@ -112,6 +112,7 @@ class FakeVLLM:
         self.lora, self.dev_mode, self.lora_updating = lora, dev_mode, lora_updating
         self.vllm_version, self.root = vllm_version, root
         self.logprobs_mode, self.processed_scale = logprobs_mode, processed_scale
+        self.load = None  # what server_load() reports (a ServerLoad; None: /metrics unreadable)
         # generation requests, held until released when `hold`
         self.requests: list[tuple[str, list[int]]] = []
         self.held = 0
@@ -200,6 +201,9 @@ class FakeVLLM:
 
     def models(self):
         return [{"id": self.root, "root": self.root, "parent": None}]
+
+    def server_load(self):
+        return self.load
 
     def base_model(self):
         return self.root

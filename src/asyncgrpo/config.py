@@ -405,7 +405,14 @@ class GenerationSettings(Section):
     """HTTP generation requests (one prompt group each) the rollout producer keeps in flight. Unset: sized from the
     batch, the staleness and the servers: a whole step's groups, two steps' worth when
     `max_staleness` >= 1 (the next batch starts while the last requests of this one finish), and at least 2 per
-    server. The staleness bound still decides when each request may be sent."""
+    server. The staleness bound still decides when each request may be sent. With `adaptive_inflight`, the most
+    it may grow to."""
+    adaptive_inflight: bool = False
+    """Let the number of requests in flight follow what keeps the trainer fed and the servers busy: after each batch
+    it grows by one per server when the trainer waited and the limit was reached, holds while a server has requests
+    queued, and shrinks by a quarter when a server's KV cache is 90% used (read from vLLM's `/metrics`). It starts at
+    the size `max_inflight_requests` unset gives and stays between the number of servers and `max_inflight_requests`
+    (unset: the groups the staleness bound lets be pending). Logged as `queue/inflight_limit`."""
     seeded_generation: bool = False
     """Send every generation request a seed derived from `seed` and the prompt's position in the data stream, so
     that a run (and a run resumed from a checkpoint) samples the same completions. On vLLM CPU, seeded requests crash
@@ -992,11 +999,23 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
 
     def inflight_requests(self, groups_per_step: int) -> int:
         """Generation requests the producer keeps in flight: `max_inflight_requests`, or when unset a whole step's
-        groups (two steps' worth when generation may run ahead), at least 2 per server."""
+        groups (two steps' worth when generation may run ahead), at least 2 per server. With `adaptive_inflight`,
+        where the limit starts: that size, at most the ceiling."""
+        steps_ahead = min(self.max_staleness + 1, 2)
+        sized = max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
+        if self.adaptive_inflight:  # where the limit starts
+            return min(sized, self.inflight_ceiling(groups_per_step))
+        return self.max_inflight_requests if self.max_inflight_requests is not None else sized
+
+    def inflight_ceiling(self, groups_per_step: int) -> int:
+        """With `adaptive_inflight`: the most requests in flight the limit may grow to (`max_inflight_requests`, or
+        the groups that may be pending: the stream capacity, or a batch for every version of staleness and the
+        current one)."""
         if self.max_inflight_requests is not None:
             return self.max_inflight_requests
-        steps_ahead = min(self.max_staleness + 1, 2)
-        return max(groups_per_step * steps_ahead, 2 * len(self.server_urls))
+        pending = self.stream_capacity(groups_per_step) if self.rollout_mode == "stream" else \
+            (self.max_staleness + 1) * groups_per_step
+        return max(pending, 2 * len(self.server_urls))
 
     @property
     def evaluation_interval(self) -> int:

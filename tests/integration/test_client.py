@@ -76,3 +76,28 @@ def test_start_up_check_names_the_server_flag_to_change(client):
     assert rank.ok is False and "restart it with --max-lora-rank 16" in rank.line()
     loras = lora_checks(lora_r=8, max_staleness=3)["max_loras"]
     assert loras.ok is False and "restart it with --max-loras 5" in loras.line()
+
+def test_the_servers_load_is_read_from_its_metrics_idle_and_while_it_generates(client):
+    """vLLM 0.32's /metrics as adaptive_inflight reads it: nothing running when idle, the request's sequences counted
+    while they are sampled (ignore_eos keeps them going for max_tokens)."""
+    import threading
+
+    idle = client.server_load()
+    assert idle is not None and idle.running == 0 and idle.waiting == 0 and 0 <= idle.kv_cache_usage < 0.9
+    outcome = []
+
+    def generate():
+        try:
+            outcome.append(client.complete(client.base_model(), PROMPT, n=4, max_tokens=96, extra={"ignore_eos": True}))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    busy = []
+    while worker.is_alive():
+        busy.append(client.server_load())
+        worker.join(0.05)  # a read every 50 ms while the request runs
+    assert len(outcome) == 1 and [len(c.token_ids) for c in outcome[0]] == [96] * 4, outcome
+    assert max(b.running for b in busy) >= 1, busy[-3:]
+    assert max(b.kv_cache_usage for b in busy) > idle.kv_cache_usage  # the sequences' KV blocks were counted

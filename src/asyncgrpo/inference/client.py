@@ -24,6 +24,7 @@ from urllib3.exceptions import NewConnectionError
 
 from asyncgrpo.config import API_KEY_ENV
 from asyncgrpo.errors import AdapterNotLoadedError, InferenceServerError, ServerUnreachableError
+from asyncgrpo.inference.server_load import ServerLoad, parse_server_load
 from asyncgrpo.redact import redact
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,15 @@ class InferenceClient:
             if exc.status is None or exc.status == 401:
                 raise
         return True
+
+    def server_load(self) -> ServerLoad | None:
+        """Sequences running and waiting and the KV cache in use now, from vLLM's Prometheus `GET /metrics`; None
+        when it cannot be read (no answer within a second, no such route, not vLLM's metrics)."""
+        try:
+            resp = self._session.get(f"{self.base_url}/metrics", timeout=(CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S))
+        except requests.RequestException:
+            return None
+        return parse_server_load(resp.text) if resp.status_code == 200 else None
 
     def server_config(self) -> dict[str, Any] | None:
         """The server's engine configuration (`GET /server_info`, a dev-mode route), or None where the route is

@@ -46,6 +46,7 @@ class Admission:
         self.version = -1  # nothing served yet: no request is sent before the first set_policy()
         self.adapter = ""
         self.inflight = 0  # requests sent whose answer has not been handled yet
+        self.peak_inflight = 0  # the most in flight at once since the last `set_limit` (adaptive_inflight)
         self._inflight_by_adapter: Counter[str] = Counter()
         self.pending = 0  # groups sent and not yet taken, dropped or lost: in flight or queued
         self.batches_taken = batches_taken
@@ -69,6 +70,16 @@ class Admission:
         """Something the rule reads outside this object changed (a server went down or came back)."""
         with self.cond:
             self.cond.notify_all()
+
+    def set_limit(self, decide: Callable[[bool], int]) -> int:
+        """Requests in flight are now capped by `decide(reached)`, where `reached` says whether they reached the
+        cap since the last call (adaptive_inflight: rollout/concurrency.py); returns the new cap."""
+        with self.cond:
+            reached = self.peak_inflight >= self.max_inflight
+            self.max_inflight = decide(reached)
+            self.peak_inflight = self.inflight
+            self.cond.notify_all()
+            return self.max_inflight
 
     def stop(self) -> None:
         """Send nothing more; `claim` returns None from now on."""
@@ -103,6 +114,7 @@ class Admission:
             if self.stopped:
                 return None
             self.inflight += 1
+            self.peak_inflight = max(self.peak_inflight, self.inflight)
             self.pending += 1
             self._inflight_by_adapter[self.adapter] += 1
             return self.version, self.adapter

@@ -25,6 +25,7 @@ from asyncgrpo.rollout.episodes import EpisodeRunner, MidTurn, TurnAborted
 from asyncgrpo.rollout.inflight import InflightStats, sample_across_versions
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.admission import Admission
+from asyncgrpo.rollout.concurrency import InflightControl
 from asyncgrpo.rollout.scoring import GroupScorer
 from asyncgrpo.rollout.server_pool import ServerPicker
 
@@ -79,6 +80,10 @@ class RolloutProducer:
         self.admission = Admission(cfg, groups_per_step, cfg.inflight_requests(groups_per_step),
                                         servers_up=lambda: any(self.recovery.is_up(c) for c in self._clients),
                                         batches_taken=start_batch)
+        # adaptive_inflight: the admission's cap on requests in flight moves after every batch taken
+        self.control = InflightControl(self.admission.max_inflight, servers=len(clients),
+                                       ceiling=cfg.inflight_ceiling(groups_per_step)) if cfg.adaptive_inflight else None
+        self._adapting = threading.Lock()  # one update at a time; a batch taken during one skips its own
         self.scorer = scorer  # decodes and scores a group: in the request thread, or in reward worker processes
         self.episodes = episodes  # with tools/environment_factory: completions are multi-turn episodes
         self.queue = queue
@@ -108,6 +113,24 @@ class RolloutProducer:
     def set_policy(self, version: int, adapter: str) -> None:
         """The server now serves `adapter` as policy `version`; requests sent from now on are tagged with it."""
         self.admission.set_policy(version, adapter)
+
+    def adapt_inflight(self, trainer_waited: bool) -> None:
+        """After a batch was taken (adaptive_inflight): read the servers' load and move the cap on requests in flight
+        (rollout/concurrency.py), in a thread of its own so that the trainer does not wait for the servers' answers."""
+        if self.control is None or not self._adapting.acquire(blocking=False):
+            return
+        threading.Thread(target=self._adapt, args=(trainer_waited,), name="inflight-control", daemon=True).start()
+
+    def _adapt(self, trainer_waited: bool) -> None:
+        try:
+            loads = [c.server_load() for c in self._clients if self.recovery.is_up(c)]
+            before = self.admission.max_inflight
+            after = self.admission.set_limit(
+                lambda reached: self.control.update(loads, trainer_waited=trainer_waited, limit_reached=reached))
+            if after != before:
+                log.info("requests in flight: %d -> %d (%s)", before, after, self.control.last_reason)
+        finally:
+            self._adapting.release()
 
     def stop(self) -> None:
         """Send nothing more; requests in flight are abandoned (their daemon threads end with their HTTP call, or

@@ -20,6 +20,7 @@ from asyncgrpo.contracts import Group, ServedProbe
 from asyncgrpo.data import base_model_reference
 from asyncgrpo.inference.recovery import evaluation_wait_s
 from asyncgrpo.rollout.build import RolloutParts, build_parts
+from asyncgrpo.rollout.concurrency import WAITED_S
 from asyncgrpo.rollout.evaluation import evaluate_served
 from asyncgrpo.rollout.publish import is_version_of, run_prefix
 from asyncgrpo.trackers import Trackers, resolve_report_to
@@ -96,7 +97,11 @@ class RolloutSide:
     def take(self, n: int, version: int, timeout_s: float) -> list[Group]:
         """Block until `n` groups at most `max_staleness` versions older than the trainer's `version` are queued,
         and return them (oldest version first, then data order); re-raises the producer's failure."""
-        return self.parts.queue.take(n, version, timeout_s=timeout_s)
+        t0 = time.monotonic()
+        groups = self.parts.queue.take(n, version, timeout_s=timeout_s)
+        if self.cfg.adaptive_inflight:
+            self.parts.producer.adapt_inflight(trainer_waited=time.monotonic() - t0 > WAITED_S)
+        return groups
 
     # ---- publishing -----------------------------------------------------------------------------------
     @property
@@ -172,6 +177,7 @@ class RolloutSide:
                 "queue/dropped_stale_total": queue.dropped_stale, "queue/depth": len(queue),
                 "queue/dropped_zero_std_total": queue.dropped_zero_std,
                 "queue/inflight_requests": producer.inflight,
+                **({"queue/inflight_limit": producer.max_inflight} if self.cfg.adaptive_inflight else {}),
                 **({"rollout/inflight_continuations_total": producer.inflight_stats.continuations,
                     "rollout/inflight_completions_moved_total": producer.inflight_stats.completions_moved,
                     "rollout/inflight_tokens_cut_total": producer.inflight_stats.tokens_cut,

@@ -323,3 +323,27 @@ def test_a_stream_capacity_below_one_step_is_refused_naming_the_key():
                   groups_per_step=4, max_inflight=8)
     with pytest.raises(ConfigError, match="rollout_mode.*use batch or stream"):
         cfg(rollout_mode="streaming")
+
+
+# ---- adaptive_inflight: the cap moved after a batch (the rule itself: test_concurrency.py) ---------------------------
+def test_an_adaptive_cap_grows_when_the_trainer_waited_at_it_holds_on_a_queueing_server_and_shrinks_on_memory(harness):
+    from asyncgrpo.inference.server_load import ServerLoad
+
+    h = harness(max_staleness=4, max_inflight=None, adaptive_inflight=True)  # starts at 4; ceiling (4 + 1) x 2
+    assert h.settled(lambda: h.producer.set_policy(0, "pol-v0")) == (4, 0, 4)  # the staleness rule would allow 10
+
+    def adapt(load, reason):
+        h.server.load = load
+        h.producer.adapt_inflight(trainer_waited=True)
+        h.wait_until(lambda: h.producer.control.last_reason == reason and not h.producer._adapting.locked(),
+                     f"no update for {reason}")
+
+    adapt(ServerLoad(running=16, waiting=0, kv_cache_usage=0.3), "trainer waited at the limit")
+    assert h.settled() == (5, 0, 5) and h.producer.max_inflight == 5  # exactly one more request (one server)
+    h.producer.control.last_reason = ""
+    adapt(ServerLoad(running=20, waiting=2, kv_cache_usage=0.3), "server saturated")
+    assert h.settled() == (5, 0, 5)
+    adapt(ServerLoad(running=20, waiting=0, kv_cache_usage=0.95), "server memory full")
+    assert h.producer.max_inflight == 4  # 5 less a quarter (at least one)
+    h.release(1)
+    assert h.settled() == (4, 1, 5)  # one answered and none sent in its place (under the old cap of 5, one would be)

@@ -317,6 +317,24 @@ def test_stats_reports_each_counter_under_its_tensorboard_name_and_tokens_per_se
                             "queue/dropped_zero_std_total": 7, "queue/inflight_requests": 4}
 
 
+def test_with_adaptive_inflight_a_take_tells_the_producer_whether_the_trainer_waited_and_stats_log_the_cap(
+        tmp_path, monkeypatch):
+    side = side_with_counters(tmp_path, started_at=100.0)
+    side.cfg.adaptive_inflight = True
+    told = []
+    side.parts.producer.adapt_inflight = lambda trainer_waited: told.append(trainer_waited)
+    side.parts.producer.max_inflight = 9
+    side.parts.queue.take = lambda n, version, timeout_s: ["g"] * n
+    clock(monkeypatch, monotonic=104.0)  # no time passes in take: the trainer did not wait
+    assert side.take(2, 0, timeout_s=1) == ["g", "g"] and told == [False]
+    readings = iter([104.0, 104.5])
+    monkeypatch.setattr("asyncgrpo.rollout.side.time", SimpleNamespace(monotonic=lambda: next(readings)))
+    side.take(1, 0, timeout_s=1)
+    assert told == [False, True]  # half a second in take: it waited
+    clock(monkeypatch, monotonic=104.0)
+    assert side.stats()["queue/inflight_limit"] == 9
+
+
 def test_stats_with_tools_adds_the_episode_counters(tmp_path, monkeypatch):
     side = side_with_counters(tmp_path, started_at=100.0)
     counters = EpisodeStats()
