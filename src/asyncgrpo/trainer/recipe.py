@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers.trainer_utils import TrainOutput
 
 from asyncgrpo.config import AsyncGRPOConfig, raise_all
 from asyncgrpo.contracts import Group
@@ -42,7 +43,7 @@ from asyncgrpo.trainer.evaluator import Evaluator
 from asyncgrpo.trainer.gather import backend_of, gather_lora_state
 from asyncgrpo.trainer.logprobs import sequence_logprobs
 from asyncgrpo.trainer.loss import LossSpec, grpo_loss, loss_normaliser
-from asyncgrpo.trainer.metrics import LossTotals, StepMetrics, summary_counters
+from asyncgrpo.trainer.metrics import LossTotals, RunLoss, StepMetrics, summary_counters
 from asyncgrpo.trainer.outputs import LogHistory, model_card
 from asyncgrpo.trainer.policy import build_policy
 from asyncgrpo.trainer.probe import make_probe, probe_sequence
@@ -87,6 +88,7 @@ class GRPORecipe:
         self.completion_log: CompletionLog | None = None  # rank 0 with log_completions
         self.eval_metrics: dict[str, float] = {}  # rank 0: the last evaluation's (eval_strategy: steps)
         self.history = LogHistory()  # rank 0: what was logged, for trainer_state.json and the model card
+        self.run_loss = RunLoss()  # every rank: the losses of the steps train() ran, for its training_loss
         # Every rank: the served check's probe (probe.py), fixed from the first batch; None until then.
         self.probe: tuple[list[int], int] | None = None
         self._probe_sent = False  # every rank: the base's logprobs went with a probe already (sent once)
@@ -165,12 +167,16 @@ class GRPORecipe:
             check_evaluation_fits_ddp_timeout(self.cfg, self.world, self.rollout.evaluation_wait_s())
 
     # ---- the loop -------------------------------------------------------------------------------------
-    def train(self) -> dict:
+    def train(self) -> TrainOutput:
+        """Collective: train to `max_steps` (or until a callback stops the run), save the final adapter; returns
+        what transformers' `Trainer.train()` returns: the step reached, the mean loss of the steps this call ran,
+        and the run summary (`run_summary.json`; empty off rank 0) with `train_loss` added."""
         cfg = self.cfg
         bar = self._progress_bar()
         started = time.perf_counter()
         while self.step < cfg.max_steps:
             metrics = self.train_step()
+            self.run_loss.add(metrics.values["train/loss"])  # reduced over ranks: the same on every rank
             last_step = self.step == cfg.max_steps
             if self.step % cfg.weight_sync_steps == 0:
                 self.sync(metrics)
@@ -199,7 +205,8 @@ class GRPORecipe:
             bar.close()
         self.save_final()
         self.callbacks.end()
-        return self._finish(time.perf_counter() - started)
+        summary = self._finish(time.perf_counter() - started)
+        return TrainOutput(self.step, self.run_loss.mean, {**summary, "train_loss": self.run_loss.mean})
 
     def train_step(self) -> StepMetrics:
         """Collective: one optimizer step (no weight sync) on the next batch from the queue, or, for the
