@@ -228,7 +228,11 @@ class Chaos:
     # ---- memory ----
 
     def _sample(self, segment: Segment, step: int) -> None:
-        roles = {"vllm_server": tree(self.server.vllm.process.pid), "receiver": tree(self.receiver.group.pid)}
+        server = tree(self.server.vllm.process.pid)
+        roles = {"vllm_server": server, "receiver": tree(self.receiver.group.pid)}
+        for p in server:  # and each of its processes apart (API server, engine core, worker): which one grows
+            with contextlib.suppress(psutil.Error):
+                roles.setdefault(f"vllm_server/{p.name()}", [p])
         for rank, proc in sorted(segment.ranks().items()):
             roles[f"trainer_rank{rank}"] = [proc]
         if (pid := self._rollout_pid(segment)) is not None:

@@ -147,3 +147,24 @@ def test_an_unknown_rollout_side_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="unknown rollout side 'remote'; choose from child, serve"):
         run([], steps=4, rollout_side="remote", workdir=str(tmp_path))
     assert not any(tmp_path.iterdir())
+
+
+def test_the_servers_processes_are_sampled_one_by_one_beside_their_sum(tmp_path, monkeypatch):
+    import os
+
+    import psutil
+
+    from asyncgrpo.bench import chaos as module
+
+    me = psutil.Process(os.getpid())
+    chaos = Chaos.__new__(Chaos)
+    chaos.samples, chaos.seen, chaos.trained, chaos.rollout_serve = [], {}, 20, None
+    chaos.server = type("S", (), {"vllm": type("V", (), {"process": me})})()
+    chaos.receiver = type("R", (), {"group": type("G", (), {"pid": None})})()
+    segment = type("Seg", (), {"ranks": lambda self: {}, "rollout_pid": lambda self: None,
+                               "group": type("G", (), {"pid": None})()})()
+    monkeypatch.setattr(module, "tree", lambda pid: [me] if pid is me.pid else [])
+    chaos._sample(segment, step=20)
+    roles = {s["role"]: s for s in chaos.samples}
+    assert set(roles) == {"vllm_server", f"vllm_server/{me.name()}"}
+    assert roles["vllm_server"]["rss"] == roles[f"vllm_server/{me.name()}"]["rss"] > 0
