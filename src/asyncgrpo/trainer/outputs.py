@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncgrpo import __version__
+from asyncgrpo.version import __version__
 from asyncgrpo.rewards import reward_name
 
 
