@@ -189,12 +189,29 @@ def config_takers(tree: ast.Module, sections: dict[str, set[str]]) -> tuple[list
     return sorted(set(takers)), sorted(set(strays))
 
 
+def composite_keys(trees: dict[str, ast.Module], sections: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The sections of config.py and the classes composed of them anywhere (`class LossSpecSettings(LossSettings,
+    GenerationSettings)`: a component's own list of the sections it reads), each with the names it has."""
+    kinds = dict(sections)
+    classes = [node for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    grown = True
+    while grown:
+        grown = False
+        for cls in classes:
+            bases = {b.id for b in cls.bases if isinstance(b, ast.Name)} & kinds.keys()
+            if bases and cls.name not in kinds:
+                own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                kinds[cls.name] = set().union(*(kinds[b] for b in bases)) | own
+                grown = True
+    return kinds
+
+
 def report() -> dict:
     paths = sorted(ROOT.rglob("*.py"))
     trees = {module_name(p): ast.parse(p.read_text(), str(p)) for p in paths}
     modules = set(trees)
     graph = {m: imports(t, modules) - {m} for m, t in trees.items()}
-    sections = section_keys()
+    sections = composite_keys(trees, section_keys())
     wiring, elsewhere, strays = {}, {}, {}
     for module, tree in sorted(trees.items()):
         if module == CONFIG_MODULE:

@@ -24,7 +24,7 @@ from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, environment_re
 from asyncgrpo.rollout.preflight import require_healthy_setup
 from asyncgrpo.rollout.producer import RolloutProducer
 from asyncgrpo.rollout.publish import AdapterPublisher, run_prefix
-from asyncgrpo.rollout.served_check import ServedCheck
+from asyncgrpo.rollout.served_check import ServedCheck, ServedCheckSettings
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
 from asyncgrpo.rollout.scoring import GroupScorer, InThreadScoring
@@ -65,7 +65,7 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
     publisher = AdapterPublisher(clients, run_prefix(cfg.lora_name, run_id), cfg.sync_mode, cfg.sync_pause_mode,
                                  recovery=recovery, adapter_root=cfg.lora_adapter_path,  # paths sent never leave it
                                  delivery=make_delivery(cfg),  # adapter_delivery: shared_fs | http
-                                 served_check=ServedCheck.from_config(cfg))  # served_check_every (None: off)
+                                 served_check=ServedCheck.from_config(cfg.section(ServedCheckSettings)))  # None: off
     # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted). The first
     # server answers for what all share: the base model, max_model_len.
     prompts = load_prompt_set(cfg, tokenizer, model_path=model_path,
