@@ -26,10 +26,12 @@ ROOT = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "asyncgrpo"
 CONFIG_MODULE = "asyncgrpo.config"
 
-# Where components are built from the whole config (docs/design.md, "The wiring"): the entry points, which read or
-# build a config, and the three builders, which hand each component its sections.
+# Where components are built from the whole config (docs/design.md, "Who reads the config"): the entry points,
+# which read or build a config (callbacks.py hands it to the user's callbacks as TRL's `args`), and the builders,
+# which hand each component its sections.
 WIRING = ("asyncgrpo.cli", "asyncgrpo.api", "asyncgrpo.check", "asyncgrpo.demo", "asyncgrpo.demo_agent",
-          "asyncgrpo.bench", "asyncgrpo.trainer.recipe", "asyncgrpo.rollout.build", "asyncgrpo.rollout.preflight",
+          "asyncgrpo.bench", "asyncgrpo.trainer.callbacks", "asyncgrpo.trainer.recipe", "asyncgrpo.rollout.build",
+          "asyncgrpo.rollout.preflight",
           "asyncgrpo.transport.factory", "asyncgrpo.transport.process", "asyncgrpo.transport.remote",
           "asyncgrpo.transport.rollout_server")
 
@@ -67,7 +69,8 @@ def imports(tree: ast.Module, modules: set[str]) -> set[str]:
     """The project's modules this module imports (`from asyncgrpo import x` names module x when x is one)."""
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == PACKAGE:
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                and node.module.split(".")[0] == PACKAGE):
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
                 found.add(sub if sub in modules else node.module)
@@ -157,10 +160,34 @@ def whole(annotation: ast.expr | None, name: str) -> bool:
     return "AsyncGRPOConfig" in names or (name == "cfg" and names <= {"object", "Any"})
 
 
+def typed_attribute_reads(init: ast.FunctionDef, kinds: dict[str, set[str]]) -> list[str]:
+    """In a class whose `__init__` keeps a typed parameter (`self.cfg = cfg`, `cfg: EpisodeSettings`), the reads
+    `self.cfg.key` anywhere in the class of keys that type lacks."""
+    if init.name != "__init__" or not hasattr(init, "parent_class"):
+        return []
+    typed = {a.arg: annotation_names(a.annotation) & kinds.keys() for a in init.args.args + init.args.kwonlyargs}
+    kept = {t.attr: typed[n.value.id] for n in ast.walk(init) if isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Name) and typed.get(n.value.id)
+            for t in n.targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    strays = []
+    for attr, types_ in kept.items():
+        allowed = set().union(*(kinds[k] for k in types_))
+        strays += [f"{init.parent_class}.self.{attr}.{n.attr}" for n in ast.walk(init.parent_class_node)
+                   if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == attr
+                   and isinstance(n.value.value, ast.Name) and n.value.value.id == "self" and n.attr not in allowed]
+    return strays
+
+
 def config_takers(tree: ast.Module, sections: dict[str, set[str]]) -> tuple[list[str], list[str]]:
     """The places of a module that take the whole config, and the parameters typed by a section or a protocol of
     keys that read a key their type lacks (`function.param.key`)."""
     kinds = {**sections, **protocol_keys(tree)}
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef):
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef):
+                    fn.parent_class, fn.parent_class_node = cls.name, cls
     takers, strays = [], []
     for cls in ast.walk(tree):
         if isinstance(cls, ast.ClassDef):
@@ -178,6 +205,7 @@ def config_takers(tree: ast.Module, sections: dict[str, set[str]]) -> tuple[list
                 strays += [f"{fn.name}.{arg.arg}.{node.attr}" for node in ast.walk(fn)
                            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                            and node.value.id == arg.arg and node.attr not in allowed]
+        strays += typed_attribute_reads(fn, kinds)
         for node in ast.walk(fn):
             if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
                                                      and t.value.id == "self" and t.attr in ("cfg", "config")

@@ -18,9 +18,9 @@ from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.agent_endpoint import AgentEndpoint
-from asyncgrpo.rollout.agent_runner import AgentRunner, agent_reward, load_agent_function
+from asyncgrpo.rollout.agent_runner import AgentRunner, AgentRunnerSettings, agent_reward, load_agent_function
 from asyncgrpo.rollout.delivery import make_delivery
-from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, environment_reward
+from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, EpisodeSettings, environment_reward
 from asyncgrpo.rollout.preflight import require_healthy_setup
 from asyncgrpo.rollout.producer import RolloutProducer
 from asyncgrpo.rollout.publish import AdapterPublisher, run_prefix
@@ -165,6 +165,8 @@ def build_episode_runner(cfg, tokenizer, model_path: str,
         agent = load_agent_function(cfg.agent_function)
         endpoint = AgentEndpoint(cfg.agent_endpoint_host, cfg.agent_endpoint_port, temperature=cfg.temperature,
                                  top_p=cfg.top_p, key=os.environ.get(AGENT_KEY_ENV) or None)
-        return AgentRunner(fmt, cfg, agent=agent, endpoint=endpoint, max_model_len=max_model_len)
+        return AgentRunner(fmt, cfg.section(AgentRunnerSettings), agent=agent, endpoint=endpoint,
+                           max_model_len=max_model_len)
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
-    return EpisodeRunner(fmt, cfg, tools=load_tools(cfg.tools), factory=factory, max_model_len=max_model_len)
+    return EpisodeRunner(fmt, cfg.section(EpisodeSettings), tools=load_tools(cfg.tools), factory=factory,
+                         max_model_len=max_model_len)

@@ -45,7 +45,7 @@ from asyncgrpo.trainer.gather import backend_of, gather_lora_state
 from asyncgrpo.trainer.logprobs import sequence_logprobs
 from asyncgrpo.trainer.loss import LossSpec, LossSpecSettings, grpo_loss, loss_normaliser
 from asyncgrpo.trainer.metrics import LossTotals, StepMetrics, summary_counters
-from asyncgrpo.trainer.outputs import LogHistory, model_card
+from asyncgrpo.trainer.outputs import CardSettings, LogHistory, TrainerStateSettings, model_card
 from asyncgrpo.trainer.policy import PolicySettings, build_policy
 from asyncgrpo.trainer.probe import make_probe, probe_sequence
 from asyncgrpo.trainer.schedule import build_lr_scheduler
@@ -385,12 +385,13 @@ class GRPORecipe:
 
     def _checkpoint_texts(self, path: Path) -> dict[str, str]:
         """Rank 0: what a checkpoint holds for TRL's users beside the adapter: trainer_state.json and its card."""
-        return {TRAINER_STATE: self.history.trainer_state_json(self.cfg, self.step), CARD_NAME: self._card(path)}
+        state = self.history.trainer_state_json(self.cfg.section(TrainerStateSettings), self.step)
+        return {TRAINER_STATE: state, CARD_NAME: self._card(path)}
 
     def _card(self, adapter_dir) -> str:
         """Rank 0: the model card of the adapter at this step, written into `adapter_dir` (outputs.py)."""
-        return model_card(self.cfg, base_model=base_model_reference(self.model_path), adapter_dir=adapter_dir,
-                          step=self.step, version=self.version, evaluation=self.history.last_evaluation())
+        return model_card(self.cfg.section(CardSettings), base_model=base_model_reference(self.model_path),
+                          adapter_dir=adapter_dir, step=self.step, version=self.version, evaluation=self.history.last_evaluation())
 
     @property
     def stop_grace_s(self) -> float:
