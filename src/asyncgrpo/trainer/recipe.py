@@ -391,7 +391,8 @@ class GRPORecipe:
     def _card(self, adapter_dir) -> str:
         """Rank 0: the model card of the adapter at this step, written into `adapter_dir` (outputs.py)."""
         return model_card(self.cfg.section(CardSettings), base_model=base_model_reference(self.model_path),
-                          adapter_dir=adapter_dir, step=self.step, version=self.version, evaluation=self.history.last_evaluation())
+                          adapter_dir=adapter_dir, step=self.step, version=self.version,
+                          evaluation=self.history.last_evaluation())
 
     @property
     def stop_grace_s(self) -> float:
