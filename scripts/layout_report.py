@@ -31,7 +31,7 @@ CONFIG_MODULE = "asyncgrpo.config"
 # which hand each component its sections.
 WIRING = ("asyncgrpo.cli", "asyncgrpo.api", "asyncgrpo.check", "asyncgrpo.demo", "asyncgrpo.demo_agent",
           "asyncgrpo.bench", "asyncgrpo.trainer.callbacks", "asyncgrpo.trainer.recipe", "asyncgrpo.rollout.build",
-          "asyncgrpo.rollout.preflight",
+          "asyncgrpo.rollout.preflight", "asyncgrpo.rollout.side",
           "asyncgrpo.transport.factory", "asyncgrpo.transport.process", "asyncgrpo.transport.remote",
           "asyncgrpo.transport.rollout_server")
 
