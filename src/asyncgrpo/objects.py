@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from asyncgrpo.errors import ConfigError
 
+
 class CrossingKeys(Protocol):
     """The config keys that say which objects cross to which processes (of DataSettings, AgentSettings and
     AsyncSettings; a protocol, not those sections: config.py imports this module through rewards.py)."""

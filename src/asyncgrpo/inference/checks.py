@@ -14,8 +14,8 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 from pathlib import Path
+from typing import Protocol
 
 from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.inference.client import NEUTRAL_SAMPLING
