@@ -174,9 +174,20 @@ def typed_attribute_reads(init: ast.FunctionDef, kinds: dict[str, set[str]]) -> 
     for attr, types_ in kept.items():
         allowed = set().union(*(kinds[k] for k in types_))
         strays += [f"{init.parent_class}.self.{attr}.{n.attr}" for n in ast.walk(init.parent_class_node)
-                   if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == attr
-                   and isinstance(n.value.value, ast.Name) and n.value.value.id == "self" and n.attr not in allowed]
+                   if isinstance(n, ast.Attribute) and is_self_attr(n.value, attr) and n.attr not in allowed]
+        for fn in ast.walk(init.parent_class_node):  # `cfg = self.cfg`, then `cfg.key`
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                aliases = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and is_self_attr(n.value, attr)
+                           for t in n.targets if isinstance(t, ast.Name)}
+                strays += [f"{init.parent_class}.{fn.name}.{n.value.id}.{n.attr}" for n in ast.walk(fn)
+                           if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                           and n.value.id in aliases and n.attr not in allowed]
     return strays
+
+
+def is_self_attr(node: ast.expr, attr: str) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name)
+            and node.value.id == "self")
 
 
 def config_takers(tree: ast.Module, sections: dict[str, set[str]]) -> tuple[list[str], list[str]]:

@@ -29,7 +29,10 @@ def test_a_component_reading_a_key_its_sections_lack_is_reported():
                      "    def __init__(self, cfg: LossSettings):\n"
                      "        self.cfg = cfg\n"
                      "    def f(self, other: GenerationSettings, cfg):\n"
-                     "        return self.cfg.beta + self.cfg.lora_r + other.top_p + other.beta\n")
+                     "        return self.cfg.beta + self.cfg.lora_r + other.top_p + other.beta\n"
+                     "    def g(self):\n"
+                     "        kept = self.cfg\n"
+                     "        return kept.epsilon + kept.seed\n")
     takers, strays = layout.config_takers(tree, layout.section_keys())
     assert takers == ["f(cfg)"]
-    assert strays == ["A.self.cfg.lora_r", "f.other.beta"]
+    assert strays == ["A.g.kept.seed", "A.self.cfg.lora_r", "f.other.beta"]

@@ -20,7 +20,7 @@ from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.agent_endpoint import AgentEndpoint
 from asyncgrpo.rollout.agent_runner import AgentRunner, AgentRunnerSettings, agent_reward, load_agent_function
 from asyncgrpo.rollout.delivery import make_delivery
-from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, EpisodeSettings, environment_reward
+from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, environment_reward
 from asyncgrpo.rollout.preflight import require_healthy_setup
 from asyncgrpo.rollout.producer import ProducerSettings, RolloutProducer
 from asyncgrpo.rollout.publish import AdapterPublisher, run_prefix
@@ -170,5 +170,6 @@ def build_episode_runner(cfg, tokenizer, model_path: str,
         return AgentRunner(fmt, cfg.section(AgentRunnerSettings), agent=agent, endpoint=endpoint,
                            max_model_len=max_model_len)
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
-    return EpisodeRunner(fmt, cfg.section(EpisodeSettings), tools=load_tools(cfg.tools), factory=factory,
-                         max_model_len=max_model_len)
+    # The config itself, which holds EpisodeSettings' keys (tests/unit/rollout/test_build.py checks the runner gets
+    # that very object); scripts/layout_report.py checks that the runner reads no other keys.
+    return EpisodeRunner(fmt, cfg, tools=load_tools(cfg.tools), factory=factory, max_model_len=max_model_len)
