@@ -12,6 +12,7 @@ Any config key is a `--key value` (docs/configuration.md). With `toy` the prompt
 -> "45"), built here, because this machine has no hub; otherwise GSM8K from the hub.
 """
 
+import os
 import re
 
 from datasets import Dataset, load_dataset
@@ -75,7 +76,9 @@ def main():
                                                                    "gate_proj", "up_proj", "down_proj"]),
         callbacks=[PrintReward()],
     )
-    trainer.train()  # the adapter lands in args.output_dir (PEFT format)
+    result = trainer.train()  # the adapter lands in args.output_dir (PEFT format)
+    if os.environ.get("RANK", "0") == "0":  # a transformers TrainOutput, as TRL's train() returns
+        print(f"trained to step {result.global_step}, mean loss {result.training_loss:.6g}", flush=True)
 
 
 if __name__ == "__main__":  # reward workers and the rollout process run this file again to import correct_answer

@@ -4,9 +4,9 @@ The package is laid out by who runs the code: trainer/ on every rank, rollout/ i
 server, shared modules at the top (docs/design.md).
 """
 
-__version__ = "0.1.0"
+from asyncgrpo.version import __version__
 
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "parse_args"]
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "__version__", "parse_args"]
 
 
 def __getattr__(name: str):

@@ -11,10 +11,14 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncgrpo.config import TOY_REWARD, AsyncGRPOConfig, raise_all, read_values, trl_notice
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.objects import crossing_problems, reference, rerunning_script
+
+if TYPE_CHECKING:  # heavy: transformers; train() returns one, building the trainer needs none
+    from transformers.trainer_utils import TrainOutput
 
 # PEFT LoraConfig fields and the config keys they set; every other field must keep PEFT's default (`_lora_values`).
 LORA_KEYS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
@@ -34,9 +38,9 @@ NOT_SUPPORTED = {
 
 
 class AsyncGRPOTrainer:
-    """TRL's GRPOTrainer arguments; `train()` runs the whole run on this rank and returns its summary (the contents of
-    run_summary.json on rank 0, {} on the others). Each argument may also come from `args` (its config key); giving
-    both is an error. docs/python-api.md."""
+    """TRL's GRPOTrainer arguments; `train()` runs the whole run on this rank and returns a transformers
+    `TrainOutput`, as TRL's does (its metrics: run_summary.json's contents on rank 0). Each argument may also come from
+    `args` (its config key); giving both is an error. docs/python-api.md."""
 
     def __init__(self, model=None, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
@@ -85,9 +89,11 @@ class AsyncGRPOTrainer:
         self._datasets[key] = data
         return str(Path(output_dir).resolve() / "datasets" / ("train" if key == "dataset_name" else "eval"))
 
-    def train(self) -> dict:
-        """Run on this rank: write the datasets (rank 0), set up, train, save, clean up. SIGTERM / SIGINT / SIGHUP
-        leave no server paused (exit 143 / 130 / 129), with checkpoints on after saving one (docs/checkpoints.md)."""
+    def train(self) -> TrainOutput:
+        """Run on this rank: write the datasets (rank 0), set up, train, save, clean up. Returns
+        `TrainOutput(global_step, training_loss, metrics)` as TRL's `train()` does (recipe.py's `train`).
+        SIGTERM / SIGINT / SIGHUP leave no server paused (exit 143 / 130 / 129), with checkpoints on after saving one
+        (docs/checkpoints.md)."""
         # heavy: the recipe imports torch, which building a trainer and validating its arguments do not need
         from asyncgrpo.shutdown import exit_on_signal
         from asyncgrpo.trainer import recipe

@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--workdir", default=None,
                        help="chaos: directory of the run, the server's and receiver's logs (default runs/bench-chaos; "
                             "emptied first)")
+    bench.add_argument("--rollout_side", choices=["child", "serve"], default="child",
+                       help="chaos: the run's rollout side as rank 0's child process, or as `asyncgrpo rollout-serve` "
+                            "reached over loopback TCP (`rollout_address`, as on another host)")
     bench.add_argument("--baseline", action="store_true",
                        help="chaos: also train an undisturbed run of the same steps and seed for its held-out reward")
     serve = sub.add_parser("rollout-serve", help="run the rollout side for one trainer run, which connects to it "

@@ -882,6 +882,10 @@ class EvalSettings(Section):
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"eval_strategy": EVAL_STRATEGIES}
     CHOICE_FIX: ClassVar[dict[str, str]] = {"eval_strategy": "use steps or no"}
 
+    def interval(self, logging_steps: int) -> int:
+        """Optimizer steps between evaluations: `eval_steps`, else the run's `logging_steps` (OutputSettings')."""
+        return self.eval_steps or logging_steps
+
     def check(self) -> None:
         if self.eval_strategy == "no" and self.eval_dataset:  # eval_steps alone is accepted, as TRL does
             raise ConfigError("eval_strategy", "is `no`, but eval_dataset is set (no evaluation would run)",
@@ -1020,7 +1024,7 @@ class AsyncGRPOConfig(LaunchSettings, CheckpointSettings, EvalSettings, OutputSe
     @property
     def evaluation_interval(self) -> int:
         """Optimizer steps between evaluations (`eval_steps`, else `logging_steps`)."""
-        return self.eval_steps or self.logging_steps
+        return self.interval(self.logging_steps)
 
     def task_problems(self) -> list[ConfigError]:
         """The keys every run must be given that are missing (model, prompts, reward), one error each. Not part of

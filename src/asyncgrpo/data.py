@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from asyncgrpo.config import AgentSettings, DataSettings, EvalSettings, GenerationSettings, ModelSettings
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.toy.shapes import shape_model_dir
 
@@ -27,6 +28,17 @@ FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "cs
 
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "parsed")
 """Names reward functions already receive as arguments; a dataset column may not use them."""
+
+
+@dataclass
+class PromptSettings(DataSettings, ModelSettings, AgentSettings, GenerationSettings):
+    """The sections the prompts are read with: the dataset and its columns, the model (the toy world's seed), the
+    environment that gives prompts instead of a dataset, and max_completion_length (the room a prompt leaves)."""
+
+
+@dataclass
+class EvalPromptSettings(PromptSettings, EvalSettings):
+    """The held-out prompts' sections: the training prompts' and eval_strategy/eval_dataset."""
 
 
 @dataclass
@@ -71,7 +83,7 @@ class PromptFormat:
     chat_template_kwargs: dict = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg) -> "PromptFormat":
+    def from_config(cls, cfg: DataSettings) -> "PromptFormat":
         return cls(cfg.prompt_column, cfg.messages_column, cfg.prompt_format, cfg.system_prompt,
                    dict(cfg.chat_template_kwargs or {}))
 
@@ -85,7 +97,7 @@ class PromptFormat:
 
 
 # ---- the toy world and the model path ------------------------------------------------------------------
-def resolve_model_path(cfg) -> str:
+def resolve_model_path(cfg: ModelSettings) -> str:
     """`model_name_or_path: toy` -> the cached toy model directory, `shape:<name>` -> the cached random-weight model
     of that checkpoint's shape in `torch_dtype` (each built on first use); anything else as given."""
     if cfg.model_name_or_path.startswith("shape:"):
@@ -120,7 +132,7 @@ def local_model_dir(path: str) -> str:
                           "(`huggingface-cli download ...`)") from exc
 
 
-def toy_world(cfg):
+def toy_world(cfg: ModelSettings):
     """The cached toy world of `cfg.toy_seed` (built on first use)."""
     from asyncgrpo.toy import ToyWorldSpec, build_toy_world  # heavy: the toy world imports torch and transformers
 
@@ -141,7 +153,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # ---- reading a split -------------------------------------------------------------------------------------
-def count_training_rows(cfg) -> int:
+def count_training_rows(cfg: PromptSettings) -> int:
     """Rows of the training split (for `num_train_epochs`)."""
     return len(read_records(cfg)[0])
 
@@ -149,7 +161,7 @@ def count_training_rows(cfg) -> int:
 ENVIRONMENT_DATA = "environment"  # dataset_name: no dataset; environment_factory's reset() gives each prompt (TRL)
 
 
-def read_records(cfg) -> tuple[list[dict], str]:
+def read_records(cfg: PromptSettings) -> tuple[list[dict], str]:
     """The training split as (rows, a description of where they came from, for messages). `dataset_name:
     environment` is TRL's run without a dataset: one row holding an empty user message, to which each episode's
     `reset()` text is appended (every group is then that row's `num_generations` episodes)."""
@@ -163,7 +175,7 @@ def read_records(cfg) -> tuple[list[dict], str]:
     return dataset.to_list(), source
 
 
-def _load_split(cfg, split: str | None = None, key: str = "dataset_train_split"):
+def _load_split(cfg: DataSettings, split: str | None = None, key: str = "dataset_train_split"):
     """`datasets.load_dataset` (or `load_from_disk`) of the configured source's `split` (default: the training
     split); errors name the key to fix, `key` for a split the source does not have."""
     import datasets  # heavy: datasets, not needed for the toy split or by reward workers importing this module
@@ -322,7 +334,7 @@ def build_rows(records: list[dict], tokenizer, fmt: PromptFormat, *, source: str
     return out
 
 
-def prompt_length_limit(cfg, server_max_model_len: int | None) -> int | None:
+def prompt_length_limit(cfg: PromptSettings, server_max_model_len: int | None) -> int | None:
     """The longest prompt the server can take while leaving `max_completion_length` tokens to generate."""
     limits = [cfg.max_prompt_length] if cfg.max_prompt_length else []
     if server_max_model_len is not None:
@@ -347,7 +359,7 @@ def server_max_model_len(models: list[dict]) -> int | None:
     return None
 
 
-def load_prompt_set(cfg, tokenizer, *, server_max_model_len: int | None = None,
+def load_prompt_set(cfg: PromptSettings, tokenizer, *, server_max_model_len: int | None = None,
                     model_path: str | None = None) -> PromptSet:
     """The configured training split, tokenised, with over-long prompts skipped and counted (rank 0, at start)."""
     records, source = read_records(cfg)
@@ -365,7 +377,7 @@ def load_prompt_set(cfg, tokenizer, *, server_max_model_len: int | None = None,
 TOY_SPLITS = ("train", "test")  # the toy world's: its training prompts and its held-out ones
 
 
-def read_test_split(cfg) -> tuple[list[dict], str]:
+def read_test_split(cfg: PromptSettings) -> tuple[list[dict], str]:
     """The `dataset_test_split` split of `dataset_name` (TRL's script reads `dataset[dataset_test_split]`), as
     (rows, where they came from); `toy`'s are `train` and `test` (its held-out prompts). `dataset_name: environment`
     has none (config validation asks for eval_dataset)."""
@@ -379,7 +391,8 @@ def read_test_split(cfg) -> tuple[list[dict], str]:
     return dataset.to_list(), source
 
 
-def load_eval_prompts(cfg, tokenizer, *, server_max_model_len: int | None = None) -> list[PromptRow]:
+def load_eval_prompts(cfg: EvalPromptSettings, tokenizer, *,
+                      server_max_model_len: int | None = None) -> list[PromptRow]:
     """The held-out prompts of `eval_strategy: steps` (none with `no`), in the training data's prompt format:
     `eval_dataset` when set (`toy`: the toy world's held-out split; else a local file or `save_to_disk` directory,
     read as `dataset_name` would be), else the `dataset_test_split` split of `dataset_name` (`read_test_split`)."""

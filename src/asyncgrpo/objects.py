@@ -10,9 +10,23 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 from asyncgrpo.errors import ConfigError
+
+
+class CrossingKeys(Protocol):
+    """The config keys that say which objects cross to which processes (of DataSettings, AgentSettings and
+    AsyncSettings; a protocol, not those sections: config.py imports this module through rewards.py)."""
+
+    reward_funcs: list | None
+    reward_workers: int
+    tools: list
+    tool_process: bool
+    environment_factory: str | None
+    rollout_process: bool
+    rollout_address: str | None
+
 
 MAIN = "__main__"  # the launched script's module: other processes import it only by running the script again
 _REMEMBERED: dict[str, Any] = {}  # reference -> the object this process was given under it
@@ -72,7 +86,7 @@ def importable(ref: str) -> bool:
     return obj is not None and _attribute(module, path) is obj
 
 
-def crossing_problems(cfg) -> list[ConfigError]:
+def crossing_problems(cfg: CrossingKeys) -> list[ConfigError]:
     """One error for each object of `cfg` that a process it must reach could not import: reward workers and the
     rollout process (`rollout_process`) run the launched script again as `__mp_main__`, as multiprocessing's spawn
     does, so they import what it defines at top level; a rollout server on another host (`rollout_address`) and

@@ -5,9 +5,12 @@ rollout process (both run the script again to import it), the tool agent and the
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from agent_format import agent_model
 
@@ -43,6 +46,10 @@ def test_the_math_example_trains_its_own_reward_and_data_on_two_ranks_through_a_
     # the script's function scored (under its own name), and it is the function: the toy base is right ~29% of the time
     means = [v for _, v in tb_scalars(out / "tensorboard", "train/rewards/correct_answer/mean")]
     assert len(means) == 3 and 0.0 < max(means) <= 1.0, means
+    # train() returned TRL's TrainOutput: the step reached and the mean of the three steps' losses (float32 in the log)
+    losses = [v for _, v in tb_scalars(out / "tensorboard", "train/loss")]
+    step, loss = re.search(r"trained to step (\d+), mean loss (\S+)", proc.stdout).groups()
+    assert int(step) == 3 and float(loss) == pytest.approx(sum(losses) / 3, rel=1e-5, abs=1e-7), (loss, losses)
     # the Dataset objects reached the rollout process as save_to_disk directories in output_dir
     config = (out / "config.yaml").read_text()
     assert f"dataset_name: {out.resolve() / 'datasets' / 'train'}" in config

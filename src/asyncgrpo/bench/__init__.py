@@ -50,7 +50,8 @@ def run_bench(args, overrides: list[str]) -> int:
         elif args.name == "chaos":
             extra = {"kinds": args.kinds} if args.kinds else {}
             result = module.run(overrides, steps=args.steps, seed=args.seed or 0, faults=args.faults,
-                                baseline=args.baseline, save_steps=args.save_steps, workdir=args.workdir, **extra)
+                                baseline=args.baseline, save_steps=args.save_steps, workdir=args.workdir,
+                                rollout_side=args.rollout_side, **extra)
         elif args.name == "producer":
             result = module.run(overrides=overrides, duration_s=args.duration)
         else:

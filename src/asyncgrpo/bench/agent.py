@@ -67,7 +67,7 @@ def run_one(cfg, world, server_pid: int | None) -> dict:
         trainer.setup()
         server_cpu0 = process_tree_cpu_s(server_pid)
         t0 = time.monotonic()
-        summary = trainer.train()
+        summary = trainer.train().metrics  # the run summary
         t1 = time.monotonic()
         server_cpu = None if server_pid is None else process_tree_cpu_s(server_pid) - server_cpu0
         waits = trainer.wait_timeline.snapshot(t0, t1)

@@ -1,8 +1,10 @@
-"""`asyncgrpo bench chaos --json [--steps 500] [--seed 0] [--faults N] [--kinds server,receiver,...] [--baseline]`:
-does a long run survive its parts dying?
+"""`asyncgrpo bench chaos --json [--steps 500] [--seed 0] [--faults N] [--kinds server,receiver,...] [--baseline]
+[--rollout_side child|serve]`: does a long run survive its parts dying?
 
 The toy world on a real vLLM CPU server, an adapter receiver (`adapter_delivery: http`) and a 2-rank gloo launch with
-its rollout side in a child process (`rollout_process: true`), `max_staleness: 1`, checkpoints every `save_steps`.
+its rollout side in a child process (`rollout_process: true`) or, with `--rollout_side serve`, in `asyncgrpo
+rollout-serve` reached over loopback TCP (`rollout_address`, as on another host), `max_staleness: 1`, checkpoints
+every `save_steps`.
 At seeded random steps it kills and restarts the server or the receiver, kills the rollout process or a training
 rank, or sends malformed requests to every port the run's processes listen on. A run that ends is resumed from its
 latest checkpoint, to the step count. What it measures and the goal: docs/faults.md ("Soak and chaos").
@@ -24,13 +26,14 @@ from pathlib import Path
 
 import psutil
 
-from asyncgrpo.bench.chaos_cast import (Launch, Receiver, Segment, Server, listening_ports, malformed_requests, rss,
-                                        send_raw, tree)
+from asyncgrpo.bench.chaos_cast import (Launch, Receiver, RolloutServe, Segment, Server, listening_ports,
+                                        malformed_requests, rss, send_raw, tree)
 from asyncgrpo.bench.policy_equivalence import served_vs_exported
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import load_prompts, toy_world
 from asyncgrpo.demo import default_config_path, heldout_rewards
 from asyncgrpo.inference.client import InferenceClient
+from asyncgrpo.transport.link import generate_key
 
 KINDS = ("server", "receiver", "rollout", "rank", "malformed")
 SURVIVABLE = ("server", "receiver", "malformed")  # the trainer is built to ride these out; the others end the run
@@ -44,8 +47,9 @@ OWN_PATHS = ("run", "run-adapters", "baseline", "baseline-adapters", "receiver")
 # On top of configs/demo.yaml: what the bench is about. vllm_server_timeout: the outage budget; a vLLM CPU restart
 # takes ~30 s on a quiet machine and over 5 min on a loaded one. ddp_timeout: the check's bound with http delivery
 # (a sync through a server outage, two deliveries and a receiver outage) is ~4,900 s at that budget.
-WORKLOAD = ["--max_staleness", "1", "--weight_sync_steps", "1", "--rollout_process", "true",
+WORKLOAD = ["--max_staleness", "1", "--weight_sync_steps", "1",
             "--adapter_delivery", "http", "--vllm_server_timeout", "900", "--ddp_timeout", "5400"]
+ROLLOUT_SIDES = ("child", "serve")
 ERROR_LINE = re.compile(r"^(asyncgrpo: error: .*|.*exitcode\s*:\s*-?\d+.*|.*Signal \d+ \(\w+\) received by PID.*)$",
                         re.MULTILINE)
 
@@ -67,8 +71,9 @@ class Chaos:
     survived, resumes a run that ended, samples memory."""
 
     def __init__(self, *, server: Server, receiver: Receiver, launch: Launch, output_dir: Path, steps: int,
-                 faults: list[dict], seed: int):
+                 faults: list[dict], seed: int, rollout_serve: RolloutServe | None = None):
         self.server, self.receiver, self.launch, self.output_dir = server, receiver, launch, output_dir
+        self.rollout_serve = rollout_serve  # None: the rollout side is rank 0's child process
         self.steps, self.pending, self.rng = steps, list(faults), random.Random(seed + 1)
         self.records: list[dict] = []
         self.segments: list[dict] = []
@@ -80,7 +85,7 @@ class Chaos:
 
     def drive(self) -> dict | None:
         """Run to `steps`, resuming as needed; returns the final run_summary.json (None if the run could not go on)."""
-        segment = self.launch.start(resume=False)
+        segment = self._start(resume=False)
         step, next_sample, sampled_at = 0, MEMORY_EVERY, -1
         while True:
             code = segment.group.process.poll()
@@ -102,11 +107,23 @@ class Chaos:
                 # The resumed run starts at its checkpoint's step (its first version is that step's adapter); one that
                 # ended before its first checkpoint (a launch that failed to start) starts again from scratch.
                 resume = self.latest_checkpoint()
-                segment, step = self.launch.start(resume=resume is not None), resume or 0
+                segment, step = self._start(resume=resume is not None), resume or 0
                 continue
             if self.pending and step >= self.pending[0]["step"] and step < self.steps:
                 self._inject(self.pending.pop(0), segment, step)
             time.sleep(POLL_S)
+
+    def _start(self, resume: bool) -> Segment:
+        """A launch (resumed or not), with a new rollout-serve first when the rollout side is served (one per run)."""
+        if self.rollout_serve is not None:
+            self.rollout_serve.start()
+            for p in tree(self.rollout_serve.pid()):
+                with contextlib.suppress(psutil.Error):
+                    self.seen.setdefault(p.pid, " ".join(p.cmdline())[:200])
+        return self.launch.start(resume=resume)
+
+    def _rollout_pid(self, segment: Segment) -> int | None:
+        return segment.rollout_pid() if self.rollout_serve is None else self.rollout_serve.pid()
 
     def _judge(self, segment: Segment, step: int) -> None:
         for r in self.records:
@@ -120,6 +137,8 @@ class Chaos:
 
     def _ended(self, segment: Segment, code: int, step: int) -> dict | None:
         segment.group.stop()
+        if self.rollout_serve is not None:
+            self.rollout_serve.stop()  # it exits after its run's close, or once its trainer is gone
         text = segment.log_path.read_text(errors="replace")
         record = {"segment": segment.index, "exit_code": code, "reached_step": step,
                   "seconds": round(time.monotonic() - segment.started, 1)}
@@ -157,10 +176,13 @@ class Chaos:
             self.receiver.kill()
             self.receiver.start()
         elif kind == "rollout":
-            pid = segment.rollout_pid()
+            pid = self._rollout_pid(segment)
             record["pid"] = pid
-            with contextlib.suppress(ProcessLookupError, TypeError):
-                psutil.Process(pid).send_signal(signal.SIGKILL)
+            if self.rollout_serve is not None:
+                self.rollout_serve.kill()
+            else:
+                with contextlib.suppress(ProcessLookupError, TypeError, psutil.NoSuchProcess):
+                    psutil.Process(pid).send_signal(signal.SIGKILL)
         elif kind == "rank":
             ranks = segment.ranks()
             rank = self.rng.choice(sorted(ranks)) if ranks else None
@@ -176,8 +198,11 @@ class Chaos:
         print(f"[bench chaos] step {step}: {kind} ({record['seconds']} s)", file=sys.stderr, flush=True)
 
     def _owners(self, segment: Segment) -> dict[str, list[psutil.Process]]:
-        return {"vllm_server": tree(self.server.vllm.process.pid), "receiver": tree(self.receiver.group.pid),
-                "training_launch": tree(segment.group.pid)}
+        owners = {"vllm_server": tree(self.server.vllm.process.pid), "receiver": tree(self.receiver.group.pid),
+                  "training_launch": tree(segment.group.pid)}
+        if self.rollout_serve is not None and (pid := self.rollout_serve.pid()) is not None:
+            owners["rollout_serve"] = tree(pid)
+        return owners
 
     def _malformed(self, segment: Segment) -> dict:
         """Every kind of malformed request to every listening port of the run's processes; their answers, and
@@ -203,10 +228,14 @@ class Chaos:
     # ---- memory ----
 
     def _sample(self, segment: Segment, step: int) -> None:
-        roles = {"vllm_server": tree(self.server.vllm.process.pid), "receiver": tree(self.receiver.group.pid)}
+        server = tree(self.server.vllm.process.pid)
+        roles = {"vllm_server": server, "receiver": tree(self.receiver.group.pid)}
+        for p in server:  # and each of its processes apart (API server, engine core, worker): which one grows
+            with contextlib.suppress(psutil.Error):
+                roles.setdefault(f"vllm_server/{p.name()}", [p])
         for rank, proc in sorted(segment.ranks().items()):
             roles[f"trainer_rank{rank}"] = [proc]
-        if (pid := segment.rollout_pid()) is not None:
+        if (pid := self._rollout_pid(segment)) is not None:
             roles["rollout_process"] = tree(pid)
         for p in tree(segment.group.pid):
             with contextlib.suppress(psutil.Error):
@@ -279,8 +308,9 @@ def by_kind(records: list[dict]) -> dict:
 
 
 def _run_args(work: Path, name: str, server: Server, receiver: Receiver, steps: int, seed: int, save_steps: int,
-              overrides: list[str]) -> list[str]:
-    return [*WORKLOAD, "--max_steps", str(steps), "--seed", str(seed), "--save_steps", str(save_steps),
+              overrides: list[str], rollout_address: str | None = None) -> list[str]:
+    side = ["--rollout_address", rollout_address] if rollout_address else ["--rollout_process", "true"]
+    return [*WORKLOAD, *side, "--max_steps", str(steps), "--seed", str(seed), "--save_steps", str(save_steps),
             "--output_dir", str(work / name), "--lora_adapter_path", str(work / f"{name}-adapters"),
             "--vllm_server_base_url", server.url, "--adapter_receiver_url", receiver.url, *overrides]
 
@@ -301,12 +331,15 @@ def left_running(pids: dict[int, str], timeout_s: float = 60.0) -> dict[int, str
 
 def run(overrides: list[str], steps: int = 500, seed: int = 0, faults: int | None = None,
         kinds: tuple[str, ...] = KINDS, baseline: bool = False, save_steps: int | None = None,
-        workdir: str | None = None) -> dict:
+        workdir: str | None = None, rollout_side: str = "child") -> dict:
     """Build the toy world, start the server and the receiver, run the plan, measure; `baseline` also trains an
-    undisturbed run of the same steps and seed against the same server for its held-out reward."""
+    undisturbed run of the same steps and seed against the same server for its held-out reward (its rollout side a
+    child process either way). `rollout_side`: `child` (rank 0's child process) or `serve` (`rollout-serve`)."""
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    if rollout_side not in ROLLOUT_SIDES:
+        raise ValueError(f"unknown rollout side {rollout_side!r}; choose from {', '.join(ROLLOUT_SIDES)}")
     save_steps = save_steps or max(2, min(25, steps // 5))
     count = faults if faults is not None else max(len(kinds), steps // 50)
     faults_plan = plan(steps, count, tuple(kinds), seed, first_step=save_steps + 1)
@@ -321,7 +354,7 @@ def run(overrides: list[str], steps: int = 500, seed: int = 0, faults: int | Non
     key = secrets.token_hex(24)  # the receiver's and the server's key, in the trainer's environment too
     started = time.monotonic()
     result: dict = {"steps": steps, "seed": seed, "save_steps": save_steps, "plan": faults_plan,
-                    "workload": WORKLOAD, "overrides": overrides}
+                    "workload": WORKLOAD, "rollout_side": rollout_side, "overrides": overrides}
     seen: dict[int, str] = {}
     with contextlib.ExitStack() as stack:
         server = Server(world.model_dir, key, work / "vllm.log")
@@ -330,11 +363,16 @@ def run(overrides: list[str], steps: int = 500, seed: int = 0, faults: int | Non
         receiver = Receiver(work / "receiver", server.url, key, work / "receiver.log")
         stack.callback(receiver.stop)
         receiver.start()
-        launch = Launch(default_config_path(), _run_args(work, "run", server, receiver, steps, seed, save_steps,
-                                                         overrides), work / "run-adapters", key, work)
+        rollout_key = generate_key() if rollout_side == "serve" else None
+        launch = Launch(default_config_path(), [], work / "run-adapters", key, work, rollout_key=rollout_key)
+        serve = RolloutServe(work, launch.env) if rollout_key else None
+        launch.args = _run_args(work, "run", server, receiver, steps, seed, save_steps, overrides,
+                                serve.address if serve else None)
         stack.callback(lambda: [s.group.stop() for s in launch.segments])
+        if serve is not None:
+            stack.callback(serve.stop)
         chaos = Chaos(server=server, receiver=receiver, launch=launch, output_dir=work / "run", steps=steps,
-                      faults=faults_plan, seed=seed)
+                      faults=faults_plan, seed=seed, rollout_serve=serve)
         summary = chaos.drive()
         seen.update(chaos.seen)
         lost, resent = lost_and_resent(work / "run" / "tensorboard")

@@ -1,5 +1,5 @@
 """The processes `bench chaos` starts, kills and restarts: the vLLM server, the adapter receiver, the training launch
-(its ranks and the rollout process of rank 0); the malformed requests it sends to every port they listen on; and the
+(its ranks and the rollout process of rank 0, or `asyncgrpo rollout-serve` beside it); the malformed requests it sends to every port they listen on; and the
 resident memory of each. Every process is a GroupProcess (children.py): nothing outlives the bench.
 """
 
@@ -21,7 +21,7 @@ import psutil
 import requests
 
 from asyncgrpo.children import GroupProcess
-from asyncgrpo.config import API_KEY_ENV
+from asyncgrpo.config import API_KEY_ENV, ROLLOUT_KEY_ENV
 from asyncgrpo.demo import launch_command, launch_environment
 from asyncgrpo.inference_node.vllm_server import VLLMServer, find_free_port
 
@@ -29,6 +29,7 @@ RECEIVER_START_S = 60.0  # the receiver imports requests and yaml only: ~1 s; ro
 SERVER_START_S = 600.0  # a vLLM CPU start takes ~30 s alone, minutes on a loaded 2-core machine
 PROBE_TIMEOUT_S = 10.0  # one malformed request's wait for an answer: vLLM's API server took over 3 s under load
 CHILD = re.compile(r"rollout side running in its own process \(pid (\d+)\)")
+SERVE_START_S = 300.0  # rollout-serve imports the trainer's stack (torch) before it listens: seconds, minutes loaded
 
 
 def _quiet_kill(pgid: int) -> None:
@@ -38,8 +39,10 @@ def _quiet_kill(pgid: int) -> None:
         pass
 
 
-def tree(pid: int) -> list[psutil.Process]:
-    """`pid` and every process below it, now (empty when it is gone)."""
+def tree(pid: int | None) -> list[psutil.Process]:
+    """`pid` and every process below it, now (empty when it is gone, or None)."""
+    if pid is None:
+        return []
     try:
         root = psutil.Process(pid)
         return [root, *root.children(recursive=True)]
@@ -123,6 +126,46 @@ class Server:
         self.vllm.stop()
 
 
+class RolloutServe:
+    """`asyncgrpo rollout-serve` on loopback, as the rollout side of another host: it serves one run and exits, so
+    each launch gets a new one, on the same port (the trainer's `rollout_address` does not change)."""
+
+    def __init__(self, work: Path, env: dict[str, str]):
+        self.work, self.env = work, env
+        self.port = find_free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.group: GroupProcess | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        """A new rollout-serve (the last one stopped first), once it listens."""
+        self.stop()
+        log_path = self.work / f"rollout-serve-{self.starts}.log"
+        self.starts += 1
+        with open(log_path, "wb") as log:
+            self.group = GroupProcess([sys.executable, "-m", "asyncgrpo", "rollout-serve", "--listen", self.address],
+                                      env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        deadline = time.monotonic() + SERVE_START_S
+        while "rollout server listening" not in log_path.read_text(errors="replace"):
+            if self.group.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"rollout-serve did not start listening on {self.address}: see {log_path}")
+            time.sleep(0.1)
+
+    def pid(self) -> int | None:
+        """Its pid while it runs."""
+        return self.group.pid if self.group is not None and self.group.process.poll() is None else None
+
+    def kill(self) -> None:
+        """SIGKILL to its whole group, as a rollout host that died."""
+        if self.group is not None:
+            _quiet_kill(self.group.pgid)
+
+    def stop(self) -> None:
+        if self.group is not None:
+            self.group.stop()
+
+
 @dataclass
 class Segment:
     """One `accelerate launch` of the run: the first, or one resumed from the latest checkpoint."""
@@ -153,9 +196,12 @@ class Segment:
 class Launch:
     """The 2-rank training launch, started and resumed with the same arguments."""
 
-    def __init__(self, config: Path, args: list[str], adapters: Path, key: str, work: Path, processes: int = 2):
+    def __init__(self, config: Path, args: list[str], adapters: Path, key: str, work: Path, processes: int = 2,
+                 rollout_key: str | None = None):
         self.config, self.args, self.adapters, self.key, self.work = config, args, adapters, key, work
         self.processes = processes
+        self.env = {**launch_environment(), API_KEY_ENV: key,
+                    **({ROLLOUT_KEY_ENV: rollout_key} if rollout_key else {})}
         self.segments: list[Segment] = []
 
     def start(self, resume: bool) -> Segment:
@@ -165,8 +211,7 @@ class Launch:
         cmd = launch_command(self.processes, find_free_port(), self.config, args)
         known = {p.name for p in self.adapters.iterdir()} if self.adapters.exists() else set()
         with open(log_path, "wb") as log:
-            group = GroupProcess(cmd, env={**launch_environment(), API_KEY_ENV: self.key}, stdin=subprocess.DEVNULL,
-                                 stdout=log, stderr=log)
+            group = GroupProcess(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self.segments.append(Segment(index, group, log_path, known_dirs=known))
         return self.segments[-1]
 

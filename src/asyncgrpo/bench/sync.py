@@ -339,7 +339,7 @@ def worker(argv: list[str]) -> None:
     from asyncgrpo.distributed import make_accelerator
     from asyncgrpo.store import AdapterStore
     from asyncgrpo.trainer.gather import backend_of, gather_lora_state
-    from asyncgrpo.trainer.policy import build_policy
+    from asyncgrpo.trainer.policy import PolicySettings, build_policy
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -349,7 +349,8 @@ def worker(argv: list[str]) -> None:
     torch.set_num_threads(1)
     acc = make_accelerator(cfg.ddp_timeout)
     # Exactly the trainer's model: dtype, LoRA config, FSDP wrapping, prepare.
-    rig = Rig(cfg, acc, build_policy(cfg, acc, cfg.model_name_or_path), model_path=cfg.model_name_or_path)
+    policy = build_policy(cfg.section(PolicySettings), acc, cfg.model_name_or_path)
+    rig = Rig(cfg, acc, policy, model_path=cfg.model_name_or_path)
     backend = backend_of(acc)
     version0 = None
     first = gather_lora_state(acc, rig.policy.model)  # version 0: LoRA B = 0

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from asyncgrpo.errors import InferenceServerError
 from asyncgrpo.inference.client import NEUTRAL_SAMPLING
@@ -43,11 +44,22 @@ class CheckResult:
         return f"{text}. Fix: {self.fix}" if self.ok is False and self.fix else text
 
 
+class ServerCheckKeys(Protocol):
+    """The config keys the server checks read (ModelSettings' lora_r, AsyncSettings' max_staleness and sync_mode,
+    GenerationSettings' sampling): a protocol, so that a test hands only the keys its check reads."""
+
+    lora_r: int
+    max_staleness: int
+    sync_mode: str
+    temperature: float
+    top_p: float
+
+
 @dataclass
 class ServerContext:
     """What the checks of one server share: the config, the client, the trainer's model, cached answers."""
 
-    cfg: object
+    cfg: ServerCheckKeys
     client: object
     model_path: str
     probe_dir: Path | None = None  # a probe adapter written once for all servers (None: the directory is unusable)
@@ -267,7 +279,7 @@ def logprobs_mode(ctx: ServerContext) -> tuple[str, str]:
     return ("raw_logprobs" if moved < LOGPROBS_TOLERANCE else "processed_logprobs"), how
 
 
-def sampling_changes_logprobs(cfg) -> list[str]:
+def sampling_changes_logprobs(cfg: ServerCheckKeys) -> list[str]:
     """The config's sampling settings under which the sampled distribution differs from the model's raw one."""
     changes = []
     if cfg.temperature != 1.0:

@@ -13,13 +13,20 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from asyncgrpo import receiver_timeouts as receiver
-from asyncgrpo.config import InferenceSettings
+from asyncgrpo.config import InferenceSettings, LaunchSettings
 from asyncgrpo.errors import ConfigError, InferenceServerError
 from asyncgrpo.inference.client import CONNECT_BACKOFF_S, CONNECT_RETRIES, CONNECT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
+
+@dataclass
+class TimeoutSettings(InferenceSettings, LaunchSettings):
+    """What the ddp_timeout checks read: the inference timeouts (InferenceSettings) against ddp_timeout
+    (LaunchSettings)."""
+
 
 FIRST_BACKOFF_S = 0.5  # first health poll after a failure: a restart on CPU takes ~30 s, a GPU node minutes
 MAX_BACKOFF_S = 5.0  # polls never get further apart than this, so a returning server is back within ~5 s
@@ -82,7 +89,7 @@ def evaluation_wait_s(inference: InferenceSettings, prompts: int, concurrency: i
     return (math.ceil(prompts / concurrency) - 1) * inference.vllm_request_timeout + outage_s(inference)
 
 
-def check_evaluation_fits_ddp_timeout(cfg, world_size: int, wait_s: float) -> None:
+def check_evaluation_fits_ddp_timeout(cfg: TimeoutSettings, world_size: int, wait_s: float) -> None:
     """At start, once the held-out prompts are known: with several ranks, the others wait in a collective while rank
     0 evaluates (`wait_s`, `evaluation_wait_s`), so ddp_timeout must be longer, as for a batch or a sync."""
     if world_size <= 1 or cfg.ddp_timeout > wait_s:
@@ -94,7 +101,7 @@ def check_evaluation_fits_ddp_timeout(cfg, world_size: int, wait_s: float) -> No
         f"set ddp_timeout: {math.floor(wait_s) + 1} or more, or evaluate fewer prompts (eval_dataset)")
 
 
-def check_outage_fits_ddp_timeout(cfg, world_size: int) -> None:
+def check_outage_fits_ddp_timeout(cfg: TimeoutSettings, world_size: int) -> None:
     """At start: with several ranks, the others wait in a collective (at most `ddp_timeout`) while rank 0 waits for
     a batch or for a sync; a ddp_timeout shorter than the longest of those waits kills them while rank 0 would still
     have succeeded. The suggested value is the smallest that passes."""

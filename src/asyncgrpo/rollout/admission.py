@@ -14,11 +14,19 @@ import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
+from asyncgrpo.config import AsyncSettings, TrainingSettings
 from asyncgrpo.errors import ConfigError
 
 
-def version_needed(batch: int, cfg) -> int:
+@dataclass
+class AdmissionSettings(AsyncSettings, TrainingSettings):
+    """The sections the send rule reads: max_staleness, weight_sync_steps and the rollout mode (AsyncSettings)
+    against num_iterations (TrainingSettings)."""
+
+
+def version_needed(batch: int, cfg: AdmissionSettings) -> int:
     """The policy version a server must serve before requests for batch `batch` (0-based) may be sent: the trainer's
     version when it first trains on that batch (step batch * num_iterations), less `max_staleness`."""
     return batch * cfg.num_iterations // cfg.weight_sync_steps - cfg.max_staleness
@@ -30,7 +38,7 @@ class Admission:
     `servers_up()` says whether any inference server is up (ServerRecovery); `batches_taken` is the index of the first
     batch still to fill (a resumed run starts at its checkpoint's batch)."""
 
-    def __init__(self, cfg, groups_per_step: int, max_inflight: int, *,
+    def __init__(self, cfg: AdmissionSettings, groups_per_step: int, max_inflight: int, *,
                  servers_up: Callable[[], bool] = lambda: True, batches_taken: int = 0):
         self.cfg = cfg
         self.groups_per_step = groups_per_step

@@ -14,11 +14,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from asyncgrpo.config import DataSettings, LossSettings, ModelSettings
 from asyncgrpo.contracts import Group, scored_advantages
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import AgentFunctionError, ConfigError
 from asyncgrpo.rollout.agent_endpoint import AgentEndpoint
-from asyncgrpo.rollout.capture import CaptureEpisode
+from asyncgrpo.rollout.capture import CaptureEpisode, CaptureSettings
 from asyncgrpo.rollout.episodes import ChatFormat, Episode, Latest, episode_group
 from asyncgrpo.rollout.tools import load_ref
 
@@ -103,11 +104,17 @@ def call_agent(fn: Callable, row: dict, **given: Any) -> Any:
     return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
+@dataclass
+class AgentRunnerSettings(CaptureSettings, LossSettings, DataSettings, ModelSettings):
+    """The sections the agent runner reads: its episodes' (CaptureSettings), how advantages are scaled and masked,
+    whether reward_funcs score beside the agent, and lora_name (the name an agent's calls use)."""
+
+
 class AgentRunner:
     """Runs a group's episodes as calls of the agent function (each on a thread of its own) against the endpoint,
     every call of an episode on the group's adapter (`episode_version: pinned`) or the newest (`latest`)."""
 
-    def __init__(self, fmt: ChatFormat, cfg, *, agent: Callable, endpoint: AgentEndpoint,
+    def __init__(self, fmt: ChatFormat, cfg: AgentRunnerSettings, *, agent: Callable, endpoint: AgentEndpoint,
                  max_model_len: int | None):
         self.fmt, self.cfg, self.agent, self.endpoint = fmt, cfg, agent, endpoint
         self.max_model_len = max_model_len

@@ -11,20 +11,20 @@ from pathlib import Path
 
 from asyncgrpo.config import AGENT_KEY_ENV
 
-from asyncgrpo.data import (PromptRow, load_eval_prompts, load_prompt_set, model_type_of, response_template_for,
-                            server_max_model_len)
+from asyncgrpo.data import (EvalPromptSettings, PromptRow, PromptSettings, load_eval_prompts, load_prompt_set,
+                            model_type_of, response_template_for, server_max_model_len)
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.inference.client import InferenceClient
 from asyncgrpo.inference.recovery import ServerRecovery
 from asyncgrpo.rewards import RewardScorer
 from asyncgrpo.rollout.agent_endpoint import AgentEndpoint
-from asyncgrpo.rollout.agent_runner import AgentRunner, agent_reward, load_agent_function
+from asyncgrpo.rollout.agent_runner import AgentRunner, AgentRunnerSettings, agent_reward, load_agent_function
 from asyncgrpo.rollout.delivery import make_delivery
 from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner, environment_reward
 from asyncgrpo.rollout.preflight import require_healthy_setup
-from asyncgrpo.rollout.producer import RolloutProducer
+from asyncgrpo.rollout.producer import ProducerSettings, RolloutProducer
 from asyncgrpo.rollout.publish import AdapterPublisher, run_prefix
-from asyncgrpo.rollout.served_check import ServedCheck
+from asyncgrpo.rollout.served_check import ServedCheck, ServedCheckSettings
 from asyncgrpo.rollout.queue import RolloutQueue
 from asyncgrpo.rollout.reward_pool import RewardPool, TokenizerRef
 from asyncgrpo.rollout.scoring import GroupScorer, InThreadScoring
@@ -65,12 +65,13 @@ def build_parts(cfg, *, tokenizer, model_path: str, run_id: str, groups_per_step
     publisher = AdapterPublisher(clients, run_prefix(cfg.lora_name, run_id), cfg.sync_mode, cfg.sync_pause_mode,
                                  recovery=recovery, adapter_root=cfg.lora_adapter_path,  # paths sent never leave it
                                  delivery=make_delivery(cfg),  # adapter_delivery: shared_fs | http
-                                 served_check=ServedCheck.from_config(cfg))  # served_check_every (None: off)
+                                 served_check=ServedCheck.from_config(cfg.section(ServedCheckSettings)))  # None: off
     # Prompts that leave the server no room for max_completion_length tokens are skipped (and counted). The first
     # server answers for what all share: the base model, max_model_len.
-    prompts = load_prompt_set(cfg, tokenizer, model_path=model_path,
+    prompts = load_prompt_set(cfg.section(PromptSettings), tokenizer, model_path=model_path,
                               server_max_model_len=server_max_model_len(clients[0].models()))
-    eval_rows = load_eval_prompts(cfg, tokenizer, server_max_model_len=server_max_model_len(clients[0].models()))
+    eval_rows = load_eval_prompts(cfg.section(EvalPromptSettings), tokenizer,
+                                  server_max_model_len=server_max_model_len(clients[0].models()))
     queue = RolloutQueue(cfg.max_staleness, scale_rewards=cfg.scale_rewards, dynamic_sampling=cfg.dynamic_sampling)
     # With tools or an environment, completions are episodes (docs/agents.md); else this is None.
     episodes = build_episode_runner(cfg, tokenizer, model_path, server_max_model_len(clients[0].models()))
@@ -98,7 +99,9 @@ def build_producer(cfg, *, clients: list[InferenceClient], rows: list[PromptRow]
     build theirs here too, so that theirs is wired the same way."""
     recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
     producer = RolloutProducer(clients=clients, rows=rows, scorer=scorer, queue=queue, groups_per_step=groups_per_step,
-                               cfg=cfg, recovery=recovery, start_position=start_position, start_batch=start_batch,
+                               cfg=cfg.section(ProducerSettings), max_inflight=cfg.inflight_requests(groups_per_step),
+                               inflight_ceiling=cfg.inflight_ceiling(groups_per_step) if cfg.adaptive_inflight else None,
+                               recovery=recovery, start_position=start_position, start_batch=start_batch,
                                end_token_ids=end_token_ids, episodes=episodes)
     recovery.listeners.append(producer.admission.wake)  # a server went down or came back: decide again
     queue.removal_listeners.append(producer.admission.removed)  # groups taken or dropped free their batch's slots
@@ -165,6 +168,9 @@ def build_episode_runner(cfg, tokenizer, model_path: str,
         agent = load_agent_function(cfg.agent_function)
         endpoint = AgentEndpoint(cfg.agent_endpoint_host, cfg.agent_endpoint_port, temperature=cfg.temperature,
                                  top_p=cfg.top_p, key=os.environ.get(AGENT_KEY_ENV) or None)
-        return AgentRunner(fmt, cfg, agent=agent, endpoint=endpoint, max_model_len=max_model_len)
+        return AgentRunner(fmt, cfg.section(AgentRunnerSettings), agent=agent, endpoint=endpoint,
+                           max_model_len=max_model_len)
     factory = load_environment_factory(cfg.environment_factory) if cfg.environment_factory else None
+    # The config itself, which holds EpisodeSettings' keys (tests/unit/rollout/test_build.py checks the runner gets
+    # that very object); scripts/layout_report.py checks that the runner reads no other keys.
     return EpisodeRunner(fmt, cfg, tools=load_tools(cfg.tools), factory=factory, max_model_len=max_model_len)

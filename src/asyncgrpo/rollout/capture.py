@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncgrpo.config import AgentSettings, GenerationSettings
 from asyncgrpo.rollout.episodes import ChatFormat, Episode, Latest, TurnAborted, tool_calls_of
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -208,13 +209,18 @@ class Turn:
     completion_tokens: int
 
 
+@dataclass
+class CaptureSettings(GenerationSettings, AgentSettings):
+    """The sections a captured episode reads: sampling and max_completion_length, and max_episode_tokens."""
+
+
 class CaptureEpisode:
     """One call of the agent function: the calls it makes under its model name become samples. Every call goes to
     `client` on `adapter` (pinned) or on what `latest()` gives. A fault of the inference server or a sync's abort is
     kept in `fault` (the producer raises it once the agent returns) and every later call is refused."""
 
-    def __init__(self, name: str, fmt: ChatFormat, cfg, client, *, adapter: str, version: int, seed: int | None,
-                 max_model_len: int | None, latest: Latest | None = None):
+    def __init__(self, name: str, fmt: ChatFormat, cfg: CaptureSettings, client, *, adapter: str, version: int,
+                 seed: int | None, max_model_len: int | None, latest: Latest | None = None):
         self.name, self.fmt, self.cfg, self.client = name, fmt, cfg, client
         self.adapter, self.version, self.seed, self.latest = adapter, version, seed, latest
         self.max_model_len = max_model_len

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
+from asyncgrpo.config import AgentSettings, GenerationSettings, LossSettings
 from asyncgrpo.contracts import Group, scored_advantages
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import ConfigError, ToolError
@@ -209,7 +210,13 @@ class MidTurn:
     stats: InflightStats
 
 
-def process_refs(cfg, names: list[str]) -> dict[str, str]:
+@dataclass
+class EpisodeSettings(AgentSettings, GenerationSettings, LossSettings):
+    """The sections an episode runner reads: the tools and their limits (AgentSettings), sampling and
+    max_completion_length (GenerationSettings), and how a group's advantages are scaled and masked (LossSettings)."""
+
+
+def process_refs(cfg: AgentSettings, names: list[str]) -> dict[str, str]:
     """{tool name: `module:function`} of the tools that run in a process of their own (`tool_process: true`),
     after checking such processes can start here; empty otherwise."""
     if not cfg.tool_process:
@@ -229,7 +236,7 @@ class EpisodeRunner:
     (`latest`): docs/agents.md, "Versions inside an episode". Environments come from one pool: `release` the
     episodes once scored, `close` at the end of the run."""
 
-    def __init__(self, fmt: ChatFormat, cfg, *, tools: list[Callable], factory: Callable | None,
+    def __init__(self, fmt: ChatFormat, cfg: EpisodeSettings, *, tools: list[Callable], factory: Callable | None,
                  max_model_len: int | None):
         self.fmt, self.cfg, self.factory, self.max_model_len = fmt, cfg, factory, max_model_len
         self.environments = EnvironmentPool(factory, cfg.environment_factory) if factory is not None else None
@@ -419,7 +426,7 @@ def common_prefix(sequences: list[list[int]]) -> int:
 
 
 def episode_group(row: PromptRow, episodes: list[Episode], rewards: list[float], parts: dict, *, index: int,
-                  version: int, adapter: str, cfg) -> Group:
+                  version: int, adapter: str, cfg: LossSettings) -> Group:
     """The group the trainer gets: the prompt ids every episode shares, then per episode the rest of its own prompt
     (a reset observation; context) and its ids, with loss mask, logprobs and versions. Its `version` is its oldest
     sampled token's (`version`, the one it was sent with, when all turns were pinned to it or nothing was sampled),

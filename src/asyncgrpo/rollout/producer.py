@@ -13,8 +13,10 @@ import math
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from types import SimpleNamespace
 
+from asyncgrpo.config import AgentSettings, GenerationSettings, LossSettings
 from asyncgrpo.data import PromptRow, PromptStream
 from asyncgrpo.errors import AdapterNotLoadedError, BehaviourLogprobError, InferenceServerError, ServerUnreachableError
 from asyncgrpo.inference.client import InferenceClient
@@ -24,7 +26,7 @@ from asyncgrpo.contracts import Group, finish_reason_from_tokens, scored_advanta
 from asyncgrpo.rollout.episodes import EpisodeRunner, MidTurn, TurnAborted
 from asyncgrpo.rollout.inflight import InflightStats, sample_across_versions
 from asyncgrpo.rollout.queue import RolloutQueue
-from asyncgrpo.rollout.admission import Admission
+from asyncgrpo.rollout.admission import Admission, AdmissionSettings
 from asyncgrpo.rollout.concurrency import InflightControl
 from asyncgrpo.rollout.scoring import GroupScorer
 from asyncgrpo.rollout.server_pool import ServerPicker
@@ -61,13 +63,21 @@ def request_seed(seed: int, index: int, n: int) -> int:
     return (seed * 1_000_003 + index * n) % 2**31
 
 
+@dataclass
+class ProducerSettings(AdmissionSettings, GenerationSettings, LossSettings, AgentSettings):
+    """The sections the producer reads: its send rule's (AdmissionSettings: staleness, the sync and rollout modes,
+    num_iterations, seed), sampling (GenerationSettings), how advantages are scaled and masked (LossSettings), and
+    which version an episode's later turns use (AgentSettings)."""
+
+
 class RolloutProducer:
     """Background generation + scoring. Call `start()`, then `set_policy()` after every publish, `stop()` at the end.
     `start_batch`: the index of the first batch to fill (a resumed run continues at its checkpoint's batch). Build
     one with rollout.build.build_producer, which connects its admission to `queue` and `recovery`."""
 
     def __init__(self, *, clients: list[InferenceClient], rows: list[PromptRow], scorer: GroupScorer,
-                 queue: RolloutQueue, groups_per_step: int, cfg, recovery: ServerRecovery, start_position: int = 0,
+                 queue: RolloutQueue, groups_per_step: int, cfg: ProducerSettings, max_inflight: int,
+                 recovery: ServerRecovery, inflight_ceiling: int | None = None, start_position: int = 0,
                  start_batch: int = 0, end_token_ids: frozenset[int] = frozenset(),
                  episodes: EpisodeRunner | None = None):
         self._clients = list(clients)
@@ -77,12 +87,12 @@ class RolloutProducer:
         self.recovery = recovery
         # Its send rule also hears from `recovery` (a server down or back) and `queue` (groups that left it):
         # rollout/build.py's build_producer connects them.
-        self.admission = Admission(cfg, groups_per_step, cfg.inflight_requests(groups_per_step),
+        self.admission = Admission(cfg, groups_per_step, max_inflight,
                                         servers_up=lambda: any(self.recovery.is_up(c) for c in self._clients),
                                         batches_taken=start_batch)
-        # adaptive_inflight: the admission's cap on requests in flight moves after every batch taken
-        self.control = InflightControl(self.admission.max_inflight, servers=len(clients),
-                                       ceiling=cfg.inflight_ceiling(groups_per_step)) if cfg.adaptive_inflight else None
+        # adaptive_inflight (`inflight_ceiling` given): the admission's cap moves after every batch taken, up to it
+        self.control = None if inflight_ceiling is None else InflightControl(max_inflight, servers=len(clients),
+                                                                             ceiling=inflight_ceiling)
         self._adapting = threading.Lock()  # one update at a time; a batch taken during one skips its own
         self.scorer = scorer  # decodes and scores a group: in the request thread, or in reward worker processes
         self.episodes = episodes  # with tools/environment_factory: completions are multi-turn episodes

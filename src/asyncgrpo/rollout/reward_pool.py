@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import asyncgrpo
 from asyncgrpo.config import SECRET_ENV_VARS
 from asyncgrpo.data import PromptRow
 from asyncgrpo.errors import RewardFunctionError
@@ -88,7 +87,7 @@ def worker_environment() -> dict[str, str]:
     """A worker's environment: this process's, without the secrets asyncgrpo reads (the server and rollout keys:
     reward functions are user code and need none), with this copy of asyncgrpo importable first."""
     env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV_VARS}
-    here = str(Path(asyncgrpo.__file__).resolve().parents[1])
+    here = str(Path(__file__).resolve().parents[2])  # src/: the folder holding this copy of asyncgrpo
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     return env
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from asyncgrpo.config import AsyncSettings, ModelSettings
 from asyncgrpo.contracts import ServedProbe
 from asyncgrpo.errors import ServedPolicyError
 
@@ -21,6 +22,12 @@ log = logging.getLogger(__name__)
 # step moves the probe by more than the bound (`sync/served_probe_change` says by how much it did).
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
 HISTORY = 8  # older versions' expected logprobs kept to name which one a wrong server serves
+
+
+@dataclass
+class ServedCheckSettings(AsyncSettings, ModelSettings):
+    """The sections the check reads: served_check_every/_tolerance (AsyncSettings) and torch_dtype (ModelSettings),
+    whose bound applies when no tolerance is set."""
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:
@@ -40,7 +47,7 @@ class ServedCheck:
     history: dict[int, list[float]] = field(default_factory=dict)  # version -> the trainer's logprobs
 
     @classmethod
-    def from_config(cls, cfg) -> ServedCheck | None:
+    def from_config(cls, cfg: ServedCheckSettings) -> ServedCheck | None:
         if not cfg.served_check_every:
             return None
         bound = cfg.served_check_tolerance if cfg.served_check_tolerance is not None else TOLERANCE[cfg.torch_dtype]

@@ -36,6 +36,7 @@ from asyncgrpo.toy.world import (
     build_cached,
     build_model,
     default_cache_dir,
+    read_jsonl,
 )
 
 FORMAT_VERSION = 2
@@ -105,8 +106,7 @@ class AgentWorld:
 
     def read_rows(self, heldout: bool = False) -> list[dict[str, Any]]:
         """The train (or held-out) rows."""
-        path = self.heldout_file if heldout else self.train_file
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
+        return read_jsonl(self.heldout_file if heldout else self.train_file)
 
 
 def build_agent_model(spec: AgentWorldSpec) -> torch.nn.Module:

@@ -176,8 +176,7 @@ class ToyWorld:
 
     def read_rows(self, heldout: bool = False) -> list[dict[str, str]]:
         """The train (or held-out) rows."""
-        path = self.heldout_file if heldout else self.train_file
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
+        return read_jsonl(self.heldout_file if heldout else self.train_file)
 
 
 # ---------------------------------------------------------------------------------------------- model and decoding
@@ -303,6 +302,11 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, train_rows: list[dict[str, s
 def default_cache_dir() -> Path:
     """`$ASYNCGRPO_CACHE`, else `~/.cache/asyncgrpo`."""
     return Path(os.environ.get("ASYNCGRPO_CACHE") or Path.home() / ".cache" / "asyncgrpo")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a world's jsonl file (either world's train or held-out split)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:

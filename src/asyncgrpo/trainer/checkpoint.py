@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import safetensors.torch
 
+from asyncgrpo.config import AsyncSettings, CheckpointSettings, OutputSettings, TrainingSettings
 from asyncgrpo.distributed import broadcast_object
 from asyncgrpo.errors import CheckpointError
 from asyncgrpo.files import HASH_CHUNK, fsync_path, sha256_file
@@ -160,6 +161,12 @@ def check_backend(backend: str) -> None:
 
 
 # ---- saving --------------------------------------------------------------------------------------------------------
+@dataclass
+class CheckpointerSettings(CheckpointSettings, OutputSettings, TrainingSettings, AsyncSettings):
+    """The sections the checkpointer reads: save_steps/save_total_limit, output_dir, and the two keys a checkpoint
+    must fall between (num_iterations, weight_sync_steps)."""
+
+
 @dataclass(frozen=True)
 class Checkpointer:
     """When and where the run's checkpoints are written: every `save_steps` optimizer steps (0: never) and, as TRL
@@ -173,7 +180,7 @@ class Checkpointer:
     batch_steps: int  # num_iterations
 
     @classmethod
-    def from_config(cls, cfg) -> Checkpointer:
+    def from_config(cls, cfg: CheckpointerSettings) -> Checkpointer:
         return cls(output_dir=cfg.output_dir, every=cfg.save_steps, total_limit=cfg.save_total_limit,
                    sync_every=cfg.weight_sync_steps, batch_steps=cfg.num_iterations)
 

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asyncgrpo.config import EvalSettings, OutputSettings
+
+
+@dataclass
+class EvaluatorSettings(EvalSettings, OutputSettings):
+    """The sections the evaluator reads: eval_strategy and eval_steps, else logging_steps (OutputSettings)."""
+
+    @property
+    def evaluation_interval(self) -> int:
+        return self.interval(self.logging_steps)
+
 
 @dataclass(frozen=True)
 class Evaluator:
@@ -14,7 +25,7 @@ class Evaluator:
     every: int | None
 
     @classmethod
-    def from_config(cls, cfg) -> Evaluator:
+    def from_config(cls, cfg: EvaluatorSettings) -> Evaluator:
         return cls(every=cfg.evaluation_interval if cfg.eval_strategy == "steps" else None)
 
     def should_evaluate(self, step: int, *, last_step: bool) -> bool:

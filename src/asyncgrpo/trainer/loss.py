@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.config import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES
+from asyncgrpo.config import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, GenerationSettings, LossSettings
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,11 @@ _PER_SEQUENCE = ("grpo", "dr_grpo", "sapo", "luspo")
 _SEQUENCE_MEAN = ("grpo", "sapo")
 # Loss types that sum token contributions: with sequence-level ratios each sequence weighs its length (TRL warns).
 _TOKEN_SUMS = ("bnpo", "dr_grpo", "dapo", "cispo")
+
+
+@dataclass
+class LossSpecSettings(LossSettings, GenerationSettings):
+    """The sections the loss reads: its own keys, and max_completion_length (dr_grpo's constant normaliser)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class LossSpec:
     top_entropy_quantile: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg) -> LossSpec:
+    def from_config(cls, cfg: LossSpecSettings) -> LossSpec:
         """The spec of an AsyncGRPOConfig (`epsilon_high` unset means `epsilon`); warns, as TRL does, when sequence-
         level ratios meet a loss type that sums tokens."""
         if cfg.importance_sampling_level == "sequence" and cfg.loss_type in _TOKEN_SUMS:

@@ -176,6 +176,24 @@ class StepMetrics:
         logger.log(self.values, step)
 
 
+@dataclass
+class RunLoss:
+    """The steps' losses over one `train()` call, for the `training_loss` it returns: their mean over the steps this
+    call ran, as transformers' Trainer computes it (steps a resumed checkpoint had trained are not counted; every step
+    counts, logged or not; 0.0 when no step ran). Every rank holds the same value: each step's loss is reduced."""
+
+    total: float = 0.0
+    steps: int = 0
+
+    def add(self, step_loss: float) -> None:
+        self.total += step_loss
+        self.steps += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.steps if self.steps else 0.0
+
+
 def turns(loss_mask: list[int]) -> int:
     """Model turns of one episode: the runs of sampled tokens (1s) in its loss mask."""
     return sum(1 for i, m in enumerate(loss_mask) if m and (i == 0 or not loss_mask[i - 1]))

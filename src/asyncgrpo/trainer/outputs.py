@@ -12,8 +12,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncgrpo import __version__
+from asyncgrpo.config import (AgentSettings, CheckpointSettings, DataSettings, EvalSettings, GenerationSettings,
+                              ModelSettings, TrainingSettings)
 from asyncgrpo.rewards import reward_name
+from asyncgrpo.trainer.evaluator import EvaluatorSettings
+from asyncgrpo.version import __version__
 
 
 def history_names(values: dict[str, float]) -> dict[str, float]:
@@ -25,6 +28,16 @@ def history_names(values: dict[str, float]) -> dict[str, float]:
             key = "eval_" + key.removeprefix("eval/")
         out[key.removeprefix("train/")] = value
     return out
+
+
+@dataclass
+class TrainerStateSettings(EvaluatorSettings, TrainingSettings, CheckpointSettings):
+    """The sections trainer_state.json reports: the evaluation, logging and save intervals and the run's length."""
+
+
+@dataclass
+class CardSettings(DataSettings, AgentSettings, EvalSettings, TrainingSettings, ModelSettings, GenerationSettings):
+    """The sections the model card describes: the data and rewards, held-out prompts, the LoRA and training keys."""
 
 
 @dataclass
@@ -47,7 +60,7 @@ class LogHistory:
         """The newest entry holding an evaluation's figures (`eval_...`), or None."""
         return next((e for e in reversed(self.entries) if any(k.startswith("eval_") for k in e)), None)
 
-    def trainer_state(self, cfg, step: int) -> dict:
+    def trainer_state(self, cfg: TrainerStateSettings, step: int) -> dict:
         """transformers' `TrainerState` as `save_to_json` writes it (every field it has, none it lacks, so that
         `TrainerState.load_from_json` reads it back). asyncgrpo keeps no best model (`best_*` are null), counts
         no FLOPs or input tokens (0, transformers' value when it does not track them), and its data stream has no
@@ -60,11 +73,11 @@ class LogHistory:
                 "stateful_callbacks": {}, "total_flos": 0, "train_batch_size": cfg.per_device_train_batch_size,
                 "trial_name": None, "trial_params": None}
 
-    def trainer_state_json(self, cfg, step: int) -> str:
+    def trainer_state_json(self, cfg: TrainerStateSettings, step: int) -> str:
         return json.dumps(self.trainer_state(cfg, step), indent=2, sort_keys=True) + "\n"
 
 
-def model_card(cfg, *, base_model: str, adapter_dir: str | Path, step: int, version: int,
+def model_card(cfg: CardSettings, *, base_model: str, adapter_dir: str | Path, step: int, version: int,
                evaluation: dict | None) -> str:
     """The README.md of an adapter directory: the hub's metadata block (base model, `library_name: peft`), then what
     was trained on what (dataset, reward functions, steps), the last evaluation's figures and how to load it."""

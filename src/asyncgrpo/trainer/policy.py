@@ -6,11 +6,12 @@ LM head the chunked logprob path runs.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from asyncgrpo.config import ModelSettings
+from asyncgrpo.config import MemorySettings, ModelSettings, TrainingSettings
 from asyncgrpo.data import local_model_dir
 from asyncgrpo.distributed import (configure_backend, deepspeed_mode_on, fp32_buffer_check, recompute_rotary_buffers,
                                    zero3_init_in)
@@ -20,6 +21,12 @@ from asyncgrpo.trainer.gather import backend_of, lora_parameters
 from asyncgrpo.trainer.logprobs import find_scoring_head
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PolicySettings(ModelSettings, TrainingSettings, MemorySettings):
+    """The sections the policy is built from: the base and its LoRA, the optimizer's keys and the seed, and
+    gradient checkpointing."""
 
 
 class Policy(NamedTuple):
@@ -56,7 +63,7 @@ def load_placement(acc) -> dict:
     return {"device_map": {"": acc.device}}
 
 
-def build_policy(cfg, acc, model_path: str, tokenizer=None) -> Policy:
+def build_policy(cfg: PolicySettings, acc, model_path: str, tokenizer=None) -> Policy:
     """Collective (under FSDP/ZeRO `prepare` shards the model): the tokenizer (`tokenizer`, or `model_path`'s) and
     base model of `model_path` in `torch_dtype`, the LoRA adapter (the same initialisation on every rank: seeded), AdamW over the LoRA parameters
     only, prepared by `acc`."""

@@ -19,13 +19,15 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers.trainer_utils import TrainOutput
 
 from asyncgrpo.config import AsyncGRPOConfig, raise_all
 from asyncgrpo.contracts import Group
 from asyncgrpo.data import base_model_reference, count_training_rows, resolve_model_path
 from asyncgrpo.distributed import (accumulation, broadcast_object, dist_max, dist_sums, make_accelerator, on_main,
                                    require_shared_dir, scatter_object, setup_logging)
-from asyncgrpo.inference.recovery import batch_wait_s, check_evaluation_fits_ddp_timeout, check_outage_fits_ddp_timeout
+from asyncgrpo.inference.recovery import (TimeoutSettings, batch_wait_s, check_evaluation_fits_ddp_timeout,
+                                          check_outage_fits_ddp_timeout)
 from asyncgrpo.rewards import reward_name
 from asyncgrpo.transport.factory import open_rollout_side
 from asyncgrpo.transport.interface import RolloutInterface
@@ -35,16 +37,17 @@ from asyncgrpo.timeline import Timeline, span
 from asyncgrpo.trainer.batching import (collate, pack_by_tokens, score_completions, split_by_tokens, to_device,
                                         with_positions)
 from asyncgrpo.trainer.callbacks import Callbacks
-from asyncgrpo.trainer.checkpoint import (TRAINER_STATE, Checkpointer, TrainerState, check_backend, clean_partial,
-                                          load_checkpoint, read_trainer_state, resolve_checkpoint, restore_rng)
+from asyncgrpo.trainer.checkpoint import (TRAINER_STATE, Checkpointer, CheckpointerSettings, TrainerState,
+                                          check_backend, clean_partial, load_checkpoint, read_trainer_state,
+                                          resolve_checkpoint, restore_rng)
 from asyncgrpo.trainer.completions import CompletionLog
-from asyncgrpo.trainer.evaluator import Evaluator
+from asyncgrpo.trainer.evaluator import Evaluator, EvaluatorSettings
 from asyncgrpo.trainer.gather import backend_of, gather_lora_state
 from asyncgrpo.trainer.logprobs import sequence_logprobs
-from asyncgrpo.trainer.loss import LossSpec, grpo_loss, loss_normaliser
-from asyncgrpo.trainer.metrics import LossTotals, StepMetrics, summary_counters
-from asyncgrpo.trainer.outputs import LogHistory, model_card
-from asyncgrpo.trainer.policy import build_policy
+from asyncgrpo.trainer.loss import LossSpec, LossSpecSettings, grpo_loss, loss_normaliser
+from asyncgrpo.trainer.metrics import LossTotals, RunLoss, StepMetrics, summary_counters
+from asyncgrpo.trainer.outputs import CardSettings, LogHistory, TrainerStateSettings, model_card
+from asyncgrpo.trainer.policy import PolicySettings, build_policy
 from asyncgrpo.trainer.probe import make_probe, probe_sequence
 from asyncgrpo.trainer.schedule import build_lr_scheduler
 
@@ -70,9 +73,10 @@ class GRPORecipe:
         self.cfg = cfg
         self.callbacks = Callbacks(callbacks)
         self.given_tokenizer = tokenizer
-        self.loss_spec = LossSpec.from_config(cfg)  # what the loss takes from the config, fixed for the run
-        self.checkpointer = Checkpointer.from_config(cfg)  # when and where checkpoints are written
-        self.evaluator = Evaluator.from_config(cfg)  # when the rollout side evaluates on eval_dataset
+        # Each component gets only the sections it reads (config.py, `section`): fixed for the run.
+        self.loss_spec = LossSpec.from_config(cfg.section(LossSpecSettings))  # what the loss takes from the config
+        self.checkpointer = Checkpointer.from_config(cfg.section(CheckpointerSettings))  # when and where to save
+        self.evaluator = Evaluator.from_config(cfg.section(EvaluatorSettings))  # when to evaluate on eval_dataset
         self.version = 0  # the trainer's weights at the last sync; the servers serve it once that publish is done
         self.step = 0
         self.data_position = 0  # rank 0: the data stream position after the last prompt trained on
@@ -87,6 +91,7 @@ class GRPORecipe:
         self.completion_log: CompletionLog | None = None  # rank 0 with log_completions
         self.eval_metrics: dict[str, float] = {}  # rank 0: the last evaluation's (eval_strategy: steps)
         self.history = LogHistory()  # rank 0: what was logged, for trainer_state.json and the model card
+        self.run_loss = RunLoss()  # every rank: the losses of the steps train() ran, for its training_loss
         # Every rank: the served check's probe (probe.py), fixed from the first batch; None until then.
         self.probe: tuple[list[int], int] | None = None
         self._probe_sent = False  # every rank: the base's logprobs went with a probe already (sent once)
@@ -119,7 +124,8 @@ class GRPORecipe:
         # The process group first: everything after may need collectives.
         self.acc = make_accelerator(cfg.ddp_timeout, cfg.deepspeed)
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
-        check_outage_fits_ddp_timeout(cfg, self.world)  # every rank: a server outage must not time out the others
+        # Every rank: a server outage must not time out the others.
+        check_outage_fits_ddp_timeout(cfg.section(TimeoutSettings), self.world)
         self.main = self.acc.is_main_process
         setup_logging(self.rank)
         self.groups_per_step = cfg.groups_per_step(self.world)
@@ -130,7 +136,8 @@ class GRPORecipe:
         if not self.main:
             self.model_path = self._resolve_model()
         self.model, self.optimizer, self.tokenizer, self.peft_config, self.scoring_head = build_policy(
-            cfg, self.acc, self.model_path, tokenizer=self.given_tokenizer)  # LoRA model, optimizer, prepared
+            cfg.section(PolicySettings), self.acc, self.model_path,
+            tokenizer=self.given_tokenizer)  # LoRA model, optimizer, prepared
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Stepped by `_optimise` once per optimizer step, on every backend (schedule.py says why not via accelerate).
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -162,15 +169,20 @@ class GRPORecipe:
                                           previous_run_id=self.previous_run_id)  # rollout_process: a child's
         self.rollout.start()
         if self.cfg.eval_strategy == "steps":  # the others wait for each evaluation too (the held-out prompts known)
-            check_evaluation_fits_ddp_timeout(self.cfg, self.world, self.rollout.evaluation_wait_s())
+            check_evaluation_fits_ddp_timeout(self.cfg.section(TimeoutSettings), self.world,
+                                              self.rollout.evaluation_wait_s())
 
     # ---- the loop -------------------------------------------------------------------------------------
-    def train(self) -> dict:
+    def train(self) -> TrainOutput:
+        """Collective: train to `max_steps` (or until a callback stops the run), save the final adapter; returns
+        what transformers' `Trainer.train()` returns: the step reached, the mean loss of the steps this call ran,
+        and the run summary (`run_summary.json`; empty off rank 0) with `train_loss` added."""
         cfg = self.cfg
         bar = self._progress_bar()
         started = time.perf_counter()
         while self.step < cfg.max_steps:
             metrics = self.train_step()
+            self.run_loss.add(metrics.values["train/loss"])  # reduced over ranks: the same on every rank
             last_step = self.step == cfg.max_steps
             if self.step % cfg.weight_sync_steps == 0:
                 self.sync(metrics)
@@ -199,7 +211,8 @@ class GRPORecipe:
             bar.close()
         self.save_final()
         self.callbacks.end()
-        return self._finish(time.perf_counter() - started)
+        summary = self._finish(time.perf_counter() - started)
+        return TrainOutput(self.step, self.run_loss.mean, {**summary, "train_loss": self.run_loss.mean})
 
     def train_step(self) -> StepMetrics:
         """Collective: one optimizer step (no weight sync) on the next batch from the queue, or, for the
@@ -379,12 +392,14 @@ class GRPORecipe:
 
     def _checkpoint_texts(self, path: Path) -> dict[str, str]:
         """Rank 0: what a checkpoint holds for TRL's users beside the adapter: trainer_state.json and its card."""
-        return {TRAINER_STATE: self.history.trainer_state_json(self.cfg, self.step), CARD_NAME: self._card(path)}
+        state = self.history.trainer_state_json(self.cfg.section(TrainerStateSettings), self.step)
+        return {TRAINER_STATE: state, CARD_NAME: self._card(path)}
 
     def _card(self, adapter_dir) -> str:
         """Rank 0: the model card of the adapter at this step, written into `adapter_dir` (outputs.py)."""
-        return model_card(self.cfg, base_model=base_model_reference(self.model_path), adapter_dir=adapter_dir,
-                          step=self.step, version=self.version, evaluation=self.history.last_evaluation())
+        return model_card(self.cfg.section(CardSettings), base_model=base_model_reference(self.model_path),
+                          adapter_dir=adapter_dir, step=self.step, version=self.version,
+                          evaluation=self.history.last_evaluation())
 
     @property
     def stop_grace_s(self) -> float:

@@ -19,7 +19,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 
-from asyncgrpo import __version__
+from asyncgrpo.version import __version__
 from asyncgrpo.config import ROLLOUT_KEY_ENV, split_address
 from asyncgrpo.errors import RolloutProcessError
 from asyncgrpo.transport.link import (KeyMismatch, Link, client_tls, prove_client, prove_server, refuse, rollout_key,

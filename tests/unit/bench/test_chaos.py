@@ -109,3 +109,62 @@ def test_a_probe_reports_an_answer_a_silent_port_and_a_closed_one():
         assert send_raw(silent.getsockname()[1], b"xx", timeout_s=0.5) == "no answer within 0.5 s"
         port = silent.getsockname()[1]
     assert send_raw(port, b"xx") == "connection failed (ConnectionRefusedError)"
+
+
+def test_the_rollout_side_is_a_child_process_or_rollout_serve_reached_by_its_address(tmp_path):
+    from asyncgrpo.bench.chaos import _run_args
+
+    class At:
+        url = "http://127.0.0.1:1"
+
+    child = _run_args(tmp_path, "run", At, At, 10, 0, 2, [])
+    served = _run_args(tmp_path, "run", At, At, 10, 0, 2, [], rollout_address="127.0.0.1:7480")
+    assert child[child.index("--rollout_process") + 1] == "true" and "--rollout_address" not in child
+    assert served[served.index("--rollout_address") + 1] == "127.0.0.1:7480" and "--rollout_process" not in served
+
+
+def test_the_fault_on_the_rollout_side_targets_rollout_serve_when_it_serves_the_run(tmp_path):
+    class Serve:
+        def pid(self):
+            return 4242
+
+    class Child:
+        log_path = tmp_path / "train-0.log"
+
+        def rollout_pid(self):
+            return 17
+
+    chaos = Chaos.__new__(Chaos)
+    chaos.rollout_serve = None
+    assert chaos._rollout_pid(Child()) == 17
+    chaos.rollout_serve = Serve()
+    assert chaos._rollout_pid(Child()) == 4242
+
+
+def test_an_unknown_rollout_side_is_refused_before_anything_starts(tmp_path):
+    from asyncgrpo.bench.chaos import run
+
+    with pytest.raises(ValueError, match="unknown rollout side 'remote'; choose from child, serve"):
+        run([], steps=4, rollout_side="remote", workdir=str(tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_servers_processes_are_sampled_one_by_one_beside_their_sum(tmp_path, monkeypatch):
+    import os
+
+    import psutil
+
+    from asyncgrpo.bench import chaos as module
+
+    me = psutil.Process(os.getpid())
+    chaos = Chaos.__new__(Chaos)
+    chaos.samples, chaos.seen, chaos.trained, chaos.rollout_serve = [], {}, 20, None
+    chaos.server = type("S", (), {"vllm": type("V", (), {"process": me})})()
+    chaos.receiver = type("R", (), {"group": type("G", (), {"pid": None})})()
+    segment = type("Seg", (), {"ranks": lambda self: {}, "rollout_pid": lambda self: None,
+                               "group": type("G", (), {"pid": None})()})()
+    monkeypatch.setattr(module, "tree", lambda pid: [me] if pid is me.pid else [])
+    chaos._sample(segment, step=20)
+    roles = {s["role"]: s for s in chaos.samples}
+    assert set(roles) == {"vllm_server", f"vllm_server/{me.name()}"}
+    assert roles["vllm_server"]["rss"] == roles[f"vllm_server/{me.name()}"]["rss"] > 0

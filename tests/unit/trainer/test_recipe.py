@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fakes import cfg as make_cfg
+from transformers.trainer_utils import TrainOutput
 
 from asyncgrpo.contracts import Group
 from asyncgrpo.trainer.callbacks import Callbacks
@@ -224,7 +225,7 @@ def _loop(sigterm_at: int, **values) -> tuple[GRPORecipe, list[tuple[str, int]]]
         calls.append(("step", trainer.step))
         if trainer.step == sigterm_at:
             trainer.stop_requested.set()
-        return StepMetrics()
+        return StepMetrics({"train/loss": float(trainer.step)})  # step k's loss is k
 
     trainer.train_step = train_step
     trainer.sync = lambda metrics=None: calls.append(("sync", trainer.step))
@@ -263,3 +264,37 @@ def test_without_checkpoints_sigterm_is_not_deferred():
     assert GRPORecipe(make_cfg(save_steps=5, stop_grace_s=0)).stop_grace_s == 0.0
     assert GRPORecipe(make_cfg(save_steps=5)).stop_grace_s == 20.0
     trainer.train()  # the loop runs on: SIGTERM is the handler's to act on at once (shutdown.py)
+
+
+# ---- what train() returns ---------------------------------------------------------------------------------------------
+def test_train_returns_transformers_train_output_with_the_mean_loss_of_the_steps_this_call_ran():
+    trainer, _ = _loop(sigterm_at=0, save_steps=0, max_steps=6)
+    trainer.step = 2  # resumed at step 2: steps 1-2 were trained by an earlier call, 3-6 by this one
+    trainer._finish = lambda seconds: {"steps": trainer.step, "version": 6}
+    out = trainer.train()
+    assert isinstance(out, TrainOutput)
+    # losses 3, 4, 5, 6: mean 4.5. Over the global step it would be 18 / 6 = 3.0; the last step's alone 6.0.
+    assert out == TrainOutput(6, 4.5, {"steps": 6, "version": 6, "train_loss": 4.5})
+
+
+class StopAfter:  # a transformers-style callback asking to stop
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def test_a_run_a_callback_stops_early_reports_the_steps_it_ran_and_their_loss():
+    trainer, _ = _loop(sigterm_at=0, save_steps=0, max_steps=10)
+    trainer.callbacks = Callbacks([StopAfter(3)])
+    trainer.callbacks.begin(trainer.cfg, step=0, is_main=True, is_local_main=True)
+    out = trainer.train()
+    assert (out.global_step, out.training_loss) == (3, 2.0)  # losses 1, 2, 3 (not max_steps, not 10 steps)
+    assert out.metrics == {"train_loss": 2.0}  # off rank 0 the summary is empty: only the loss
+
+
+def test_a_call_that_trains_no_step_reports_a_loss_of_zero_as_transformers_does():
+    trainer, _ = _loop(sigterm_at=0, save_steps=0, max_steps=4)
+    trainer.step = 4  # resumed from the last checkpoint of a finished run
+    assert trainer.train() == TrainOutput(4, 0.0, {"train_loss": 0.0})
