@@ -9,8 +9,8 @@
 # Debian's mirror; no image registry. The base image is made here with mmdebstrap (Debian 12 minbase, its Python
 # 3.11) and `podman import`, unless BASE_IMAGE names one. torch's CPU wheel comes from PyTorch's index, or from
 # TORCH_WHEELS_DIR (default: pip's find-links on this host, when it holds torch-2.13.0+cpu for cp311), mounted into
-# the build. Everything it made (containers, images, CHECK_DIR) is removed on exit, failure included. ~15-20 min on
-# 2 cores, most of it the two image builds. docs/containers.md says what ran and what a GPU cluster adds.
+# the build. Everything it made (containers, images, CHECK_DIR) is removed on exit, failure included. 30-45 min
+# on 2 busy cores, most of it the two image builds. docs/containers.md says what ran and what a GPU cluster adds.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -123,8 +123,9 @@ until python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1]
 done
 say "inference container healthy on 127.0.0.1:$port after $(( SECONDS - t )) s"
 # The first completions compile vLLM's CPU kernels (torch inductor, C++) for the shapes they bring: minutes on a
-# busy 2-core host. One lone request compiled in 4 s, then the demo's held-out evaluation (16 concurrent requests of
-# n=4) got no answer within its 120 s. So the warm-up sends that evaluation's shape, with its own deadline.
+# busy 2-core host. It sends the shape of the demo's held-out evaluation (16 concurrent requests of n=4), with its own
+# deadline; once, after a lone request had come back in 4 s, that evaluation still waited past the demo's 120 s (cause
+# unknown, host load ~20): hence REQUEST_TIMEOUT too.
 t=$SECONDS
 python3 - "http://127.0.0.1:$port" "$HEALTH_TIMEOUT" <<'EOF' || { say "FAILED: no first completions"; exit 1; }
 import json, sys, urllib.request
