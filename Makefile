@@ -51,6 +51,6 @@ slurm-check: setup
 
 # The trainer image built from ./Dockerfile and the demo trained in containers (the inference node's vLLM CPU build
 # in one, the trainer in another, host networking) on this host with podman; checks the held-out gain and removes
-# every container, image and folder it made. Needs root; ~15 min on 2 cores; not part of `make test`.
+# every container, image and folder it made. Needs root; 30-45 min on 2 busy cores; not part of `make test`.
 container-check:
 	scripts/container_check.sh
