@@ -173,9 +173,19 @@ def test_a_tool_message_is_named_after_its_call_unless_it_names_itself_and_keeps
 @pytest.mark.parametrize("call", [{"function": {"arguments": "{}"}}, {"function": "lookup"}, "lookup()",
                                   {"function": {"name": 5}}])
 def test_a_tool_call_without_a_named_function_is_refused_naming_where(call):
-    with pytest.raises(CaptureRefused, match="a tool call must be") as caught:
+    with pytest.raises(CaptureRefused) as caught:
         normalise_messages([USER, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}, call]}])
     assert caught.value.param == "messages[1].tool_calls[1]"
+    assert caught.value.message == \
+        'a tool call must be {"type": "function", "function": {"name": ..., "arguments": ...}}'
+
+
+def test_tool_call_arguments_that_are_not_json_are_refused_naming_the_call():
+    with pytest.raises(CaptureRefused) as caught:
+        normalise_messages([USER, {"role": "assistant", "tool_calls": [
+            {"id": "a", "function": {"name": "f", "arguments": "{'key': 1}"}}]}])
+    assert caught.value.param == "messages[1].tool_calls[0]"
+    assert caught.value.message == "the arguments \"{'key': 1}\" are not JSON"
 
 
 def test_text_parts_are_joined_and_a_part_without_text_is_empty():
@@ -438,6 +448,7 @@ def test_a_chat_response_and_its_chunks_carry_the_model_the_message_and_the_usag
     assert isinstance(body["created"], int) and body["created"] > 1_700_000_000
     chunks = stream_chunks("ep", TURN, include_usage=True)
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "ep" for c in chunks)
+    assert all(isinstance(c["created"], int) and c["created"] > 1_700_000_000 for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
     assert [c["choices"] for c in chunks] == [
         [{"index": 0, "delta": {"role": "assistant", "content": "7"}, "finish_reason": None, "logprobs": None}],
