@@ -5,6 +5,7 @@ answer's OpenAI shapes. The end-to-end path with the real `openai` client: test_
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from agent_format import agent_tokenizer
@@ -289,6 +290,9 @@ def test_each_call_records_the_turn_and_the_answer_continues_only_after_an_end_o
     (sample,) = e.samples
     assert first.finish_reason == "tool_calls" and sample.continuable and not sample.busy
     assert sample.record[0] == USER and sample.record[1]["tool_calls"][0]["function"]["arguments"] == {"key": "45"}
+    (call,) = sample.record[1]["tool_calls"]
+    assert call["type"] == "function" and re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+    assert first.message["tool_calls"][0]["id"] == call["id"]
     assert sample.episode.turns == 1 and sample.episode.finish_reason == "stop" and e.calls == 1
     assert sample.episode.messages == [sample.record[1]]
     # a stop string leaves no end-of-turn id: not continued (the next call starts a new sample), finish as parsed
@@ -348,6 +352,7 @@ def test_a_server_fault_is_kept_once_and_answered_502():
     with pytest.raises(CaptureRefused) as caught:
         e.chat(request([USER]))
     assert (caught.value.status, caught.value.code) == (502, "episode_lost")
+    assert caught.value.message == "the inference server failed (refused); this episode is sent again"
     assert isinstance(e.fault, ConnectionError) and not e.samples[0].busy
     first = e.fault
     e._lose(ValueError("later"))
@@ -361,6 +366,7 @@ def test_a_conversation_past_the_token_budget_is_refused_and_ends_its_sample_tru
     with pytest.raises(CaptureRefused) as caught:
         e.chat(request([USER, openai_back(t1.message), TOOL]))
     assert caught.value.code == "context_length_exceeded" and "max_episode_tokens=8" in caught.value.message
+    assert caught.value.param == "messages"
     (sample,) = e.samples
     assert sample.episode.finish_reason == "length" and not sample.continuable
 
@@ -381,9 +387,12 @@ def test_the_room_of_a_call_is_its_max_tokens_within_the_turn_and_the_episode_bu
     with pytest.raises(CaptureRefused, match="no room to sample within max_model_len") as caught:
         e4.chat(request([USER]))
     assert caught.value.code == "context_length_exceeded" and len(client.calls) == 3
+    assert caught.value.param == "messages"
+    capture(client, max_model_len=prompt + 1).chat(request([USER]))  # one token of room is still sampled
+    assert client.calls[3]["max_tokens"] == 1
     e5 = capture(client, max_model_len=None)
     e5.chat(request([USER], max_tokens=7))
-    assert client.calls[3]["max_tokens"] == 7
+    assert client.calls[4]["max_tokens"] == 7
 
 
 def test_a_continued_call_appends_the_tool_suffix_as_context_tagged_with_the_last_version():
@@ -421,6 +430,7 @@ def test_an_aborted_call_loses_the_episode():
     with pytest.raises(CaptureRefused, match="aborted") as caught:
         e.chat(request([USER]))
     assert (caught.value.status, caught.value.code) == (410, "episode_lost")
+    assert caught.value.message == "a weight sync aborted this call; the episode is sent again"
     assert "call 1 of ep was aborted" in str(e.fault)
 
 
