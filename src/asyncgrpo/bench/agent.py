@@ -103,7 +103,6 @@ def endpoint_overhead(world, server_url: str, values: dict, groups: int = OVERHE
     call's messages to link it)."""
     from transformers import AutoTokenizer  # heavy
 
-    from asyncgrpo.data import PromptRow
     from asyncgrpo.demo_agent import endpoint_config
     from asyncgrpo.inference.client import InferenceClient
     from asyncgrpo.rollout.build import build_episode_runner
@@ -115,16 +114,14 @@ def endpoint_overhead(world, server_url: str, values: dict, groups: int = OVERHE
                "endpoint": build_episode_runner(load_agent_config(endpoint_config(plain)), tokenizer,
                                                 str(world.model_dir), 256)}
     seconds, turns = {k: 0.0 for k in runners}, {k: 0 for k in runners}
-    rows = world.read_rows(heldout=False)[:groups]
+    rows = overhead_rows(load_agent_config(plain), tokenizer, groups)
     try:
         with InferenceClient(server_url) as client:
             model = client.base_model()
-            for i, row in enumerate(rows):
-                prompt_row = PromptRow(prompt=row["prompt"], prompt_ids=[], columns={k: v for k, v in row.items()
-                                                                                    if k != "prompt"})
+            for row in rows:
                 for name, runner in runners.items():
                     t0 = time.perf_counter()
-                    episodes = runner.run_group(client, prompt_row, n=8, adapter=model, version=0, seed=None)
+                    episodes = runner.run_group(client, row, n=8, adapter=model, version=0, seed=None)
                     seconds[name] += time.perf_counter() - t0
                     turns[name] += sum(_turns(e) for e in episodes)
                     runner.release(episodes)
@@ -137,6 +134,14 @@ def endpoint_overhead(world, server_url: str, values: dict, groups: int = OVERHE
             "seconds_per_turn": {k: round(v, 5) for k, v in per_turn.items()},
             "overhead_per_turn_s": round(per_turn["endpoint"] - per_turn["builtin"], 5),
             "overhead_ratio": round(per_turn["endpoint"] / per_turn["builtin"], 3)}
+
+
+def overhead_rows(cfg, tokenizer, groups: int) -> list:
+    """The first `groups` training rows as the trainer loads them (chat rows, rendered and tokenised): episodes refuse
+    a row that is not a chat row, as a bare dataset record would be."""
+    from asyncgrpo.data import load_prompt_set
+
+    return load_prompt_set(cfg, tokenizer).rows[:groups]
 
 
 def _turns(episode) -> int:

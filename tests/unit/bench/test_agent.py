@@ -2,10 +2,12 @@
 the comparison with the synchronous run, and the command line reaching `run` (the runs themselves need a vLLM
 server and minutes: the bench is run by hand, its figures are in docs/benchmarks.md)."""
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fakes import cfg as fake_cfg
 
 from asyncgrpo.bench import agent
 from asyncgrpo.cli import main
@@ -52,3 +54,27 @@ def test_the_command_line_passes_the_grid_the_tool_latency_and_config_overrides(
                      {"server_url": None, "overrides": [], "compare_versions": True, "overhead_only": False},
                      {"server_url": None, "overrides": [], "compare_versions": False, "overhead_only": True}]
     assert capsys.readouterr().out.split() == ['{"runs":', '[]}'] * 4
+
+
+def test_the_overhead_rows_are_chat_rows_that_an_episode_starts_from(tmp_path):
+    """The overhead measurement plays the toy world's training rows: read as bare records they were plain-text rows,
+    which every episode refuses (`prompt_format`), and `--overhead_only` failed before its first turn."""
+    from agent_format import agent_tokenizer, lookup
+
+    from asyncgrpo.rollout.episodes import ChatFormat, EpisodeRunner
+
+    records = [{"prompt": [{"role": "user", "content": f"find {k}"}], "answer": str(i), "key": k, "hops": 1,
+                "world_seed": 0} for i, k in enumerate(["zx", "ce", "zl"])]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in records))
+    world = SimpleNamespace(model_dir=Path("toy"), train_file=train)
+    tok = agent_tokenizer()
+    cfg = agent.load_agent_config({**agent.agent_config(world, output_dir=str(tmp_path)), "model_name_or_path": "toy"})
+    rows = agent.overhead_rows(cfg, tok, groups=2)
+    assert [r.prompt for r in rows] == [records[0]["prompt"], records[1]["prompt"]]
+    assert [r.columns["key"] for r in rows] == ["zx", "ce"] and all(r.is_chat for r in rows)
+    runner = EpisodeRunner(ChatFormat(tok, tok.response_template, stop_ids={0}),
+                           fake_cfg(num_generations=2, tools=["agent_format:lookup"]), tools=[lookup], factory=None,
+                           max_model_len=None)
+    episode = runner.start(rows[0])
+    assert tok.decode(episode.prompt_ids).endswith("<|im_start|>user\nfind zx<|im_end|>\n<|im_start|>assistant\n")

@@ -103,3 +103,49 @@ def test_the_processes_a_thread_started_are_found_with_their_descendants_and_no_
         thread.join()
         other.kill()
         other.wait()
+
+
+def test_a_fresh_stopper_has_the_documented_limit_and_grace_and_nothing_counted():
+    from asyncgrpo.rollout.tool_guard import HUNG_TOOL_LIMIT, STOP_GRACE_S, HungTools
+
+    guard = HungTools()
+    assert (guard.limit, guard.grace_s, guard.stopped, guard.hung()) == (HUNG_TOOL_LIMIT, STOP_GRACE_S, 0, 0)
+    assert (HUNG_TOOL_LIMIT, STOP_GRACE_S) == (32, 1.0)
+    assert (HungTools(limit=3, grace_s=0.5).limit, HungTools(limit=3, grace_s=0.5).grace_s) == (3, 0.5)
+
+
+def test_object_and_null_types_and_a_list_of_types_are_checked_and_named():
+    assert schema_problem({"type": "object"}, {"a": 1}, "x") is None
+    assert schema_problem({"type": "object"}, [1], "x") == "x must be object, got list [1]"
+    assert schema_problem({"type": "null"}, None, "x") is None
+    assert schema_problem({"type": "null"}, 0, "x") == "x must be null, got int 0"
+    assert schema_problem({"type": ["integer", "null"]}, "3", "x") == "x must be integer or null, got str '3'"
+
+
+def test_items_are_checked_only_in_an_array():
+    assert schema_problem({"items": {"type": "integer"}}, "ab", "x") is None  # no type given: a string passes
+    assert schema_problem({"items": {"type": "integer"}}, (1, "b"), "x") == "x[1] must be integer, got str 'b'"
+
+
+def test_a_nested_object_names_its_path_and_takes_unknown_keys_unless_it_forbids_them():
+    schema = {"function": {"name": "f", "parameters": {"type": "object", "properties": {"inner": {
+        "type": "object", "properties": {"n": {"type": "integer"}}}}}}}
+    assert arguments_problem(schema, {"inner": {"n": "a"}}) == "inner.n must be integer, got str 'a'"
+    assert arguments_problem(schema, {"inner": {"n": 1, "extra": True}}) is None  # only the top level is closed
+    closed = {"type": "object", "properties": {"a": {}}, "additionalProperties": False}
+    assert schema_problem(closed, {"b": 1}, "x") == "'b' is not an argument; the arguments are ['a']"
+    assert schema_problem({**closed, "additionalProperties": True}, {"b": 1}, "x") is None
+    assert arguments_problem({"function": {"parameters": {"type": "object", "properties": {},
+                                                          "additionalProperties": True}}}, {"b": 1}) is None
+
+
+def test_tokens_are_counted_without_the_special_tokens_a_tokenizer_adds_by_default():
+    class Bos:  # one token per character, and a bos id first unless told not to (transformers' default)
+        def encode(self, text, add_special_tokens=True):
+            return [0] * add_special_tokens + [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    assert cut_tokens("abcdef", Bos(), 6) == "abcdef"
+    assert cut_tokens("abcdef", Bos(), 2) == "ab\n[output cut: 6 tokens, the first 2 shown]"
