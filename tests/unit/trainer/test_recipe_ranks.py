@@ -10,6 +10,7 @@ from gloo import two_ranks
 
 from asyncgrpo.distributed import PeerFailed
 from asyncgrpo.trainer.callbacks import Callbacks
+from asyncgrpo.trainer.metrics import RunLoss
 from asyncgrpo.trainer.outputs import LogHistory
 from asyncgrpo.trainer.recipe import GRPORecipe
 
@@ -33,11 +34,12 @@ def loop(rank: int, evaluation_fails: bool):
         _log=lambda metrics, bar: None,
         evaluator=SimpleNamespace(should_evaluate=lambda step, last_step: True),
         checkpointer=SimpleNamespace(should_save=lambda step, last_step: False), _stop_agreed=lambda: False,
-        save_final=lambda: None, _finish=lambda seconds: {}, history=LogHistory(), callbacks=Callbacks())
+        save_final=lambda: None, _finish=lambda seconds: {}, history=LogHistory(), callbacks=Callbacks(),
+        run_loss=RunLoss())
 
     def train_step():
         trainer.step += 1
-        return {}
+        return SimpleNamespace(values={"train/loss": 0.0})  # the step's metrics, as far as the loop reads them
 
     trainer.train_step = train_step
     try:
