@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import psutil
 import pytest
@@ -88,9 +89,18 @@ def test_run_group_ends_the_whole_group_when_a_signal_cuts_its_wait_short(tmp_pa
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_once_started, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_group([sys.executable, "-c", code], timeout=2 * DEADLINE_S, grace_s=5)
+    # Ctrl-C as a user's process has it (Python's default handler), whatever a test before this one left installed:
+    # one full run saw the SIGINT not raise here. Say what was there, so that the test that leaves it can be found.
+    before = signal.getsignal(signal.SIGINT)
+    if before is not signal.default_int_handler:
+        warnings.warn(f"SIGINT's handler was {before!r} when this test started, not Python's default")
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_started, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_group([sys.executable, "-c", code], timeout=2 * DEADLINE_S, grace_s=5)
+    finally:
+        signal.signal(signal.SIGINT, before)
     pids = [int(p) for p in pids_file.read_text().split()]
     assert len(pids) == 2 and wait_gone(pids) == []
 
