@@ -215,7 +215,7 @@ class InferenceClient:
 
     def server_load(self) -> ServerLoad | None:
         """Sequences running and waiting and the KV cache in use now, from vLLM's Prometheus `GET /metrics`; None
-        when it cannot be read (no answer within a second, no such route, not vLLM's metrics)."""
+        when it cannot be read (no answer within HEALTH_TIMEOUT_S, no such route, not vLLM's metrics)."""
         try:
             resp = self._session.get(f"{self.base_url}/metrics", timeout=(CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S))
         except requests.RequestException:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ServerLoad:
-    """One server's `/metrics` now: sequences running and waiting in its scheduler, the fraction of its KV cache used."""
+    """One server's `/metrics` now: sequences running and waiting in its scheduler, the fraction of its KV cache
+    used."""
 
     running: float
     waiting: float

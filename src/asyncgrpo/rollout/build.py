@@ -100,7 +100,8 @@ def build_producer(cfg, *, clients: list[InferenceClient], rows: list[PromptRow]
     recovery = recovery if recovery is not None else ServerRecovery(cfg.vllm_server_timeout)
     producer = RolloutProducer(clients=clients, rows=rows, scorer=scorer, queue=queue, groups_per_step=groups_per_step,
                                cfg=cfg.section(ProducerSettings), max_inflight=cfg.inflight_requests(groups_per_step),
-                               inflight_ceiling=cfg.inflight_ceiling(groups_per_step) if cfg.adaptive_inflight else None,
+                               inflight_ceiling=(cfg.inflight_ceiling(groups_per_step) if cfg.adaptive_inflight
+                                                 else None),
                                recovery=recovery, start_position=start_position, start_batch=start_batch,
                                end_token_ids=end_token_ids, episodes=episodes)
     recovery.listeners.append(producer.admission.wake)  # a server went down or came back: decide again
