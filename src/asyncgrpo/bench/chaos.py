@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from asyncgrpo.bench.chaos_cast import (Launch, Receiver, RolloutServe, Segment, Server, listening_ports,
-                                        malformed_requests, rss, send_raw, tree)
+                                        malformed_requests, rss, run_environment, send_raw, tree)
 from asyncgrpo.bench.policy_equivalence import served_vs_exported
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data import load_prompts, toy_world
@@ -364,10 +364,10 @@ def run(overrides: list[str], steps: int = 500, seed: int = 0, faults: int | Non
         stack.callback(receiver.stop)
         receiver.start()
         rollout_key = generate_key() if rollout_side == "serve" else None
-        launch = Launch(default_config_path(), [], work / "run-adapters", key, work, rollout_key=rollout_key)
-        serve = RolloutServe(work, launch.env) if rollout_key else None
-        launch.args = _run_args(work, "run", server, receiver, steps, seed, save_steps, overrides,
-                                serve.address if serve else None)
+        serve = RolloutServe(work, run_environment(key, rollout_key)) if rollout_key else None
+        launch = Launch(default_config_path(), _run_args(work, "run", server, receiver, steps, seed, save_steps,
+                                                         overrides, serve.address if serve else None),
+                        work / "run-adapters", key, work, rollout_key=rollout_key)
         stack.callback(lambda: [s.group.stop() for s in launch.segments])
         if serve is not None:
             stack.callback(serve.stop)

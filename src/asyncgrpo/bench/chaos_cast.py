@@ -1,6 +1,6 @@
 """The processes `bench chaos` starts, kills and restarts: the vLLM server, the adapter receiver, the training launch
-(its ranks and the rollout process of rank 0, or `asyncgrpo rollout-serve` beside it); the malformed requests it sends to every port they listen on; and the
-resident memory of each. Every process is a GroupProcess (children.py): nothing outlives the bench.
+(its ranks and the rollout process of rank 0, or `asyncgrpo rollout-serve` beside it); the malformed requests it
+sends to every port they listen on; and the resident memory of each. Every process is a GroupProcess (children.py): nothing outlives the bench.
 """
 
 from __future__ import annotations
@@ -126,6 +126,11 @@ class Server:
         self.vllm.stop()
 
 
+def run_environment(key: str, rollout_key: str | None = None) -> dict[str, str]:
+    """The environment of the run's processes: a launch's, the server's key, and the rollout link's key if any."""
+    return {**launch_environment(), API_KEY_ENV: key, **({ROLLOUT_KEY_ENV: rollout_key} if rollout_key else {})}
+
+
 class RolloutServe:
     """`asyncgrpo rollout-serve` on loopback, as the rollout side of another host: it serves one run and exits, so
     each launch gets a new one, on the same port (the trainer's `rollout_address` does not change)."""
@@ -198,10 +203,9 @@ class Launch:
 
     def __init__(self, config: Path, args: list[str], adapters: Path, key: str, work: Path, processes: int = 2,
                  rollout_key: str | None = None):
-        self.config, self.args, self.adapters, self.key, self.work = config, args, adapters, key, work
+        self.config, self.args, self.adapters, self.work = config, args, adapters, work
         self.processes = processes
-        self.env = {**launch_environment(), API_KEY_ENV: key,
-                    **({ROLLOUT_KEY_ENV: rollout_key} if rollout_key else {})}
+        self.env = run_environment(key, rollout_key)
         self.segments: list[Segment] = []
 
     def start(self, resume: bool) -> Segment:
