@@ -109,9 +109,16 @@ class Chaos:
                 resume = self.latest_checkpoint()
                 segment, step = self._start(resume=resume is not None), resume or 0
                 continue
-            if self.pending and step >= self.pending[0]["step"] and step < self.steps:
+            if self.pending and step >= self.pending[0]["step"] and step < self.steps and not self.ending(segment):
                 self._inject(self.pending.pop(0), segment, step)
             time.sleep(POLL_S)
+
+    def ending(self, segment: Segment) -> bool:
+        """Whether a fault that ends the run already hit `segment`: its launch may still be going down (the other
+        rank, the launcher) and even finish a step meanwhile, so the next fault waits for the resumed run instead of
+        landing on one that is already lost and being counted as ended with it."""
+        return any(r["segment"] == segment.index and r["kind"] not in SURVIVABLE
+                   and r.get("rank", r.get("pid")) is not None for r in self.records)
 
     def _start(self, resume: bool) -> Segment:
         """A launch (resumed or not), with a new rollout-serve first when the rollout side is served (one per run)."""

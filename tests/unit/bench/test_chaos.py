@@ -168,3 +168,44 @@ def test_the_servers_processes_are_sampled_one_by_one_beside_their_sum(tmp_path,
     roles = {s["role"]: s for s in chaos.samples}
     assert set(roles) == {"vllm_server", f"vllm_server/{me.name()}"}
     assert roles["vllm_server"]["rss"] == roles[f"vllm_server/{me.name()}"]["rss"] > 0
+
+
+def test_a_fault_after_one_that_ended_the_run_waits_for_the_resumed_run(monkeypatch):
+    """A killed rank's launch takes a while to go down and may finish a step meanwhile (CI saw it reach the next
+    fault's step): that fault must land on the resumed run, not on the one already lost."""
+    from asyncgrpo.bench import chaos as module
+
+    monkeypatch.setattr(module, "POLL_S", 0)
+
+    class Proc:
+        def __init__(self, codes):
+            self.codes = iter(codes)
+
+        def poll(self):
+            return next(self.codes)
+
+    class Seg:
+        def __init__(self, index, steps, codes):
+            self.index, self.steps = index, iter(steps)
+            self.group = type("G", (), {"process": Proc(codes)})()
+
+    # The first run reaches step 10 (the malformed fault's) after its rank was killed at 8, then exits 1; the
+    # resumed one starts at its checkpoint (8) and finishes.
+    segments = [Seg(0, [7, 8, 9, 10, 10, 10], [None] * 5 + [1]), Seg(1, [8, 9, 10, 11, 12, 12], [None] * 5 + [0])]
+    chaos = Chaos.__new__(Chaos)
+    chaos.steps, chaos.records, chaos.trained = 12, [], 0
+    chaos.pending = [{"kind": "rank", "step": 8}, {"kind": "malformed", "step": 10}]
+    started = iter(segments)
+    chaos._start = lambda resume: next(started)
+    chaos.launch = type("L", (), {"step": staticmethod(lambda segment: next(segment.steps)), "segments": segments})()
+    chaos._sample = lambda segment, step: None
+    chaos.latest_checkpoint = lambda: 8
+    chaos._ended = lambda segment, code, step: {"steps": 12} if code == 0 else None
+
+    def inject(fault, segment, step):
+        chaos.records.append({**fault, "segment": segment.index, "step_after": step, "outcome": "pending",
+                              **({"rank": 1} if fault["kind"] == "rank" else {})})
+
+    chaos._inject = inject
+    assert chaos.drive() == {"steps": 12}
+    assert [(r["kind"], r["segment"]) for r in chaos.records] == [("rank", 0), ("malformed", 1)]
