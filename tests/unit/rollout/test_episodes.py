@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import agent_tools
 import pytest
@@ -124,8 +125,26 @@ def test_the_server_context_bounds_each_turn():
 
 def test_an_aborted_turn_loses_the_group():
     r = runner(max_turns=3)
-    with pytest.raises(TurnAborted):
+    with pytest.raises(TurnAborted, match="^turn 2 was aborted by a sync$"):
         r.run_group(ScriptedClient(["45"], finish={1: "abort"}), ROW, n=2, adapter="a", version=0, seed=None)
+
+
+def test_tool_timeouts_add_up_over_the_turns_of_an_episode():
+    def lookup(key: str) -> str:
+        """Loop past any tool_timeout, in Python, where the stop lands.
+
+        Args:
+            key: not read
+        """
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "late"
+
+    r = runner(tools=(lookup,), max_turns=3, tool_timeout=0.05)
+    e = r.start(ROW)
+    r.run(ScriptedClient(["45", "7", ""]), e, adapter="a", version=0, seed=None)
+    assert (e.tool_calls, e.tool_errors, e.tool_timeouts) == (2, 2, 2)
 
 
 def test_each_episode_gets_its_own_environment_reset_with_the_row_and_its_observation_in_the_prompt():
@@ -739,13 +758,14 @@ class MovingClient:
     version served moves from 1 to 2 at that point; every other request answers whole. Turn k is `turns[k]` + eos."""
 
     def __init__(self, turns: list[str], served: list[int]):
-        self.turns, self.served, self.calls = turns, served, []
-        self.base_url = "http://moving"
+        self.turns, self.served, self.calls, self.sampling = turns, served, [], []  # sampling: (temperature, top_p,
+        self.base_url = "http://moving"                                            # seed) per request
 
     def complete_until(self, model, prompts, *, n, max_tokens, interrupted, temperature=1.0, top_p=1.0, seed=None,
                        extra=None):
         (prompt,) = prompts
         self.calls.append((model, list(prompt), max_tokens))
+        self.sampling.append((temperature, top_p, seed))
         k = TOK.decode(prompt).count("<|im_start|>tool")
         whole = ids(self.turns[min(k, len(self.turns) - 1)]) + [EOS]
         if len(self.calls) == 1:  # the first turn: one token streamed, then version 2 goes live
@@ -782,6 +802,26 @@ def test_a_turn_interrupted_by_a_new_version_goes_on_from_its_tokens_and_each_to
     assert sampled[:len(turn1)] == [(1, -0.5)] + [(2, -0.25)] * (len(turn1) - 1)
     assert all(v == 2 for v, m in zip(e.versions[len(turn1):], e.loss_mask[len(turn1):]))  # suffix and turn 2
     assert (stats.continuations, stats.completions_moved, stats.tokens_moved) == (1, 1, len(turn1) - 1)
+
+
+def test_a_group_moved_mid_turn_samples_every_part_of_its_turns_with_the_configured_settings_and_seeds():
+    from contextlib import nullcontext
+
+    from asyncgrpo.rollout.episodes import MidTurn
+    from asyncgrpo.rollout.inflight import InflightStats
+
+    served, stats = [1], InflightStats()
+    r = runner(max_turns=2, max_completion_length=20, episode_version="latest", inflight_weight_updates=True,
+               temperature=0.7)
+    client = MovingClient(["45", "7"], served)
+    (e,) = r.run_group(client, ROW, n=1, adapter="a-v1", version=1, seed=7,
+                       latest=lambda: nullcontext((served[0], f"a-v{served[0]}")),
+                       mid_turn=MidTurn(served=lambda: served[0], stats=stats))
+    assert [m for m, _, _ in client.calls] == ["a-v1", "a-v2", "a-v2"] and stats.continuations == 1  # moved
+    # the configured temperature on every request; the turn's seed on its first request and the next turn's on that
+    # one; the continuation unseeded (docs/rollout-internals.md says so)
+    assert client.sampling == [(0.7, 1.0, 7), (0.7, 1.0, None), (0.7, 1.0, 7 + 7919)]
+    assert e.turns == 2
 
 
 def test_moving_turns_mid_generation_needs_episode_version_latest():
