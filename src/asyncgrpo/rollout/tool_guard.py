@@ -137,7 +137,6 @@ class HungTools:
         self.limit, self.grace_s = limit, grace_s
         self._lock = threading.Lock()
         self._hung: list[threading.Thread] = []
-        self.stopped = 0  # calls stopped so far
 
     def stop(self, thread: threading.Thread, lock: threading.Lock, finished) -> bool:
         """Kill what `thread` started, raise ToolStopped in it unless `finished()` (read under `lock`, which the
@@ -154,7 +153,6 @@ class HungTools:
                                                            ctypes.py_object(ToolStopped))
         thread.join(self.grace_s)
         with self._lock:
-            self.stopped += 1
             if thread.is_alive():
                 self._hung.append(thread)
         return not thread.is_alive()

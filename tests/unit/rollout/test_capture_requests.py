@@ -470,3 +470,26 @@ def test_a_chat_response_and_its_chunks_carry_the_model_the_message_and_the_usag
     plain = stream_chunks("ep", Turn({"role": "assistant", "content": None}, "stop", 1, 1), include_usage=False)
     assert [c["choices"][0]["delta"] for c in plain] == [{"role": "assistant", "content": ""}, {}]
     assert "usage" not in plain[-1]
+
+
+def test_a_continued_call_has_the_room_its_budgets_leave_after_the_turns_so_far_and_the_tool_suffix():
+    def two_calls(client, **values):
+        e = capture(client, **values)
+        t1 = e.chat(request([USER]))
+        return e, e.chat(request([USER, openai_back(t1.message), TOOL]))
+
+    client = Client("45")  # each turn: 2 ids and eos
+    e, _ = two_calls(client, max_model_len=None)
+    suffix = len(e.samples[0].episode.ids) - 3 - 3  # the tool message's ids between the two turns
+    prompt = len(e.samples[0].episode.prompt_ids)
+    assert suffix > 0 and client.calls[1]["max_tokens"] == 20
+    two_calls(client, max_episode_tokens=3 + suffix + 5, max_model_len=None)
+    assert client.calls[3]["max_tokens"] == 5
+    two_calls(client, max_model_len=prompt + 3 + suffix + 4)
+    assert client.calls[5]["max_tokens"] == 4
+    two_calls(client, max_model_len=prompt + 3 + suffix + 1)  # one token of room after the tool message: sampled
+    assert client.calls[7]["max_tokens"] == 1
+    # room before the tool message, none after it: refused as over the budget, the sample ends truncated
+    with pytest.raises(CaptureRefused, match="has reached the episode's token budget"):
+        two_calls(client, max_model_len=prompt + 3 + suffix)
+    assert len(client.calls) == 9  # its first call only

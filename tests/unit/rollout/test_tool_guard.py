@@ -109,7 +109,7 @@ def test_a_fresh_stopper_has_the_documented_limit_and_grace_and_nothing_counted(
     from asyncgrpo.rollout.tool_guard import HUNG_TOOL_LIMIT, STOP_GRACE_S, HungTools
 
     guard = HungTools()
-    assert (guard.limit, guard.grace_s, guard.stopped, guard.hung()) == (HUNG_TOOL_LIMIT, STOP_GRACE_S, 0, 0)
+    assert (guard.limit, guard.grace_s, guard.hung()) == (HUNG_TOOL_LIMIT, STOP_GRACE_S, 0)
     assert (HUNG_TOOL_LIMIT, STOP_GRACE_S) == (32, 1.0)
     assert (HungTools(limit=3, grace_s=0.5).limit, HungTools(limit=3, grace_s=0.5).grace_s) == (3, 0.5)
 
