@@ -758,8 +758,9 @@ class MovingClient:
     version served moves from 1 to 2 at that point; every other request answers whole. Turn k is `turns[k]` + eos."""
 
     def __init__(self, turns: list[str], served: list[int]):
-        self.turns, self.served, self.calls, self.sampling = turns, served, [], []  # sampling: (temperature, top_p,
-        self.base_url = "http://moving"                                            # seed) per request
+        self.turns, self.served, self.calls = turns, served, []
+        self.sampling: list[tuple] = []  # per request: (temperature, top_p, seed)
+        self.base_url = "http://moving"
 
     def complete_until(self, model, prompts, *, n, max_tokens, interrupted, temperature=1.0, top_p=1.0, seed=None,
                        extra=None):

@@ -15,9 +15,10 @@ import pytest
 from liveness import returns_within
 
 from asyncgrpo.errors import ConfigError, ToolError
-from asyncgrpo.rollout import tool_process
 from asyncgrpo.objects import reference
-from asyncgrpo.rollout.tool_guard import HUNG
+from asyncgrpo.rollout import tool_process
+from asyncgrpo.rollout import tools as tools_module
+from asyncgrpo.rollout.tool_guard import HungTools
 from asyncgrpo.rollout.tools import (ToolResult, call_tool, environment_class, environment_tools,
                                      load_environment_factory, load_ref, load_tools, render_result, run_tool_calls,
                                      tool_schema)
@@ -298,7 +299,8 @@ def test_an_error_a_tool_raises_is_cut_at_max_chars_as_a_result_is():
 
 
 def test_too_many_hung_threads_stop_the_run_before_another_call_starts(monkeypatch):
-    monkeypatch.setattr(HUNG, "limit", 0)  # at the limit (0 >= 0): no thread is hung here, so the count is 0
+    # a stopper of its own: the process's one may still count a `hang` thread an earlier test has just released
+    monkeypatch.setattr(tools_module, "HUNG", HungTools(limit=0))  # at the limit (0 >= 0) with nothing hung
     with pytest.raises(ToolError, match=r"^0 tool calls are still running after tool_timeout in threads that could "
                        r"not be stopped \(blocked in C code: a sleep, a lock, a socket read without a timeout\); "
                        r"the last call was lookup\(\{'key': 'a'\}\)\. Fix the tool: give its blocking calls a "
